@@ -1,0 +1,1 @@
+"""qloc's REST service: settings, routes, schemas, tables, blob storage, inference wrapper."""

@@ -1,0 +1,189 @@
+"""Database functions: keyword-only arguments, no HTTP. ``owner=None`` means auth is off (no scoping)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from app.tables import (
+    FINISHED_STATES,
+    AdaptationJob,
+    Checkpoint,
+    Exemplar,
+    ExemplarSet,
+    JobImage,
+    utcnow,
+)
+
+
+def _scoped(stmt, column, owner: str | None):  # type: ignore[no-untyped-def]
+    return stmt if owner is None else stmt.where(column == owner)
+
+
+# --- exemplar sets
+
+
+@dataclass
+class NewBlob:
+    """An uploaded image already written to the blob store, to be recorded in a row."""
+
+    position: int
+    filename: str | None
+    content_type: str
+    width: int
+    height: int
+    sha256: str
+    blob: str
+
+
+def create_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str, name: str | None, bundle: str,
+                        bundle_sha256: str, prototype: bytes, prototype_dim: int,
+                        exemplars: list[NewBlob]) -> ExemplarSet:
+    """A set, its exemplar rows and its ``base`` checkpoint (the bundle's policy), made active."""
+    es = ExemplarSet(id=set_id, owner=owner, name=name, bundle=bundle, prototype=prototype,
+                     prototype_dim=prototype_dim, num_exemplars=len(exemplars))
+    session.add(es)
+    session.flush()
+    for e in exemplars:
+        session.add(Exemplar(exemplar_set_id=set_id, position=e.position, filename=e.filename,
+                             content_type=e.content_type, width=e.width, height=e.height, sha256=e.sha256,
+                             blob=e.blob))
+    base = Checkpoint(exemplar_set_id=set_id, parent_id=None, job_id=None, kind="base", iteration=0,
+                      sha256=bundle_sha256, metrics={}, blob=None)
+    session.add(base)
+    session.flush()
+    es.active_checkpoint_id = base.id
+    return es
+
+
+def get_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str | None) -> ExemplarSet | None:
+    return session.scalars(_scoped(select(ExemplarSet).where(ExemplarSet.id == set_id), ExemplarSet.owner,
+                                   owner)).first()
+
+
+def list_exemplar_sets(session: Session, *, owner: str | None, limit: int, offset: int
+                       ) -> tuple[list[ExemplarSet], int]:
+    count = session.scalar(_scoped(select(func.count()).select_from(ExemplarSet), ExemplarSet.owner, owner)) or 0
+    stmt = _scoped(select(ExemplarSet), ExemplarSet.owner, owner).order_by(ExemplarSet.created_at, ExemplarSet.id)
+    return list(session.scalars(stmt.limit(limit).offset(offset))), count
+
+
+def has_unfinished_jobs(session: Session, *, set_id: uuid.UUID) -> bool:
+    stmt = select(func.count()).select_from(AdaptationJob).where(
+        AdaptationJob.exemplar_set_id == set_id, AdaptationJob.status.not_in(FINISHED_STATES))
+    return bool(session.scalar(stmt))
+
+
+def delete_exemplar_set(session: Session, *, set_id: uuid.UUID) -> None:
+    """Delete the set and every row under it (explicitly, so no backend's cascade order matters)."""
+    jobs = select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)
+    session.execute(update(ExemplarSet).where(ExemplarSet.id == set_id).values(active_checkpoint_id=None))
+    session.execute(update(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id)
+                    .values(checkpoint_id=None, base_checkpoint_id=None))
+    session.execute(update(Checkpoint).where(Checkpoint.exemplar_set_id == set_id).values(parent_id=None))
+    session.execute(delete(Checkpoint).where(Checkpoint.exemplar_set_id == set_id))
+    session.execute(delete(JobImage).where(JobImage.job_id.in_(jobs)))
+    session.execute(delete(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id))
+    session.execute(delete(Exemplar).where(Exemplar.exemplar_set_id == set_id))
+    session.execute(delete(ExemplarSet).where(ExemplarSet.id == set_id))
+
+
+# --- checkpoints
+
+
+def get_checkpoint(session: Session, *, checkpoint_id: uuid.UUID, owner: str | None) -> Checkpoint | None:
+    stmt = select(Checkpoint).join(ExemplarSet, ExemplarSet.id == Checkpoint.exemplar_set_id).where(
+        Checkpoint.id == checkpoint_id)
+    return session.scalars(_scoped(stmt, ExemplarSet.owner, owner)).first()
+
+
+def list_checkpoints(session: Session, *, set_id: uuid.UUID, limit: int, offset: int) -> tuple[list[Checkpoint], int]:
+    where = Checkpoint.exemplar_set_id == set_id
+    count = session.scalar(select(func.count()).select_from(Checkpoint).where(where)) or 0
+    stmt = select(Checkpoint).where(where).order_by(Checkpoint.created_at, Checkpoint.iteration, Checkpoint.id)
+    return list(session.scalars(stmt.limit(limit).offset(offset))), count
+
+
+def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> ExemplarSet:
+    es = session.get_one(ExemplarSet, checkpoint.exemplar_set_id)
+    es.active_checkpoint_id = checkpoint.id
+    return es
+
+
+# --- adaptation jobs
+
+
+def create_job(session: Session, *, job_id: uuid.UUID, exemplar_set: ExemplarSet, owner: str,
+               idempotency_key: str | None, request_sha256: str, iterations: int, learning_rate: float, seed: int,
+               activate: bool, images: list[NewBlob]) -> AdaptationJob:
+    job = AdaptationJob(id=job_id, exemplar_set_id=exemplar_set.id, owner=owner, status="queued",
+                        idempotency_key=idempotency_key, request_sha256=request_sha256, iterations=iterations,
+                        learning_rate=learning_rate, seed=seed, activate=activate, num_images=len(images),
+                        base_checkpoint_id=exemplar_set.active_checkpoint_id, progress_iteration=0,
+                        cancel_requested=False, attempts=0)
+    session.add(job)
+    session.flush()
+    for im in images:
+        session.add(JobImage(job_id=job_id, position=im.position, filename=im.filename, content_type=im.content_type,
+                             width=im.width, height=im.height, sha256=im.sha256, blob=im.blob))
+    return job
+
+
+def get_job(session: Session, *, job_id: uuid.UUID, owner: str | None) -> AdaptationJob | None:
+    return session.scalars(_scoped(select(AdaptationJob).where(AdaptationJob.id == job_id), AdaptationJob.owner,
+                                   owner)).first()
+
+
+def get_job_by_idempotency_key(session: Session, *, owner: str, key: str) -> AdaptationJob | None:
+    return session.scalars(select(AdaptationJob).where(AdaptationJob.owner == owner,
+                                                       AdaptationJob.idempotency_key == key)).first()
+
+
+def list_jobs(session: Session, *, set_id: uuid.UUID, limit: int, offset: int) -> tuple[list[AdaptationJob], int]:
+    where = AdaptationJob.exemplar_set_id == set_id
+    count = session.scalar(select(func.count()).select_from(AdaptationJob).where(where)) or 0
+    stmt = select(AdaptationJob).where(where).order_by(AdaptationJob.created_at, AdaptationJob.id)
+    return list(session.scalars(stmt.limit(limit).offset(offset))), count
+
+
+def fail_job(session: Session, *, job_id: uuid.UUID, error: str) -> None:
+    session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued")
+                    .values(status="failed", error=error, finished_at=utcnow()))
+
+
+def request_cancel(session: Session, *, job_id: uuid.UUID) -> bool:
+    """Cancel a queued job at once, flag a running one; -> False when the job had already finished.
+
+    Conditional updates, so a worker finishing the job at the same moment wins or loses cleanly.
+    """
+    now = utcnow()
+    queued = session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued")
+                             .values(status="canceled", cancel_requested=True, finished_at=now))
+    if queued.rowcount:  # type: ignore[attr-defined]
+        return True
+    running = session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id,
+                                                          AdaptationJob.status == "running")
+                              .values(cancel_requested=True))
+    return bool(running.rowcount)  # type: ignore[attr-defined]
+
+
+def job_counts(session: Session) -> dict[str, int]:
+    rows = session.execute(select(AdaptationJob.status, func.count()).group_by(AdaptationJob.status))
+    return {status: n for status, n in rows}
+
+
+def job_duration_stats(session: Session) -> dict[str, tuple[int, float]]:
+    """status -> (count, total seconds from start to finish) of finished jobs that ran."""
+    if session.get_bind().dialect.name == "sqlite":
+        seconds = (func.julianday(AdaptationJob.finished_at) - func.julianday(AdaptationJob.started_at)) * 86400.0
+    else:
+        seconds = func.extract("epoch", AdaptationJob.finished_at - AdaptationJob.started_at)
+    rows = session.execute(
+        select(AdaptationJob.status, func.count(), func.coalesce(func.sum(seconds), 0.0))
+        .where(AdaptationJob.status.in_(FINISHED_STATES), AdaptationJob.started_at.is_not(None),
+               AdaptationJob.finished_at.is_not(None))
+        .group_by(AdaptationJob.status))
+    return {status: (int(n), float(total)) for status, n, total in rows}

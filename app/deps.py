@@ -1,0 +1,96 @@
+"""Typed dependencies of the routes: settings, database session, blob store, bundles, queue, caller."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from app.config import Settings
+from app.inference import BundleRegistry
+from app.metrics import Metrics
+from app.queue import JobQueue
+from app.storage import BlobStore
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.session_factory() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_store(request: Request) -> BlobStore:
+    return request.app.state.store
+
+
+StoreDep = Annotated[BlobStore, Depends(get_store)]
+
+
+def get_bundles(request: Request) -> BundleRegistry:
+    return request.app.state.bundles
+
+
+BundlesDep = Annotated[BundleRegistry, Depends(get_bundles)]
+
+
+def get_queue(request: Request) -> JobQueue:
+    return request.app.state.queue
+
+
+QueueDep = Annotated[JobQueue, Depends(get_queue)]
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+_api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="One of QLOC_API_KEYS")
+_bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <one of QLOC_API_KEYS>")
+
+
+def owner_of(api_key: str) -> str:
+    """What rows record as their owner: a digest of the key, never the key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Caller:
+    scope: str | None
+    """Owner to filter by; None when auth is off (everything is visible)."""
+
+    @property
+    def owner(self) -> str:
+        """Owner to record on new rows."""
+        return self.scope or ""
+
+
+def get_caller(settings: SettingsDep, api_key: Annotated[str | None, Security(_api_key_header)] = None,
+               bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None) -> Caller:
+    if not settings.auth_enabled:
+        return Caller(None)
+    key = api_key or (bearer.credentials if bearer else None)
+    # Compare against every key, in constant time per key.
+    if not key or not any([hmac.compare_digest(key.encode(), k.encode()) for k in settings.api_keys]):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or invalid API key (X-API-Key or Bearer)",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return Caller(owner_of(key))
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]

@@ -1,0 +1,85 @@
+"""Prometheus metrics: request latency, localize batch sizes, and job counts / durations read from SQL.
+
+Jobs run in worker processes, so their counts and durations are collected from the job table at
+scrape time (SQL is the source of truth); the API's own histograms live in its process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app import crud
+from app.tables import JOB_STATES
+
+log = logging.getLogger(__name__)
+
+
+class JobCollector:
+    def __init__(self, session_factory: sessionmaker[Session]):
+        self.session_factory = session_factory
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        try:
+            with self.session_factory() as session:
+                counts = crud.job_counts(session)
+                durations = crud.job_duration_stats(session)
+        except Exception:  # the scrape must not fail because the database is down
+            log.exception("could not read job metrics")
+            return
+        jobs = GaugeMetricFamily("qloc_jobs", "Adaptation jobs by status", labels=["status"])
+        for status in JOB_STATES:
+            jobs.add_metric([status], counts.get(status, 0))
+        yield jobs
+        summary = SummaryMetricFamily("qloc_job_duration_seconds", "Run time of finished adaptation jobs",
+                                      labels=["status"])
+        for status, (n, total) in sorted(durations.items()):
+            summary.add_metric([status], count_value=n, sum_value=total)
+        yield summary
+
+
+class Metrics:
+    def __init__(self, session_factory: sessionmaker[Session]):
+        self.registry = CollectorRegistry()
+        self.request_latency = Histogram(
+            "qloc_http_request_duration_seconds", "HTTP request latency", ["method", "route", "status"],
+            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.localize_batch = Histogram(
+            "qloc_localize_batch_size", "Images per localize request", registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.registry.register(JobCollector(session_factory))
+
+
+class RequestMetricsMiddleware:
+    """Observes each HTTP request's latency under its route template (not the raw path: bounded labels)."""
+
+    def __init__(self, app: ASGIApp, get_metrics: Callable[[], Metrics]):
+        self.app = app
+        self.get_metrics = get_metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.get_metrics().request_latency.labels(scope["method"], template, str(status)).observe(
+                time.perf_counter() - start)

@@ -1,0 +1,72 @@
+"""The Celery configuration, built from the one settings object, and the API's side of the queue.
+
+The worker builds its Celery app with ``create_celery`` too, so producer and consumer agree on the
+queue, serializer, time limits and broker options. Tasks carry a job id only: the job's state lives
+in SQL (Celery's own task states are never shown to clients).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from app.config import Settings
+
+ADAPT_TASK = "qloc.adapt"
+
+
+def broker_transport_options(settings: Settings) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    scheme = settings.broker_url.split("://", 1)[0]
+    if scheme in ("redis", "rediss"):
+        # Redis redelivers an unacknowledged task after the visibility timeout: it must be longer
+        # than the longest job, or a running job would be handed to a second worker.
+        opts["visibility_timeout"] = settings.broker_visibility_timeout
+    elif scheme.startswith(("sqla+", "sqlalchemy+")) and "sqlite" in scheme:
+        # Passed to create_engine by kombu: wait for the other process' lock instead of failing.
+        opts["connect_args"] = {"timeout": 30}
+    opts.update(settings.broker_transport_options)
+    return opts
+
+
+def create_celery(settings: Settings) -> Celery:
+    app = Celery("qloc", broker=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=settings.queue,
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        # A job is idempotent by id (it resumes from its last checkpoint), so it may run again:
+        # acknowledge only when done, requeue when the worker process dies, take one at a time.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_soft_time_limit=settings.job_soft_time_limit,
+        task_time_limit=settings.job_time_limit,
+        worker_concurrency=settings.worker_concurrency,
+        broker_transport_options=broker_transport_options(settings),
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=5,
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1},
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+class JobQueue:
+    """What the API needs from the broker: enqueue a job id, check the broker is reachable."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.celery = create_celery(settings)
+
+    def enqueue_adaptation(self, job_id: object) -> None:
+        self.celery.send_task(ADAPT_TASK, args=[str(job_id)], queue=self.settings.queue)
+
+    def ping(self) -> None:
+        """Raise unless the broker answers (a real round trip: the queue's length)."""
+        with self.celery.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=3)
+            conn.default_channel.queue_declare(queue=self.settings.queue, durable=True, auto_delete=False)

@@ -1,0 +1,171 @@
+"""Exemplar sets: register crops (-> prototype), list, read, delete, and localize with a set."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from torch import Tensor
+
+from app import crud
+from app.deps import BundlesDep, CallerDep, MetricsDep, SessionDep, SettingsDep, StoreDep
+from app.inference import (
+    BundleRegistry,
+    LoadedBundle,
+    UnknownBundle,
+    prototype_from_bytes,
+    prototype_to_bytes,
+    read_checkpoint,
+)
+from app.routes.uploads import read_images
+from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
+from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
+from app.tables import Checkpoint, ExemplarSet
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"])
+
+ERRORS = {400: {"description": "Not a readable PNG/JPEG image"}, 404: {"description": "Unknown id"},
+          413: {"description": "Too many files, or a file / image too large"},
+          415: {"description": "Not a PNG or JPEG"}}
+NOT_FOUND = "exemplar set not found"
+
+
+def to_public(es: ExemplarSet) -> ExemplarSetPublic:
+    return ExemplarSetPublic.model_validate(es)
+
+
+def get_bundle(bundles: BundleRegistry, name: str, *, explicit: bool) -> LoadedBundle:
+    try:
+        return bundles.get(name)
+    except UnknownBundle as e:
+        if explicit:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"default bundle unavailable: {e}") from e
+    except (OSError, ValueError, RuntimeError) as e:
+        log.exception("bundle %s cannot be loaded", name)
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"bundle {name!r} cannot be loaded") from e
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses=ERRORS)
+def create_exemplar_set(
+    response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
+    caller: CallerDep,
+    files: Annotated[list[UploadFile], File(description="1..64 PNG/JPEG crops of the object sought")],
+    name: Annotated[str | None, Form(max_length=200)] = None,
+    bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
+) -> ExemplarSetPublic:
+    """Register exemplar crops: their mean embedding becomes the set's prototype."""
+    images = read_images(files, settings)
+    loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
+    prototype = loaded.localizer.prototype([im.image for im in images])  # [D]
+    set_id = uuid.uuid4()
+    try:
+        blobs = []
+        for i, im in enumerate(images):
+            key = exemplar_key(set_id, i, im.ext)
+            sha = store.put(key, im.data)
+            blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, sha, key))
+        es = crud.create_exemplar_set(session, set_id=set_id, owner=caller.owner, name=name, bundle=loaded.name,
+                                      bundle_sha256=loaded.sha256, prototype=prototype_to_bytes(prototype),
+                                      prototype_dim=int(prototype.numel()), exemplars=blobs)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        store.delete_tree(exemplar_set_prefix(set_id))
+        raise
+    response.headers["Location"] = f"/v1/exemplar-sets/{set_id}"
+    return to_public(es)
+
+
+@router.get("", response_model=ExemplarSetsPublic)
+def list_exemplar_sets(session: SessionDep, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=200)] = 50,
+                       offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> ExemplarSetsPublic:
+    sets, count = crud.list_exemplar_sets(session, owner=caller.scope, limit=limit, offset=offset)
+    return ExemplarSetsPublic(data=[to_public(s) for s in sets], count=count, limit=limit, offset=offset)
+
+
+@router.get("/{set_id}", response_model=ExemplarSetPublic, responses={404: ERRORS[404]})
+def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
+    es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
+    if es is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    return to_public(es)
+
+
+@router.delete("/{set_id}", status_code=status.HTTP_204_NO_CONTENT,
+               responses={404: ERRORS[404], 409: {"description": "The set has queued or running jobs"}})
+def delete_exemplar_set(set_id: uuid.UUID, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
+    """Delete the set with its exemplars, jobs and checkpoints (rows, then files)."""
+    es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
+    if es is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    if crud.has_unfinished_jobs(session, set_id=set_id):
+        raise HTTPException(status.HTTP_409_CONFLICT, "the set has queued or running adaptation jobs: cancel them")
+    crud.delete_exemplar_set(session, set_id=set_id)
+    session.commit()
+    store.delete_tree(exemplar_set_prefix(set_id))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+CheckpointQuery = Annotated[str, Query(
+    pattern=r"^(active|base|[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12})$",
+    description="`active` (default), `base` (the bundle's own policy) or a checkpoint id of this set")]
+
+
+def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpoint:
+    if which == "active" and es.active_checkpoint_id is not None:
+        ckpt = session.get(Checkpoint, es.active_checkpoint_id)
+    elif which in ("active", "base"):
+        ckpt = session.scalars(select(Checkpoint).where(Checkpoint.exemplar_set_id == es.id,
+                                                        Checkpoint.kind == "base")).first()
+    else:
+        ckpt = session.get(Checkpoint, uuid.UUID(which))
+    if ckpt is None or ckpt.exemplar_set_id != es.id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "checkpoint not found in this exemplar set")
+    return ckpt
+
+
+@router.post("/{set_id}/localize", response_model=LocalizeResponse, response_model_exclude_none=True,
+             responses=ERRORS)
+def localize(
+    set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
+    caller: CallerDep, metrics: MetricsDep,
+    files: Annotated[list[UploadFile], File(description="Images to search (PNG/JPEG, any size)")],
+    checkpoint: CheckpointQuery = "active",
+    trajectory: Annotated[bool, Query(description="Also return every box of the agent's episode")] = False,
+) -> LocalizeResponse:
+    """Localize the set's object in each image: one box per image, in the pixels as uploaded."""
+    es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
+    if es is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    ckpt = resolve_checkpoint(session, es, checkpoint)
+    session.commit()  # end the read transaction before the slow part
+    images = read_images(files, settings)
+    metrics.localize_batch.observe(len(images))
+    loaded = get_bundle(bundles, es.bundle, explicit=False)
+    agent_state = None if ckpt.kind == "base" else load_policy_cached(bundles, store, ckpt, loaded)
+    results = loaded.localizer.localize([im.image for im in images], prototype_from_bytes(es.prototype),
+                                        agent_state, deterministic=True, trajectory=trajectory)
+    return LocalizeResponse(
+        exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle,
+        results=[LocalizationResult(filename=im.filename, width=im.width, height=im.height, box=list(r.box),
+                                    score=r.score, trajectory=[list(b) for b in r.trajectory] if trajectory else None)
+                 for im, r in zip(images, results, strict=True)])
+
+
+def load_policy_cached(bundles: BundleRegistry, store: BlobStore, ckpt: Checkpoint, loaded: LoadedBundle
+                       ) -> dict[str, Tensor]:
+    def load() -> dict[str, Tensor]:
+        return read_checkpoint(store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=loaded.bundle)[0]
+
+    try:
+        return bundles.cached_policy(ckpt.id, load)
+    except (OSError, ValueError) as e:
+        log.exception("checkpoint %s cannot be read", ckpt.id)
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"checkpoint {ckpt.id} cannot be read") from e

@@ -1,0 +1,111 @@
+"""Pydantic v2 schemas of the v1 API (what clients see; the tables are in ``app.tables``)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Box = Annotated[list[float], Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in uploaded pixels")]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "canceled"]
+
+
+class Page(BaseModel):
+    count: int = Field(description="Items in total, across all pages")
+    limit: int
+    offset: int
+
+
+class ExemplarSetPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: uuid.UUID
+    name: str | None
+    num_exemplars: int
+    bundle: str
+    active_checkpoint_id: uuid.UUID | None
+    created_at: datetime
+
+
+class ExemplarSetsPublic(Page):
+    data: list[ExemplarSetPublic]
+
+
+class LocalizationResult(BaseModel):
+    filename: str | None
+    width: int
+    height: int
+    box: Box
+    score: float = Field(description="Embedding distance of the final box to the prototype (lower is closer)")
+    trajectory: list[Box] | None = Field(None, description="Boxes from the whole image to the final one")
+
+
+class LocalizeResponse(BaseModel):
+    exemplar_set_id: uuid.UUID
+    checkpoint_id: uuid.UUID
+    bundle: str
+    results: list[LocalizationResult]
+
+
+class Progress(BaseModel):
+    iteration: int
+    total: int
+    mean_reward: float | None
+
+
+class JobParams(BaseModel):
+    iterations: int
+    learning_rate: float
+    seed: int
+    activate: bool
+    num_images: int
+    base_checkpoint_id: uuid.UUID | None
+
+
+class AdaptationJobPublic(BaseModel):
+    id: uuid.UUID
+    exemplar_set_id: uuid.UUID
+    status: JobStatus
+    progress: Progress
+    checkpoint_id: uuid.UUID | None
+    error: str | None
+    params: JobParams
+    attempts: int
+    cancel_requested: bool
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class AdaptationJobsPublic(Page):
+    data: list[AdaptationJobPublic]
+
+
+class CheckpointPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: uuid.UUID
+    exemplar_set_id: uuid.UUID
+    parent_id: uuid.UUID | None = Field(description="Lineage: the checkpoint this one was trained from")
+    job_id: uuid.UUID | None
+    kind: Literal["base", "adapted"]
+    iteration: int
+    sha256: str
+    metrics: dict[str, float | int | str | None]
+    active: bool
+    created_at: datetime
+
+
+class CheckpointsPublic(Page):
+    data: list[CheckpointPublic]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyStatus(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, str]

@@ -1,0 +1,150 @@
+"""The model bundle (one file, plain types, ``torch.load(weights_only=True)``) and agent checkpoints.
+
+Bundle: ``{"format": "qloc-bundle", "format_version", "name", "config", "embedder", "agent",
+"decoder"?, "provenance"}``. Policy checkpoint: ``{"format": "qloc-policy", "format_version",
+"bundle", "agent", "meta"}`` -- the agent only, plus the name of the bundle it belongs to.
+Both are written to a temporary name and renamed, so a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.agent import Agent
+from models.config import ModelConfig
+from models.embedding import RoIEmbedder
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Bundle:
+    """A loaded bundle: the frozen embedder, the base policy and where they came from."""
+
+    name: str
+    config: ModelConfig
+    embedder: RoIEmbedder
+    agent_state: dict[str, Tensor]
+    provenance: dict[str, Any] = field(default_factory=dict)
+    decoder_state: dict[str, Tensor] | None = None
+
+    def new_agent(self, state: dict[str, Tensor] | None = None) -> Agent:
+        """An ``Agent`` on the embedder's device, loaded with ``state`` (default: the base policy)."""
+        agent = Agent(self.config.agent).to(next(self.embedder.parameters()).device)
+        agent.load_state_dict(state if state is not None else self.agent_state)
+        return agent
+
+
+def new_bundle(name: str, config: ModelConfig, seed: int = 0) -> Bundle:
+    """A freshly initialized bundle (random weights unless the backbone loads pretrained ones)."""
+    torch.manual_seed(seed)
+    embedder = RoIEmbedder(config)
+    agent = Agent(config.agent)
+    return Bundle(name, config, embedder.eval(), _cpu(agent.state_dict()), {"seed": seed})
+
+
+def atomic_write(path: str | os.PathLike, payload: bytes) -> str:
+    """Write ``payload`` to ``path`` via a temporary file + rename; -> sha256 hex of the bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return hashlib.sha256(payload).hexdigest()
+
+
+def _to_bytes(obj: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _cpu(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def save_bundle(path: str | os.PathLike, bundle: Bundle, half: bool = False) -> str:
+    """Save ``bundle`` to ``path`` atomically -> sha256 hex of the file.
+
+    ``half`` stores the embedder's floating-point weights as float16 (half the file; they are cast
+    back to float32 on load) -- for large photo heads.
+    """
+    embedder = _cpu(bundle.embedder.state_dict())
+    if half:
+        embedder = {k: v.half() if v.is_floating_point() else v for k, v in embedder.items()}
+    obj = {
+        "format": "qloc-bundle", "format_version": FORMAT_VERSION, "name": bundle.name,
+        "config": bundle.config.to_dict(), "embedder": embedder,
+        "agent": _cpu(bundle.agent_state), "provenance": bundle.provenance,
+    }
+    if bundle.decoder_state is not None:
+        obj["decoder"] = _cpu(bundle.decoder_state)
+    return atomic_write(path, _to_bytes(obj))
+
+
+def _load(path: str | os.PathLike, kind: str) -> dict:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # corrupt or foreign file
+        raise ValueError(f"{path} is not a readable {kind} file: {e}") from e
+    if not isinstance(obj, dict) or obj.get("format") != kind:
+        raise ValueError(f"{path} is not a {kind} file")
+    if obj.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path} has {kind} format {obj['format_version']}; this qloc reads <= {FORMAT_VERSION}")
+    return obj
+
+
+def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
+    """Load a bundle saved by ``save_bundle``; the embedder comes back in eval mode on ``device``."""
+    obj = _load(path, "qloc-bundle")
+    config = ModelConfig.from_dict(obj["config"])
+    # The state dict below holds every weight: don't read a pretrained file only to overwrite it.
+    build_cfg = ModelConfig.from_dict(obj["config"])
+    build_cfg.encoder.options = {**build_cfg.encoder.options, "pretrained": False}
+    embedder = RoIEmbedder(build_cfg)
+    embedder.cfg = config
+    embedder.load_state_dict(obj["embedder"])
+    embedder.to(device).eval()
+    for p in embedder.parameters():
+        p.requires_grad_(False)
+    return Bundle(obj["name"], config, embedder, obj["agent"], obj.get("provenance", {}), obj.get("decoder"))
+
+
+def save_policy(path: str | os.PathLike, agent_state: dict[str, Tensor], *, bundle_name: str,
+                meta: dict[str, Any] | None = None) -> str:
+    """Save an adapted agent (only) atomically -> sha256 hex of the file."""
+    obj = {"format": "qloc-policy", "format_version": FORMAT_VERSION, "bundle": bundle_name,
+           "agent": _cpu(agent_state), "meta": meta or {}}
+    return atomic_write(path, _to_bytes(obj))
+
+
+def load_policy(path: str | os.PathLike, bundle: Bundle | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """-> (agent state dict, meta). With ``bundle``, refuses a policy made for another bundle."""
+    obj = _load(path, "qloc-policy")
+    if bundle is not None and obj["bundle"] != bundle.name:
+        raise ValueError(f"{path} is a policy for bundle {obj['bundle']!r}, not {bundle.name!r}")
+    return obj["agent"], obj.get("meta", {})
+
+
+def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: dict[str, Any] | None = None) -> bytes:
+    """The exact bytes ``save_policy`` writes (for callers with their own blob storage)."""
+    return _to_bytes({"format": "qloc-policy", "format_version": FORMAT_VERSION, "bundle": bundle_name,
+                      "agent": _cpu(agent_state), "meta": meta or {}})

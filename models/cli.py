@@ -1,0 +1,322 @@
+"""The ``qloc`` command line: train-embedding, train-agent, adapt, evaluate, reproduce, fetch-photos.
+
+Every command takes ``--seed`` and ``--device`` (auto|cpu|cuda), prints JSON metrics and writes them
+(and its PNG figures) next to its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from models.adapt import AdaptConfig, adapt
+from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
+from models.cmnist import BACKGROUNDS
+from models.config import mnist_config
+from models.experiments import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
+from models.inference import Localizer, resolve_device
+from models.plots import search_paths, training_curves
+from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
+from models.train_embedding import EmbeddingTrainConfig, evaluate_ordacc, train_embedding
+
+
+def _seed_all(seed: int) -> None:
+    """The one place a command seeds torch's global generator (every loop also has its own)."""
+    torch.manual_seed(seed)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _bar_logger(total: int, desc: str, key: str):
+    bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+
+    def log(rec: dict) -> None:
+        bar.update(rec[key] - bar.n)
+        bar.set_postfix({k: round(v, 2) for k, v in rec.items() if "/" in k and isinstance(v, float)})
+    return log, bar
+
+
+def cmd_train_embedding(a: argparse.Namespace) -> dict:
+    dev = resolve_device(a.device)
+    setup = TrainSetup(a.digit, a.background, a.n_train)
+    bundle = new_bundle(a.name or Path(a.out).stem, mnist_config(), a.seed)
+    bundle.embedder.to(dev)
+    cfg = EmbeddingTrainConfig(epochs=a.epochs, seed=a.seed, eval_every=max(1, min(20, a.epochs)))
+    log, bar = _bar_logger(cfg.epochs, "stage 1 (embedding)", "epoch")
+    res = train_embedding(bundle, cmnist(a.digit, "train", a.n_train, a.background, a.seed),
+                          cmnist(a.digit, "val", setup.n_val, a.background, a.seed), cfg, on_log=log)
+    bar.close()
+    bundle.provenance = {"data": f"cMNIST digit {a.digit} {a.background}, {a.n_train} train images", "seed": a.seed,
+                         "embedding": {k: v for k, v in res.items() if k != "history"},
+                         "history": {"embedding": res["history"], "agent": []}}
+    save_bundle(a.out, bundle)
+    training_curves(bundle.provenance["history"], Path(a.out).with_suffix(".curves.png"))
+    return {"val/ordacc": res["val/ordacc"], "best_epoch": res["best_epoch"], "bundle": a.out}
+
+
+def cmd_train_agent(a: argparse.Namespace) -> dict:
+    dev = resolve_device(a.device)
+    bundle = load_bundle(a.bundle, dev)
+    setup = TrainSetup(a.digit, a.background)
+    cfg = AgentTrainConfig(iterations=a.iterations, seed=a.seed, reward=a.reward, entropy_coef=a.entropy_coef,
+                           eval_every=max(1, min(25, a.iterations)))
+    log, bar = _bar_logger(cfg.iterations, "stage 2 (agent)", "iteration")
+    res = train_agent(bundle, cmnist(a.digit, "train", setup.n_train, a.background, a.seed),
+                      cmnist(a.digit, "val", setup.n_val, a.background, a.seed),
+                      cmnist(a.digit, "val", setup.exemplars, a.background, a.seed, offset=setup.n_val), cfg,
+                      on_log=log)
+    bar.close()
+    bundle.provenance.setdefault("history", {})["agent"] = res["history"]
+    bundle.provenance["agent"] = {k: v for k, v in res.items() if k != "history"} | {"reward": a.reward}
+    save_bundle(a.out, bundle)
+    training_curves(bundle.provenance["history"], Path(a.out).with_suffix(".curves.png"))
+    return {"val/corloc": res["val/corloc"], "best_iteration": res["best_iteration"], "bundle": a.out}
+
+
+def cmd_adapt(a: argparse.Namespace) -> dict:
+    dev = resolve_device(a.device)
+    bundle = load_bundle(a.bundle, dev)
+    loc = Localizer(bundle, dev)
+    ex = cmnist(a.digit, "train", a.exemplars, a.background, a.seed + 1000)
+    unl = cmnist(a.digit, "train", a.unlabeled, a.background, a.seed + 1000, offset=a.exemplars)
+    proto = loc.prototype(exemplar_crops(ex))
+    cfg = AdaptConfig(iterations=a.iterations, batch_size=a.batch_size, seed=a.seed, lr=a.lr)
+    bar = tqdm(total=cfg.iterations, desc="stage 3 (adapt)", file=sys.stderr, leave=False)
+    t0 = time.perf_counter()
+    res = adapt(bundle, proto, unl.images, cfg, device=dev,
+                on_progress=lambda i, n, r: (bar.update(1), bar.set_postfix(reward=round(r, 1))))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    save_policy(a.out, res.agent_state, bundle_name=bundle.name,
+                meta={"digit": a.digit, "background": a.background, "iterations": res.iteration,
+                      "mean_reward": res.mean_reward, "prototype": proto.tolist()})
+    return {"policy": a.out, "iterations": res.iteration, "mean_reward": res.mean_reward, "seconds": round(seconds, 2)}
+
+
+def cmd_evaluate(a: argparse.Namespace) -> dict:
+    dev = resolve_device(a.device)
+    bundle = load_bundle(a.bundle, dev)
+    state = load_policy(a.policy, bundle)[0] if a.policy else None
+    loc = Localizer(bundle, dev)
+    ex = cmnist(a.digit, "train", a.exemplars, a.background, a.seed + 1000)
+    test = cmnist(a.digit, "test", a.n_test, a.background, a.seed)
+    proto = loc.prototype(exemplar_crops(ex))
+    agent = bundle.new_agent(state)
+    out = {"digit": a.digit, "background": a.background, "n_test": a.n_test, "policy": a.policy or "base"}
+    out["corloc"], _ = evaluate_corloc(bundle, agent, test, proto, deterministic=not a.sampled, seed=a.seed)
+    out["ordacc_proto"] = evaluate_ordacc(bundle, test, anchor="proto", seed=a.seed)
+    out["ordacc_inst"] = evaluate_ordacc(bundle, test, anchor="inst", seed=a.seed)
+    if a.figure:
+        k = min(18, a.n_test)
+        ro = loc.run(test.images[:k], proto, agent.eval())
+        search_paths(test.images[:k], ro.boxes.cpu(), test.boxes[:k], a.figure,
+                     title=f"digit {a.digit}, {a.background}: CorLoc {out['corloc']:.1f}")
+        out["figure"] = a.figure
+    return out
+
+
+def _summary(rows: list[dict], group: str) -> dict:
+    keys = [k for k in rows[0] if k.startswith(("corloc", "ordacc", "adapt_seconds"))]
+    out: dict = {}
+    for g in sorted({r[group] for r in rows}, key=str):
+        sel = [r for r in rows if r[group] == g]
+        out[str(g)] = {k: _mean_std([r[k] for r in sel]) for k in keys}
+    out["mean"] = {k: _mean_std([statistics.fmean([r[k] for r in rows if r["seed"] == s])
+                                  for s in sorted({r["seed"] for r in rows})]) for k in keys}
+    return out
+
+
+def _mean_std(xs: list[float]) -> dict:
+    return {"mean": round(statistics.fmean(xs), 2), "std": round(statistics.stdev(xs), 2) if len(xs) > 1 else 0.0,
+            "n": len(xs)}
+
+
+def cmd_reproduce(a: argparse.Namespace) -> dict:
+    """new-digits: train on digit 4, transfer to 0-9 w/o 4; backgrounds: train 3 patch, test 2 on all four."""
+    dev = resolve_device(a.device)
+    out_dir = Path(a.out)
+    if a.experiment == "new-digits":
+        train_digit, targets = 4, [(d, "patch") for d in range(10) if d != 4]
+    else:
+        train_digit, targets = 3, [(2, bg) for bg in BACKGROUNDS]
+    if a.digits:
+        targets = [t for t in targets if t[0] in a.digits]
+    rows, ablation = [], []
+    for seed in a.seeds:
+        _seed_all(seed)
+        setup = TrainSetup(digit=train_digit)
+        setup.embedding.epochs, setup.agent.iterations = a.epochs, a.agent_iterations
+        t0 = time.perf_counter()
+        bundle = train_bundle(f"mnist-digit{train_digit}", setup, seed, dev)
+        train_s = time.perf_counter() - t0
+        save_bundle(out_dir / f"seed{seed}" / "bundle.pt", bundle)
+        training_curves(bundle.provenance["history"], out_dir / f"seed{seed}" / "curves.png")
+        iou_bundles = {}
+        if a.ablation:
+            for reward in ("iou", "iou_sign"):
+                iou_bundles[reward] = _retrain_agent(bundle, setup, seed, reward)
+        for digit, bg in tqdm(targets, desc=f"seed {seed}", file=sys.stderr, leave=False):
+            ts = TransferSetup(digit, bg, unlabeled=a.unlabeled, test=a.n_test,
+                               adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=64))
+            m, art = transfer(bundle, ts, seed)
+            m["train_seconds"] = round(train_s, 1)
+            rows.append(m)
+            print(json.dumps(m), file=sys.stderr, flush=True)
+            k = 12
+            loc = Localizer(bundle, dev)
+            for tag, state in (("before", None), ("after", art["agent_state"])):
+                ro = loc.run(art["test"].images[:k], art["prototype"], bundle.new_agent(state).eval())
+                search_paths(art["test"].images[:k], ro.boxes.cpu(), art["test"].boxes[:k],
+                             out_dir / f"seed{seed}" / f"paths_{digit}_{bg}_{tag}.png",
+                             title=f"digit {digit} {bg} {tag} adaptation", cols=6)
+            for reward, ib in iou_bundles.items():
+                c, _ = evaluate_corloc(ib, ib.new_agent(), art["test"], art["prototype"])
+                ablation.append({"seed": seed, "digit": digit, "background": bg, "reward": reward, "corloc_before": c})
+    group = "digit" if a.experiment == "new-digits" else "background"
+    result = {"experiment": a.experiment, "seeds": a.seeds, "rows": rows, "summary": _summary(rows, group)}
+    if ablation:
+        result["ablation_iou_reward"] = {r: _mean_std([statistics.fmean(
+            [x["corloc_before"] for x in ablation if x["reward"] == r and x["seed"] == s]) for s in a.seeds])
+            for r in ("iou", "iou_sign")}
+    _write_json(out_dir / "metrics.json", result)
+    return {"summary": result["summary"], "ablation_iou_reward": result.get("ablation_iou_reward"),
+            "metrics": str(out_dir / "metrics.json")}
+
+
+def _retrain_agent(bundle, setup: TrainSetup, seed: int, reward: str):
+    """A copy of ``bundle`` whose agent is trained with an IoU reward instead (the paper's baseline)."""
+    import copy
+
+    other = copy.copy(bundle)
+    cfg = copy.copy(setup.agent)
+    cfg.reward, cfg.seed = reward, seed
+    train_agent(other, cmnist(setup.digit, "train", setup.n_train, setup.background, seed),
+                cmnist(setup.digit, "val", setup.n_val, setup.background, seed),
+                cmnist(setup.digit, "val", setup.exemplars, setup.background, seed, offset=setup.n_val), cfg)
+    return other
+
+
+def cmd_fetch_photos(a: argparse.Namespace) -> dict:
+    from models.photos import fetch_main
+
+    code = fetch_main(a.rest)
+    if code:
+        raise SystemExit(code)
+    return {"fetched": True}
+
+
+def cmd_photo(a: argparse.Namespace) -> dict:
+    """photo-train / photo-reproduce: the photo protocol of ``models.photo_experiments``."""
+    from models import photo_experiments as pe
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))  # the benchmark machine: 2 shared cores
+    return pe.photo_train_command(a) if a.command == "photo-train" else pe.photo_reproduce_command(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qloc", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, digit: int | None = 4):
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--device", default="auto", help="auto | cpu | cuda")
+        if digit is not None:
+            sp.add_argument("--digit", type=int, default=digit, choices=range(10))
+            sp.add_argument("--background", default="patch", choices=BACKGROUNDS)
+        sp.add_argument("--metrics", help="also write the JSON metrics to this file")
+
+    sp = sub.add_parser("train-embedding", help="stage 1: ordinal embedding on cMNIST")
+    common(sp)
+    sp.add_argument("--n-train", type=int, default=50)
+    sp.add_argument("--epochs", type=int, default=100)
+    sp.add_argument("--name", help="bundle name (default: the output file's stem)")
+    sp.add_argument("--out", required=True, help="bundle file to write")
+    sp.set_defaults(func=cmd_train_embedding)
+
+    sp = sub.add_parser("train-agent", help="stage 2: the agent on a stage-1 bundle")
+    common(sp)
+    sp.add_argument("--bundle", required=True)
+    sp.add_argument("--iterations", type=int, default=300)
+    sp.add_argument("--reward", default="embedding", choices=("embedding", "iou", "iou_sign"))
+    sp.add_argument("--entropy-coef", type=float, default=0.5)
+    sp.add_argument("--out", required=True, help="bundle file to write")
+    sp.set_defaults(func=cmd_train_agent)
+
+    sp = sub.add_parser("adapt", help="stage 3: test-time adaptation on unlabeled images of a new digit")
+    common(sp, digit=2)
+    sp.add_argument("--bundle", required=True)
+    sp.add_argument("--exemplars", type=int, default=5)
+    sp.add_argument("--unlabeled", type=int, default=500)
+    sp.add_argument("--iterations", type=int, default=100)
+    sp.add_argument("--batch-size", type=int, default=64)
+    sp.add_argument("--lr", type=float, default=1e-3)
+    sp.add_argument("--out", required=True, help="policy checkpoint to write")
+    sp.set_defaults(func=cmd_adapt)
+
+    sp = sub.add_parser("evaluate", help="CorLoc / OrdAcc on cMNIST test images (MNIST's test file)")
+    common(sp, digit=4)
+    sp.add_argument("--bundle", required=True)
+    sp.add_argument("--policy", help="an adapted policy checkpoint (default: the bundle's base policy)")
+    sp.add_argument("--exemplars", type=int, default=5)
+    sp.add_argument("--n-test", type=int, default=500)
+    sp.add_argument("--sampled", action="store_true", help="sample actions instead of the greedy policy")
+    sp.add_argument("--figure", help="PNG of the agent's search paths on the first test images")
+    sp.set_defaults(func=cmd_evaluate)
+
+    sp = sub.add_parser("reproduce", help="the paper's cMNIST tables, mean and std over seeds")
+    common(sp, digit=None)
+    sp.add_argument("experiment", choices=("new-digits", "backgrounds"))
+    sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    sp.add_argument("--digits", type=int, nargs="*", help="only these target digits")
+    sp.add_argument("--epochs", type=int, default=100)
+    sp.add_argument("--agent-iterations", type=int, default=300)
+    sp.add_argument("--adapt-iterations", type=int, default=100)
+    sp.add_argument("--unlabeled", type=int, default=500)
+    sp.add_argument("--n-test", type=int, default=500)
+    sp.add_argument("--ablation", action="store_true", help="also train agents with the IoU rewards")
+    sp.add_argument("--out", default="runs/reproduce")
+    sp.set_defaults(func=cmd_reproduce)
+
+    sp = sub.add_parser("fetch-photos", help="download the offline photo data (Debian packages) into a cache")
+    sp.add_argument("rest", nargs=argparse.REMAINDER, help="options of models.photos (e.g. --cache DIR)")
+    sp.set_defaults(func=cmd_fetch_photos)
+
+    from models.photo_experiments import add_photo_arguments
+
+    for name, text in (("photo-train", "stages 1-2 on one class of the offline photos -> a photo bundle"),
+                       ("photo-reproduce", "the cross-class photo benchmark, mean and std over seeds")):
+        sp = sub.add_parser(name, help=text)
+        common(sp, digit=None)
+        add_photo_arguments(sp, reproduce=name == "photo-reproduce")
+        sp.set_defaults(func=cmd_photo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "seed"):
+        _seed_all(args.seed)
+    try:
+        result = args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qloc {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    print(text)
+    if getattr(args, "metrics", None):
+        _write_json(Path(args.metrics), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

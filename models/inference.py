@@ -1,0 +1,153 @@
+"""Inference: preprocessing to the bundle's input spec, exemplar prototypes, batched localization.
+
+The rollout is greedy (argmax) by default; sampling is optional and seeded. The backbone runs once
+per image per call; boxes come back in the pixels of the images as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+
+from models.agent import Agent
+from models.bundle import Bundle
+from models.config import InputSpec
+from models.rollout import Rollout, rollout
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; ``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; use 'auto' or 'cpu'")
+    return dev
+
+
+def pil_to_tensor(img: Image.Image, channels: int, fill: tuple[float, ...] = (0.0,)) -> Tensor:
+    """A PIL image -> ``[C, h, w]`` float in [0, 1], converted to grayscale (C=1) or RGB (C=3).
+
+    Transparent pixels are composited onto ``fill`` (per channel in [0, 1], or one value for all).
+    """
+    mode = {1: "L", 3: "RGB"}[channels]
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        img = img.convert("RGBA")
+        rgb = [fill[min(i, len(fill) - 1)] for i in range(3)]
+        bg = Image.new("RGBA", img.size, tuple(round(255 * v) for v in rgb) + (255,))
+        img = Image.alpha_composite(bg, img)
+    arr = np.asarray(img.convert(mode), dtype=np.float32) / 255.0
+    t = torch.from_numpy(arr.copy())
+    return t[None] if channels == 1 else t.permute(2, 0, 1)
+
+
+def normalize(x: Tensor, spec: InputSpec) -> Tensor:
+    """``[B, C, H, W]`` in [0, 1] -> normalized by the spec's mean / std."""
+    mean = torch.tensor(spec.mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+    std = torch.tensor(spec.std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - mean) / std
+
+
+def resize_batch(images: list[Tensor], size: int) -> tuple[Tensor, Tensor]:
+    """Images ``[C, h_i, w_i]`` -> (``[B, C, size, size]``, scales ``[B, 2]`` = (w_i / size, h_i / size))."""
+    out, scales = [], []
+    for im in images:  # preprocessing of uploads of different sizes
+        h, w = im.shape[-2:]
+        out.append(im if (h, w) == (size, size) else
+                   F.interpolate(im[None], size=(size, size), mode="bilinear", antialias=True,
+                                 align_corners=False)[0].clamp(0, 1))
+        scales.append((w / size, h / size))
+    return torch.stack(out), torch.tensor(scales, dtype=torch.float32)
+
+
+def exemplar_canvas(crops: list[Tensor], spec: InputSpec) -> tuple[Tensor, Tensor]:
+    """Crops ``[C, h, w]`` in [0, 1] -> (canvases ``[N, C, S, S]``, boxes ``[N, 4]`` of the pasted crops).
+
+    Each crop is resized to fit ``spec.exemplar_size`` (aspect kept) and pasted at the centre of a
+    canvas of ``spec.fill``, so its embedding is taken at the scale the agent sees objects.
+    """
+    s, e = spec.size, spec.exemplar_size
+    fill = torch.tensor(spec.fill, dtype=torch.float32).view(-1, 1, 1)
+    canvases = fill.expand(len(crops), spec.channels, s, s).clone()
+    boxes = []
+    for i, c in enumerate(crops):
+        h, w = c.shape[-2:]
+        k = e / max(h, w)
+        nh, nw = max(1, round(h * k)), max(1, round(w * k))
+        if (nh, nw) != (h, w):
+            c = F.interpolate(c[None], size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)[0]
+        y, x = (s - nh) // 2, (s - nw) // 2
+        canvases[i, :, y:y + nh, x:x + nw] = c.clamp(0, 1)
+        boxes.append((x, y, x + nw, y + nh))
+    return canvases, torch.tensor(boxes, dtype=torch.float32)
+
+
+@dataclass
+class Localization:
+    """One image's answer, in the pixels of the image as given."""
+
+    box: tuple[float, float, float, float]
+    score: float
+    trajectory: list[tuple[float, float, float, float]] | None = None
+
+
+class Localizer:
+    """Wraps a bundle for serving: prototypes from crops, batched greedy localization."""
+
+    def __init__(self, bundle: Bundle, device: str | torch.device = "auto"):
+        self.bundle = bundle
+        self.device = resolve_device(device) if isinstance(device, str) else device
+        self.embedder = bundle.embedder.to(self.device).eval()
+        self.spec = bundle.config.input
+
+    @torch.no_grad()
+    def embed_crops(self, crops: list[Tensor]) -> Tensor:
+        """Crops ``[C, h, w]`` in [0, 1] -> embeddings ``[N, D]``."""
+        canvases, boxes = exemplar_canvas(crops, self.spec)
+        feats = self.embedder.features(normalize(canvases.to(self.device), self.spec))
+        return self.embedder.embed(feats, boxes.to(self.device)[:, None])[:, 0]
+
+    def prototype(self, crops: list[Image.Image] | list[Tensor]) -> Tensor:
+        """Mean embedding of the exemplar crops -> ``[D]`` (on the CPU)."""
+        if not crops:
+            raise ValueError("a prototype needs at least one exemplar crop")
+        tensors = [c if isinstance(c, Tensor) else pil_to_tensor(c, self.spec.channels, self.spec.fill) for c in crops]
+        return self.embed_crops(tensors).mean(0).cpu()
+
+    def agent(self, agent_state: dict[str, Tensor] | None = None) -> Agent:
+        return self.bundle.new_agent(agent_state).to(self.device).eval()
+
+    @torch.no_grad()
+    def run(self, images01: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
+            generator: torch.Generator | None = None) -> Rollout:
+        """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``."""
+        images = normalize(images01.to(self.device), self.spec)
+        feats = self.embedder.features(images)  # the one backbone pass of this episode
+        s = float(self.spec.size)
+        return rollout(self.embedder, agent, feats, prototype.to(self.device), self.bundle.config.env, (s, s),
+                       deterministic=deterministic, generator=generator)
+
+    def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
+                 agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,
+                 trajectory: bool = False, seed: int | None = None) -> list[Localization]:
+        """Localize each image (any size) -> one ``Localization`` per image, in upload order."""
+        spec = self.spec
+        tensors = [im if isinstance(im, Tensor) else pil_to_tensor(im, spec.channels, spec.fill) for im in images]
+        batch, scales = resize_batch(tensors, self.spec.size)
+        gen = None
+        if not deterministic:
+            gen = torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)
+        ro = self.run(batch, prototype, self.agent(agent_state), deterministic=deterministic, generator=gen)
+        k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
+        boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
+        scores = ro.distances[-1].cpu()
+        out = []
+        for i in range(len(tensors)):
+            traj = [tuple(map(float, b)) for b in boxes[:, i]] if trajectory else None
+            out.append(Localization(tuple(map(float, boxes[-1, i])), float(scores[i]), traj))
+        return out

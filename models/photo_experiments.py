@@ -1,0 +1,657 @@
+"""The photo protocol, in the paper's cross-class style: train stages 1-2 on one class of the offline
+photos (``models.photos``), then localize every other class before and after test-time adaptation.
+
+Data discipline (splits are by *source file*, see ``models.photos``): stage 1-2 training images come
+from the training class's ``train`` split, model selection from its ``val`` split (never test). For a
+target class, the 5 exemplar crops and the unlabeled adaptation images are drawn from that class's
+``train`` split (two different draws), the test images from its ``test`` split, so no object photo and
+no background of a test image was ever seen, not even unlabeled. Small classes have only 1-2 test
+source photos (fish: 2); each generated image still differs (background crop, scale, position, flip,
+colour jitter), but their per-class numbers say more about those few photos than about the class.
+
+The backbone is frozen, so each image's feature map is computed once per set and reused by every
+stage and metric here (stage 1 trains the head on cached features; ``train_embedding`` would re-run
+the backbone every step, which is ~50x slower on a CPU). Adaptation itself goes through
+``models.adapt.adapt`` unchanged, so its wall time includes its own backbone pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.adapt import AdaptConfig, adapt
+from models.agent import Agent
+from models.baselines import finetune
+from models.boxes import clip_boxes
+from models.bundle import Bundle, new_bundle
+from models.config import ModelConfig
+from models.inference import Localizer, exemplar_canvas, normalize
+from models.metrics import corloc, spearman
+from models.ordinal import anchors_for, group_prototypes, sample_pairs, triplet_loss
+from models.photos import generate
+from models.reinforce import reinforce_loss
+from models.rollout import rollout
+from models.train_agent import AgentTrainConfig, PolicyConfig, exemplar_crops, features_of
+from models.train_embedding import EmbeddingTrainConfig, LabeledImages
+
+PHOTO_CLASSES = ("mammals", "birds", "fish", "fruit", "vegetables", "flowers")
+"""The classes with enough source photos in every split for the benchmark (insects and trees are too few)."""
+
+EMBEDDING_ANCHORS = ("shuffle_proto", "shuffle_exemplar")
+"""``shuffle_proto``: the paper's anchor, mean in-image ground-truth embedding of another group;
+``shuffle_exemplar``: the same, but from the ground-truth crops pasted on a blank canvas, which is how
+``Localizer.prototype`` embeds a client's exemplars -- training then matches serving exactly."""
+
+
+# ---------------------------------------------------------------- data with cached features
+
+@dataclass
+class PhotoSet:
+    """``images [N, 3, S, S]`` in [0, 1], ``boxes [N, 4]``, backbone ``feats [N, C, h, w]`` and the
+    exemplar-canvas view of each ground-truth crop (``crop_feats [N, C, h, w]``, ``crop_boxes [N, 4]``)."""
+
+    images: Tensor
+    boxes: Tensor
+    feats: Tensor
+    crop_feats: Tensor | None = None
+    crop_boxes: Tensor | None = None
+
+    def labeled(self) -> LabeledImages:
+        return LabeledImages(self.images, self.boxes)
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+
+class FeatureCache:
+    """Backbone features on disk, keyed by the backbone config and the data draw (``None`` dir = off).
+
+    Only for repeated tuning runs: the benchmark commands compute everything afresh by default.
+    """
+
+    def __init__(self, root: str | Path | None):
+        self.root = Path(root) if root else None
+
+    def get(self, bundle: Bundle, key: str, make: Callable[[], Tensor]) -> Tensor:
+        if self.root is None:
+            return make()
+        cfg = bundle.config
+        spec = json.dumps([cfg.encoder.kind, cfg.encoder.options, cfg.input.size, cfg.input.exemplar_size,
+                           list(cfg.input.mean), list(cfg.input.std)], sort_keys=True, default=str)
+        path = self.root / f"{key}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}.pt"
+        if path.is_file():
+            return torch.load(path, weights_only=True)
+        out = make()
+        self.root.mkdir(parents=True, exist_ok=True)
+        torch.save(out.cpu(), path)
+        return out
+
+
+def photo_set(bundle: Bundle, manifest: dict[str, Any], class_name: str, split: str, n: int, seed: int,
+              crops: bool = False, cache: FeatureCache | None = None) -> PhotoSet:
+    """``n`` generated photos of ``class_name`` (``split`` files only) with their backbone features;
+    ``crops`` also embeds each ground-truth crop as an exemplar canvas (for prototypes)."""
+    size = bundle.config.input.size
+    b = generate(manifest, class_name, split, n, seed=seed, size=size)
+    cache = cache or FeatureCache(None)
+    key = f"{class_name}-{split}-{n}-{seed}-{size}"
+    feats = cache.get(bundle, key, lambda: features_of(bundle, b.images, batch=32))
+    out = PhotoSet(b.images, b.boxes, feats)
+    if crops:
+        canvases, boxes = exemplar_canvas(exemplar_crops(out.labeled()), bundle.config.input)
+        out.crop_feats = cache.get(bundle, key + "-crops", lambda: features_of(bundle, canvases, batch=32))
+        out.crop_boxes = boxes
+    return out
+
+
+def photo_candidates(size: int, min_side: float, sides: int = 8, stride: int | None = None,
+                     max_aspect: float = 2.5) -> Tensor:
+    """Rectangular candidate boxes -> ``Tensor[K, 4]``: widths and heights from ``sides`` geometric steps
+    between ``min_side`` and the image side (aspect ratio within ``1/max_aspect..max_aspect``), top-left
+    corners on a ``stride`` grid, clipped and deduplicated. (Squares alone cannot reach a high IoU with
+    a 2:1 object, which would cripple pair sampling and the ranking baseline.)"""
+    stride = stride or max(4, size // 16)
+    s = torch.logspace(torch.log10(torch.tensor(float(min_side))), torch.log10(torch.tensor(float(size))), sides)
+    w, h = torch.meshgrid(s, s, indexing="ij")
+    keep = (w / h <= max_aspect) & (h / w <= max_aspect)
+    w, h = w[keep], h[keep]  # [S']
+    starts = torch.arange(0, size, stride, dtype=torch.float32)
+    y, x = torch.meshgrid(starts, starts, indexing="ij")
+    x, y = x.reshape(1, -1), y.reshape(1, -1)  # [1, G]
+    boxes = torch.stack([x.expand(len(w), -1), y.expand(len(w), -1), x + w[:, None], y + h[:, None]], -1)
+    boxes = clip_boxes(boxes.reshape(-1, 4), size, size)  # [S' * G, 4]
+    wh = boxes[:, 2:] - boxes[:, :2]
+    boxes = boxes[(wh >= min_side * 0.75).all(dim=1)]
+    return torch.unique(boxes.round(), dim=0)
+
+
+# ---------------------------------------------------------------- metrics on cached features
+
+def _embed_chunks(bundle: Bundle, feats: Tensor, boxes: Tensor, chunk: int = 64) -> Tensor:
+    """Embeddings of ``boxes [N, K, 4]`` on ``feats [N, C, h, w]`` -> ``[N, K, D]``, a few images at a time."""
+    emb = bundle.embedder
+    return torch.cat([emb.embed(feats[i:i + chunk], boxes[i:i + chunk]) for i in range(0, len(feats), chunk)])
+
+
+def prototype_of(bundle: Bundle, data: PhotoSet) -> Tensor:
+    """Mean exemplar-canvas embedding of ``data``'s ground-truth crops -> ``[D]`` (same as ``Localizer.prototype``)."""
+    if data.crop_feats is None or data.crop_boxes is None:
+        raise ValueError("this PhotoSet was built without crops=True")
+    with torch.no_grad():
+        return bundle.embedder.embed(data.crop_feats, data.crop_boxes[:, None])[:, 0].mean(0)
+
+
+@torch.no_grad()
+def ranking_metrics(bundle: Bundle, data: PhotoSet, prototype: Tensor, pairs: int = 16, seed: int = 0,
+                    candidates: Tensor | None = None) -> dict[str, float]:
+    """How well embedding distance ranks boxes by IoU on ``data``, with group-sampled box pairs (two
+    distinct IoU bins each, so ``2 * pairs`` boxes per image spread over the bins):
+
+    - ``ordacc``: % of pairs whose distance to ``prototype [D]`` orders them as their IoU does;
+    - ``ordacc_inst``: the same with each image's own ground-truth embedding as the anchor;
+    - ``spearman``: Spearman rho between distance to ``prototype`` and IoU over each image's boxes,
+      averaged over images (negative is good: closer means more overlap).
+    """
+    bundle.embedder.eval()
+    gen = torch.Generator().manual_seed(seed)
+    cfg = bundle.config
+    cands = candidates if candidates is not None else photo_candidates(cfg.input.size, cfg.env.min_side, sides=10)
+    p = sample_pairs(data.boxes, cands, pairs, generator=gen)
+    boxes = torch.cat([data.boxes[:, None], p.pos, p.neg], 1)  # [N, 1 + 2P, 4]
+    out = _embed_chunks(bundle, data.feats, boxes)
+    gt, pos, neg = out[:, 0], out[:, 1:1 + pairs], out[:, 1 + pairs:]
+    proto = prototype.to(out.device)
+    d_pos, d_neg = (pos - proto).norm(dim=-1), (neg - proto).norm(dim=-1)  # [N, P]
+    i_pos, i_neg = (pos - gt[:, None]).norm(dim=-1), (neg - gt[:, None]).norm(dim=-1)
+    rho = spearman(torch.cat([d_pos, d_neg], 1).double(), torch.cat([p.pos_iou, p.neg_iou], 1).double())  # [N]
+    return {"ordacc": float((d_pos < d_neg).float().mean() * 100),
+            "ordacc_inst": float((i_pos < i_neg).float().mean() * 100),
+            "spearman": float(rho.mean())}
+
+
+@torch.no_grad()
+def localize(bundle: Bundle, agent: Agent, feats: Tensor, prototype: Tensor, chunk: int = 128) -> Tensor:
+    """Greedy episodes on cached ``feats [N, C, h, w]`` -> the trajectory ``[T+1, N, 4]``."""
+    agent.eval()
+    s = float(bundle.config.input.size)
+    return torch.cat([rollout(bundle.embedder, agent, feats[i:i + chunk], prototype, bundle.config.env, (s, s),
+                              deterministic=True).boxes for i in range(0, len(feats), chunk)], dim=1)
+
+
+@torch.no_grad()
+def ranking_boxes(bundle: Bundle, feats: Tensor, prototype: Tensor, candidates: Tensor, chunk: int = 1024) -> Tensor:
+    """The ranking baseline on cached ``feats [N, C, h, w]``: per image the candidate nearest the prototype
+    -> ``[N, 4]``."""
+    out = []
+    for f in feats.split(1):
+        d = torch.cat([(bundle.embedder.embed(f, candidates[j:j + chunk][None]) - prototype).norm(dim=-1)[0]
+                       for j in range(0, len(candidates), chunk)])  # [K]
+        out.append(candidates[d.argmin()])
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------- stage 1 on cached features
+
+def train_photo_embedding(bundle: Bundle, train: PhotoSet, val: PhotoSet, val_exemplars: PhotoSet,
+                          cfg: EmbeddingTrainConfig, anchor: str = "shuffle_proto",
+                          on_log: Callable[[dict], None] | None = None) -> dict:
+    """Stage 1 for a frozen backbone: the projection head alone, triplet loss on group-sampled pairs.
+
+    ``anchor`` is one of ``EMBEDDING_ANCHORS``. The best evaluation is chosen by validation OrdAcc with
+    the prototype of ``val_exemplars``' crops as anchor (what the reward uses at test time).
+    """
+    if anchor not in EMBEDDING_ANCHORS:
+        raise ValueError(f"anchor must be one of {EMBEDDING_ANCHORS}, got {anchor!r}")
+    if anchor == "shuffle_exemplar" and train.crop_feats is None:
+        raise ValueError("the shuffle_exemplar anchor needs a training PhotoSet built with crops=True")
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    emb = bundle.embedder
+    head = emb.head
+    for p in head.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=cfg.lr)
+    c = bundle.config
+    cands = photo_candidates(c.input.size, c.env.min_side, sides=10)
+    n, bs, P = len(train), min(cfg.batch_size, len(train)), cfg.pairs_per_image
+    best: tuple[float, dict | None, int] = (-1.0, None, 0)
+    history = []
+    val_proto = None
+    for epoch in range(1, cfg.epochs + 1):
+        emb.train()
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n - bs + 1, bs):  # full batches only: shuffled groups need >= 2 groups
+            idx = perm[i:i + bs]
+            gt = train.boxes[idx]
+            pairs = sample_pairs(gt, cands, P, generator=gen)
+            out = emb.embed(train.feats[idx], torch.cat([gt[:, None], pairs.pos, pairs.neg], 1))  # [b, 1+2P, D]
+            if anchor == "shuffle_exemplar":
+                source = emb.embed(train.crop_feats[idx], train.crop_boxes[idx][:, None])[:, 0]
+            else:
+                source = out[:, 0]
+            a = anchors_for("shuffle_proto", source, cfg.group_size, gen)
+            loss = triplet_loss(a, out[:, 1:1 + P], out[:, 1 + P:], cfg.margin)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
+            emb.eval()
+            val_proto = prototype_of(bundle, val_exemplars)
+            m = ranking_metrics(bundle, val, val_proto, seed=cfg.seed)
+            rec = {"epoch": epoch, "losses/triplet": float(loss.detach()), "val/ordacc": m["ordacc"],
+                   "val/spearman": m["spearman"]}
+            history.append(rec)
+            if on_log:
+                on_log(rec)
+            if m["ordacc"] > best[0]:
+                best = (m["ordacc"], copy.deepcopy(emb.state_dict()), epoch)
+    emb.load_state_dict(best[1])
+    emb.eval()
+    for p in emb.parameters():
+        p.requires_grad_(False)
+    return {"val/ordacc": best[0], "best_epoch": best[2], "history": history}
+
+
+# ---------------------------------------------------------------- stage 2 on cached features
+
+@dataclass
+class PhotoAgentConfig(AgentTrainConfig):
+    batch_size: int = 64
+    """Training images per iteration (a random subset of the training set)."""
+
+
+def train_photo_agent(bundle: Bundle, train: PhotoSet, val: PhotoSet, val_exemplars: PhotoSet,
+                      cfg: PhotoAgentConfig, on_log: Callable[[dict], None] | None = None) -> dict:
+    """Stage 2 as ``train_agent``, on cached features and a minibatch per iteration: each image is
+    localized with the prototype of *other* training images' exemplar crops; the best iteration by
+    validation CorLoc (prototype of ``val_exemplars``) becomes ``bundle.agent_state``."""
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    agent = Agent(bundle.config.agent)
+    opt = torch.optim.Adam(agent.parameters(), lr=cfg.lr)
+    with torch.no_grad():
+        crop_emb = bundle.embedder.embed(train.crop_feats, train.crop_boxes[:, None])[:, 0]  # [N, D]
+    val_proto = prototype_of(bundle, val_exemplars)
+    s = float(bundle.config.input.size)
+    gt_all = train.boxes if cfg.reward != "embedding" else None
+    best: tuple[float, dict | None, int] = (-1.0, None, 0)
+    history = []
+    bs = min(cfg.batch_size, len(train))
+    for it in range(1, cfg.iterations + 1):
+        idx = torch.randperm(len(train), generator=gen)[:bs]
+        protos = group_prototypes(crop_emb[idx], cfg.group_size, shuffle=True, generator=gen)
+        agent.train()
+        ro = rollout(bundle.embedder, agent, train.feats[idx], protos, bundle.config.env, (s, s),
+                     generator=gen, reward=cfg.reward, gt_boxes=None if gt_all is None else gt_all[idx])
+        out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
+                             cfg.normalize_advantages)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            val_corloc = corloc(localize(bundle, agent, val.feats, val_proto)[-1], val.boxes)
+            rec = {"iteration": it, "losses/entropy": float(out.entropy.detach()),
+                   "charts/return": float(out.mean_return), "val/corloc": val_corloc}
+            history.append(rec)
+            if on_log:
+                on_log(rec)
+            if val_corloc > best[0]:
+                best = (val_corloc, copy.deepcopy(agent.state_dict()), it)
+    bundle.agent_state = {k: v.detach().cpu().clone() for k, v in best[1].items()}
+    return {"val/corloc": best[0], "best_iteration": best[2], "history": history}
+
+
+# ---------------------------------------------------------------- the protocol
+
+@dataclass
+class PhotoTrainSetup:
+    """Stages 1-2 on one class; the defaults are the benchmark's (tuned on validation only)."""
+
+    class_name: str = "mammals"
+    size: int = 224
+    n_train: int = 160
+    n_val: int = 64
+    exemplars: int = 5
+    anchor: str = "shuffle_exemplar"
+    use_prototype: bool = True
+    embedding: EmbeddingTrainConfig = field(default_factory=lambda: EmbeddingTrainConfig(
+        epochs=30, batch_size=32, pairs_per_image=8, lr=1e-4, margin=60.0, recon_weight=0.0, eval_every=5))
+    agent: PhotoAgentConfig = field(default_factory=lambda: PhotoAgentConfig(
+        iterations=200, eval_every=20, entropy_coef=0.5, batch_size=64))
+
+
+def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
+    from models.photo_backbones import photo_config
+
+    cfg = photo_config(size=setup.size)
+    cfg.agent.use_prototype = setup.use_prototype
+    return cfg
+
+
+def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSetup, seed: int,
+                       cache: FeatureCache | None = None, log: Callable[[str, dict], None] | None = None
+                       ) -> Bundle:
+    """Stages 1 and 2 on ``setup.class_name`` -> a trained bundle with provenance (seconds, val metrics)."""
+    setup.embedding.seed = setup.agent.seed = seed
+    t0 = time.perf_counter()
+    bundle = new_bundle(name, photo_model_config(setup), seed)
+    c = setup.class_name
+    train = photo_set(bundle, manifest, c, "train", setup.n_train, seed, crops=True, cache=cache)
+    val = photo_set(bundle, manifest, c, "val", setup.n_val, seed, cache=cache)
+    val_ex = photo_set(bundle, manifest, c, "val", setup.exemplars, seed + 500, crops=True, cache=cache)
+    t1 = time.perf_counter()
+    s1 = train_photo_embedding(bundle, train, val, val_ex, setup.embedding, setup.anchor,
+                               on_log=lambda r: log and log("embedding", r))
+    t2 = time.perf_counter()
+    s2 = train_photo_agent(bundle, train, val, val_ex, setup.agent, on_log=lambda r: log and log("agent", r))
+    t3 = time.perf_counter()
+    bundle.provenance = {
+        "data": f"offline photos (models.photos), class {c}: {setup.n_train} generated training images from the "
+                f"train split, validation {setup.n_val} + {setup.exemplars} exemplars from the val split",
+        "seed": seed, "setup": _plain_setup(setup),
+        "embedding": {k: v for k, v in s1.items() if k != "history"},
+        "agent": {k: v for k, v in s2.items() if k != "history"},
+        "seconds": {"data_and_backbone": round(t1 - t0, 1), "embedding": round(t2 - t1, 1),
+                    "agent": round(t3 - t2, 1)},
+        "history": {"embedding": s1["history"], "agent": s2["history"]},
+    }
+    return bundle
+
+
+def _plain_setup(setup: Any) -> dict:
+    return json.loads(json.dumps(asdict(setup)))
+
+
+@dataclass
+class PhotoTransferSetup:
+    class_name: str
+    exemplars: int = 5
+    unlabeled: int = 64
+    test: int = 48
+    ranking_images: int = 16
+    """The ranking baseline embeds every candidate box (~1k per image): only the first test images."""
+    finetune_iterations: int = 50
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=60, batch_size=32))
+    baselines: bool = True
+
+
+def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransferSetup, seed: int,
+                   cache: FeatureCache | None = None) -> tuple[dict, dict]:
+    """Evaluate ``bundle`` on ``setup.class_name`` before and after adaptation -> (metrics, artifacts)."""
+    c = setup.class_name
+    ex = photo_set(bundle, manifest, c, "train", setup.exemplars, seed + 1000, crops=True, cache=cache)
+    unl = generate(manifest, c, "train", setup.unlabeled, seed=seed + 2000, size=bundle.config.input.size)
+    test = photo_set(bundle, manifest, c, "test", setup.test, seed, cache=cache)
+    proto = prototype_of(bundle, ex)
+    cfg = bundle.config
+    m: dict[str, Any] = {"class": c, "seed": seed, "n_test": len(test)}
+    m.update(ranking_metrics(bundle, test, proto, seed=seed))
+    base = bundle.new_agent()
+    traj_before = localize(bundle, base, test.feats, proto)
+    m["corloc_before"] = corloc(traj_before[-1], test.boxes)
+    if setup.baselines:
+        k = min(setup.ranking_images, len(test))
+        cands = photo_candidates(cfg.input.size, cfg.env.min_side, sides=7, stride=cfg.input.size // 10)
+        m["corloc_ranking"] = corloc(ranking_boxes(bundle, test.feats[:k], proto, cands), test.boxes[:k])
+        m["ranking_images"], m["ranking_candidates"] = k, len(cands)
+        ft = finetune(bundle, ex.labeled(), proto, setup.finetune_iterations,
+                      PolicyConfig(reward="iou", entropy_coef=0.5), seed=seed)
+        m["corloc_finetune"] = corloc(localize(bundle, bundle.new_agent(ft), test.feats, proto)[-1], test.boxes)
+    setup.adapt.seed = seed
+    t0 = time.perf_counter()
+    res = adapt(bundle, proto, unl.images, setup.adapt, device=next(bundle.embedder.parameters()).device)
+    m["adapt_seconds"] = round(time.perf_counter() - t0, 2)
+    traj_after = localize(bundle, bundle.new_agent(res.agent_state), test.feats, proto)
+    m["corloc_after"] = corloc(traj_after[-1], test.boxes)
+    if setup.baselines:
+        m["corloc_after_ranking_subset"] = corloc(traj_after[-1][:k], test.boxes[:k])
+    return m, {"test": test, "prototype": proto, "agent_state": res.agent_state,
+               "trajectory_before": traj_before, "trajectory_after": traj_after}
+
+
+# ---------------------------------------------------------------- speed
+
+@torch.no_grad()
+def measure_speed(bundle: Bundle, images01: Tensor, prototype: Tensor, batch_sizes: tuple[int, ...] = (1, 16),
+                  repeats: int = 5) -> dict[str, float]:
+    """Images/s of a whole greedy localization (backbone once + ``steps`` RoI/head/agent steps) and of
+    the backbone alone, measured alternately in the same process (median over ``repeats`` calls, after
+    one warm-up each; the CPU is shared, so medians resist the other jobs' bursts)."""
+    loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
+    agent = loc.agent()
+    out: dict[str, float] = {"threads": torch.get_num_threads()}
+    for bs in batch_sizes:
+        x = images01[:bs]
+        if len(x) < bs:
+            raise ValueError(f"measure_speed needs at least {bs} images, got {len(images01)}")
+        full, backbone = [], []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            loc.run(x, prototype, agent)
+            t1 = time.perf_counter()
+            loc.embedder.features(normalize(x.to(loc.device), loc.spec))
+            t2 = time.perf_counter()
+            if r:  # the first round warms up
+                full.append(t1 - t0)
+                backbone.append(t2 - t1)
+        out[f"localize_images_per_s_batch{bs}"] = round(bs / statistics.median(full), 2)
+        out[f"backbone_images_per_s_batch{bs}"] = round(bs / statistics.median(backbone), 2)
+    return out
+
+
+# ---------------------------------------------------------------- summaries
+
+METRIC_KEYS = ("ordacc", "ordacc_inst", "spearman", "corloc_before", "corloc_after", "corloc_ranking",
+               "corloc_after_ranking_subset", "corloc_finetune", "adapt_seconds")
+
+
+def mean_std(xs: list[float]) -> dict[str, float]:
+    return {"mean": round(statistics.fmean(xs), 3), "std": round(statistics.stdev(xs), 3) if len(xs) > 1 else 0.0,
+            "n": len(xs)}
+
+
+def summarize(rows: list[dict], train_class: str) -> dict:
+    """Per class mean/std over seeds, and the mean over the *new* classes (each seed's mean, then mean/std)."""
+    keys = [k for k in METRIC_KEYS if k in rows[0]]
+    out: dict = {}
+    for c in dict.fromkeys(r["class"] for r in rows):
+        sel = [r for r in rows if r["class"] == c]
+        out[c] = {k: mean_std([r[k] for r in sel]) for k in keys}
+    seeds = sorted({r["seed"] for r in rows})
+    new = [r for r in rows if r["class"] != train_class]
+    if new:
+        out["mean_new_classes"] = {k: mean_std([statistics.fmean([r[k] for r in new if r["seed"] == s])
+                                                for s in seeds]) for k in keys}
+    return out
+
+
+# ---------------------------------------------------------------- command line (wired into ``models.cli``)
+
+def add_photo_arguments(sp: Any, reproduce: bool) -> None:
+    """The options of ``qloc photo-train`` / ``qloc photo-reproduce`` (defaults = the benchmark's)."""
+    from models.photos import DEFAULT_CACHE
+
+    d = PhotoTrainSetup()
+    sp.add_argument("--cache", default=str(DEFAULT_CACHE), help="photo cache holding manifest.json (fetch-photos)")
+    sp.add_argument("--feature-cache", help="keep backbone features here between runs (tuning only)")
+    sp.add_argument("--class", dest="class_name", default=d.class_name, help="the training class")
+    sp.add_argument("--size", type=int, default=d.size, help="network input side (multiple of 16)")
+    sp.add_argument("--n-train", type=int, default=d.n_train)
+    sp.add_argument("--n-val", type=int, default=d.n_val)
+    sp.add_argument("--anchor", default=d.anchor, choices=EMBEDDING_ANCHORS)
+    sp.add_argument("--epochs", type=int, default=d.embedding.epochs)
+    sp.add_argument("--batch-size", type=int, default=d.embedding.batch_size, help="stage-1 images per step")
+    sp.add_argument("--pairs", type=int, default=d.embedding.pairs_per_image, help="stage-1 box pairs per image")
+    sp.add_argument("--lr", type=float, default=d.embedding.lr, help="stage-1 learning rate")
+    sp.add_argument("--agent-iterations", type=int, default=d.agent.iterations)
+    sp.add_argument("--agent-batch-size", type=int, default=d.agent.batch_size)
+    sp.add_argument("--agent-lr", type=float, default=d.agent.lr)
+    sp.add_argument("--entropy-coef", type=float, default=d.agent.entropy_coef)
+    sp.add_argument("--use-prototype", action=argparse.BooleanOptionalAction, default=d.use_prototype,
+                    help="feed the agent the direction from the current box's embedding to the prototype")
+    if not reproduce:
+        sp.add_argument("--name", help="bundle name (default: the output file's stem)")
+        sp.add_argument("--out", required=True, help="bundle file to write (float16 weights); a .json goes beside it")
+        return
+    t = PhotoTransferSetup("")
+    sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    sp.add_argument("--classes", nargs="+", default=list(PHOTO_CLASSES))
+    sp.add_argument("--unlabeled", type=int, default=t.unlabeled)
+    sp.add_argument("--n-test", type=int, default=t.test)
+    sp.add_argument("--ranking-images", type=int, default=t.ranking_images)
+    sp.add_argument("--finetune-iterations", type=int, default=t.finetune_iterations)
+    sp.add_argument("--adapt-iterations", type=int, default=t.adapt.iterations)
+    sp.add_argument("--adapt-batch-size", type=int, default=t.adapt.batch_size)
+    sp.add_argument("--adapt-lr", type=float, default=t.adapt.lr)
+    sp.add_argument("--speed-repeats", type=int, default=5)
+    sp.add_argument("--out", default="runs/photo")
+
+
+def _setup_from_args(a: Any) -> PhotoTrainSetup:
+    s = PhotoTrainSetup(class_name=a.class_name, size=a.size, n_train=a.n_train, n_val=a.n_val, anchor=a.anchor,
+                        use_prototype=a.use_prototype)
+    e = s.embedding
+    e.epochs, e.batch_size, e.pairs_per_image, e.lr = a.epochs, a.batch_size, a.pairs, a.lr
+    e.eval_every = max(1, min(e.eval_every, a.epochs))
+    g = s.agent
+    g.iterations, g.batch_size, g.lr = a.agent_iterations, a.agent_batch_size, a.agent_lr
+    g.entropy_coef = a.entropy_coef
+    g.eval_every = max(1, min(g.eval_every, a.agent_iterations))
+    return s
+
+
+def _command_line(name: str, a: Any) -> str:
+    """The command with every option spelled out (defaults included), so it reruns the same way."""
+    skip = {"command", "func", "metrics"}
+    parts = [f"qloc {name}"]
+    for k, v in vars(a).items():
+        if k in skip or v is None:
+            continue
+        flag = "--" + ("class" if k == "class_name" else k.replace("_", "-"))
+        if isinstance(v, bool):
+            parts.append(flag if v else f"--no-{flag[2:]}")
+        elif isinstance(v, list):
+            parts.append(f"{flag} {' '.join(map(str, v))}")
+        else:
+            parts.append(f"{flag} {v}")
+    return " ".join(parts)
+
+
+def _environment() -> dict[str, Any]:
+    import os
+    import platform
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _printer(prefix: str) -> Callable[[str, dict], None]:
+    import sys
+
+    def log(stage: str, rec: dict) -> None:
+        vals = {k: round(v, 3) if isinstance(v, float) else v for k, v in rec.items()}
+        print(f"{prefix}{stage} {json.dumps(vals)}", file=sys.stderr, flush=True)
+    return log
+
+
+def photo_train_command(a: Any) -> dict:
+    """``qloc photo-train``: stages 1-2 on one class -> the bundle (float16) and a JSON beside it."""
+    from models.bundle import save_bundle
+    from models.inference import resolve_device
+    from models.photos import load_manifest
+    from models.plots import training_curves
+
+    if a.device != "auto" and resolve_device(a.device).type != "cpu":
+        raise ValueError("the photo commands cache features on the CPU; run them with --device cpu")
+    manifest = load_manifest(a.cache)
+    out = Path(a.out)
+    setup = _setup_from_args(a)
+    t0 = time.perf_counter()
+    bundle = train_photo_bundle(a.name or out.stem, manifest, setup, a.seed, FeatureCache(a.feature_cache),
+                                log=_printer(""))
+    bundle.provenance["command"] = _command_line("photo-train", a)
+    sha = save_bundle(out, bundle, half=True)
+    training_curves(bundle.provenance["history"], out.with_suffix(".curves.png"))
+    info = {"bundle": str(out), "sha256": sha, "bytes": out.stat().st_size, "name": bundle.name,
+            "command": bundle.provenance["command"], "environment": _environment(),
+            "seconds": round(time.perf_counter() - t0, 1), "config": bundle.config.to_dict(),
+            "setup": bundle.provenance["setup"], "data": bundle.provenance["data"],
+            "metrics": {"val/ordacc": bundle.provenance["embedding"]["val/ordacc"],
+                        "best_epoch": bundle.provenance["embedding"]["best_epoch"],
+                        "val/corloc": bundle.provenance["agent"]["val/corloc"],
+                        "best_iteration": bundle.provenance["agent"]["best_iteration"]},
+            "stage_seconds": bundle.provenance["seconds"]}
+    out.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
+    return {k: info[k] for k in ("bundle", "bytes", "metrics", "seconds")}
+
+
+def photo_reproduce_command(a: Any) -> dict:
+    """``qloc photo-reproduce``: for each seed train on one class, transfer to every class; metrics.json,
+    search-path PNGs and the speed numbers under ``--out``."""
+    from models.bundle import save_bundle
+    from models.inference import resolve_device
+    from models.photos import load_manifest
+    from models.plots import search_paths, training_curves
+
+    if a.device != "auto" and resolve_device(a.device).type != "cpu":
+        raise ValueError("the photo commands cache features on the CPU; run them with --device cpu")
+    manifest = load_manifest(a.cache)
+    out_dir = Path(a.out)
+    cache = FeatureCache(a.feature_cache)
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    train_info: dict[str, Any] = {}
+    speed_input: tuple[Bundle, Tensor, Tensor] | None = None
+    for seed in a.seeds:
+        torch.manual_seed(seed)
+        setup = _setup_from_args(a)
+        t0 = time.perf_counter()
+        bundle = train_photo_bundle(f"photo-{setup.class_name}", manifest, setup, seed, cache,
+                                    log=_printer(f"seed {seed} "))
+        train_info[str(seed)] = {"seconds": round(time.perf_counter() - t0, 1), **bundle.provenance["seconds"],
+                                 "val/ordacc": bundle.provenance["embedding"]["val/ordacc"],
+                                 "val/corloc": bundle.provenance["agent"]["val/corloc"]}
+        save_bundle(out_dir / f"seed{seed}" / "bundle.pt", bundle, half=True)
+        training_curves(bundle.provenance["history"], out_dir / f"seed{seed}" / "curves.png")
+        for c in a.classes:
+            ts = PhotoTransferSetup(c, unlabeled=a.unlabeled, test=a.n_test, ranking_images=a.ranking_images,
+                                    finetune_iterations=a.finetune_iterations,
+                                    adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=a.adapt_batch_size,
+                                                      lr=a.adapt_lr))
+            m, art = photo_transfer(bundle, manifest, ts, seed, cache)
+            rows.append(m)
+            _printer(f"seed {seed} ")("transfer", m)
+            k = min(12, len(art["test"]))
+            for tag in ("before", "after"):
+                search_paths(art["test"].images[:k], art[f"trajectory_{tag}"][:, :k], art["test"].boxes[:k],
+                             out_dir / f"seed{seed}" / f"paths_{c}_{tag}.png", cols=6,
+                             title=f"{c} {tag} adaptation: CorLoc {m[f'corloc_{tag}']:.1f} (train {setup.class_name})")
+            if speed_input is None:
+                speed_input = (bundle, art["test"].images, art["prototype"])
+    bs = (1, 16)
+    b, imgs, proto = speed_input
+    imgs = imgs.repeat((16 + len(imgs) - 1) // len(imgs), 1, 1, 1)
+    speed = measure_speed(b, imgs, proto, batch_sizes=bs, repeats=a.speed_repeats)
+    adapt_s = [r["adapt_seconds"] for r in rows]
+    speed["adapt_seconds_mean"] = round(statistics.fmean(adapt_s), 2)
+    result = {"command": _command_line("photo-reproduce", a), "environment": _environment(),
+              "wall_seconds": round(time.perf_counter() - t_start, 1), "train_class": a.class_name,
+              "seeds": a.seeds, "train": train_info, "rows": rows, "summary": summarize(rows, a.class_name),
+              "speed": speed}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    return {"summary": result["summary"], "speed": speed, "wall_seconds": result["wall_seconds"],
+            "metrics": str(out_dir / "metrics.json")}

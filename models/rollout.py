@@ -1,0 +1,107 @@
+"""The box environment, vectorized over the batch, and one agent episode in it (time-major).
+
+All images step together: boxes are a ``[B, 4]`` tensor and each step is one RoIAlign + head call
+on the cached feature map, so the backbone runs once per image per episode.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.distributions import Categorical
+
+from models.actions import apply_actions
+from models.agent import Agent
+from models.boxes import full_image_boxes, paired_iou
+from models.config import EnvConfig
+from models.embedding import RoIEmbedder
+
+REWARDS = ("embedding", "iou", "iou_sign")
+
+
+class Rollout(NamedTuple):
+    """One episode for ``B`` images, ``T`` steps; every field is time-major."""
+
+    boxes: Tensor       # [T+1, B, 4], boxes[0] is the whole image
+    actions: Tensor     # [T, B]
+    log_probs: Tensor   # [T, B] (carry the agent's gradient)
+    entropies: Tensor   # [T, B]
+    rewards: Tensor     # [T, B]
+    distances: Tensor   # [T+1, B] embedding distance of boxes[t] to the prototype
+
+
+class BoxEnv:
+    """Boxes on ``B`` images at once; ``observe`` gives RoI features, embeddings and distances."""
+
+    def __init__(self, embedder: RoIEmbedder, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
+                 size: tuple[float, float], reward: str = "embedding", gt_boxes: Tensor | None = None):
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+        if reward != "embedding" and gt_boxes is None:
+            raise ValueError(f"the {reward!r} reward needs ground-truth boxes")
+        self.embedder, self.feats, self.prototypes = embedder, feats, prototypes  # [B, C, h, w], [B, D]
+        self.cfg, self.width, self.height = cfg, float(size[0]), float(size[1])
+        self.reward_kind, self.gt_boxes = reward, gt_boxes
+        self.boxes = full_image_boxes(feats.shape[0], self.width, self.height, device=feats.device)
+
+    @torch.no_grad()
+    def observe(self) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (RoI features ``[B, C, s, s]``, embeddings ``[B, D]``, distances ``[B]``) of the current boxes."""
+        roi = self.embedder.roi(self.feats, self.boxes[:, None])  # [B, 1, C, s, s]
+        emb = self.embedder.embed_roi(roi)[:, 0]
+        return roi[:, 0], emb, (emb - self.prototypes).norm(dim=-1)
+
+    def step(self, actions: Tensor, dist_before: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Apply ``actions [B]`` -> (roi, embeddings, distances, rewards ``[B]``) after the move."""
+        before = self.boxes
+        self.boxes = apply_actions(before, actions, self.width, self.height, self.cfg.alpha,
+                                   self.cfg.min_side, self.cfg.resize)
+        roi, emb, dist = self.observe()
+        if self.reward_kind == "embedding":
+            reward = dist_before - dist
+        else:
+            gain = paired_iou(self.boxes, self.gt_boxes) - paired_iou(before, self.gt_boxes)
+            reward = gain if self.reward_kind == "iou" else torch.sign(gain)
+        return roi, emb, dist, reward
+
+
+def select_actions(logits: Tensor, deterministic: bool, generator: torch.Generator | None) -> Tensor:
+    """Greedy (argmax) or sampled actions from ``logits [B, A]`` -> ``[B]``."""
+    if deterministic:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
+            size: tuple[float, float], *, deterministic: bool = False,
+            generator: torch.Generator | None = None, reward: str = "embedding",
+            gt_boxes: Tensor | None = None) -> Rollout:
+    """Run ``cfg.steps`` actions from the whole image on every image of ``feats [B, C, h, w]``.
+
+    ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
+    ``log_probs`` and ``entropies``; the frozen embedder is run without gradient.
+    """
+    b = feats.shape[0]
+    if prototypes.dim() == 1:
+        prototypes = prototypes.expand(b, -1)
+    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes)
+    roi, emb, dist = env.observe()
+    h = agent.initial_state(b, device=feats.device)
+    boxes, dists = [env.boxes], [dist]
+    actions, log_probs, entropies, rewards = [], [], [], []
+    for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
+        logits, h = agent(roi, h, emb - prototypes)
+        dist_t = Categorical(logits=logits)
+        a = select_actions(logits.detach(), deterministic, generator)
+        log_probs.append(dist_t.log_prob(a))
+        entropies.append(dist_t.entropy())
+        roi, emb, dist, r = env.step(a, dist)
+        actions.append(a)
+        rewards.append(r)
+        boxes.append(env.boxes)
+        dists.append(dist)
+    return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
+                   torch.stack(rewards), torch.stack(dists))

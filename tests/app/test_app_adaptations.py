@@ -1,0 +1,90 @@
+"""Adaptation jobs through the API without a worker: creation, idempotency, polling, cancel, enqueueing."""
+
+from kombu import Connection
+from service_fixtures import files, png_bytes, row_counts
+
+from app.queue import ADAPT_TASK
+
+
+def make_set(client):
+    return client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()
+
+
+def queued_messages(settings):
+    """The task messages waiting in the (SQLite) broker queue: (task name, job id)."""
+    out = []
+    with Connection(settings.broker_url, transport_options={"connect_args": {"timeout": 30}}) as conn:
+        q = conn.SimpleQueue(settings.queue, no_ack=False)
+        try:
+            while True:
+                msg = q.get(timeout=0.2)
+                out.append((msg.headers["task"], msg.headers["argsrepr"]))
+        except q.Empty:
+            pass
+        finally:
+            q.close()
+    return out
+
+
+def test_create_poll_and_enqueue(client, settings):
+    es = make_set(client)
+    r = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=files(png_bytes(), png_bytes(seed=1)),
+                    data={"iterations": "3", "learning_rate": "0.01", "seed": "7", "activate": "false"})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/adaptations/{job['id']}"
+    assert job["status"] == "queued" and job["progress"] == {"iteration": 0, "total": 3, "mean_reward": None}
+    assert job["params"] == {"iterations": 3, "learning_rate": 0.01, "seed": 7, "activate": False, "num_images": 2,
+                             "base_checkpoint_id": es["active_checkpoint_id"]}
+    assert job["checkpoint_id"] is None and job["started_at"] is None and job["error"] is None
+    assert client.get(f"/v1/adaptations/{job['id']}").json() == job
+    listed = client.get(f"/v1/exemplar-sets/{es['id']}/adaptations").json()
+    assert listed["count"] == 1 and listed["data"][0]["id"] == job["id"]
+    assert queued_messages(settings) == [(ADAPT_TASK, f"['{job['id']}']")]
+    assert 'qloc_jobs{status="queued"} 1.0' in client.get("/metrics").text
+
+
+def test_idempotency_key(client, settings):
+    es = make_set(client)
+    url = f"/v1/exemplar-sets/{es['id']}/adaptations"
+    body = {"files": files(png_bytes(), png_bytes(seed=1)), "data": {"iterations": "3"}}
+    first = client.post(url, headers={"Idempotency-Key": "abc"}, **body)
+    again = client.post(url, headers={"Idempotency-Key": "abc"}, **body)
+    assert first.status_code == again.status_code == 202
+    assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
+    assert again.headers["location"] == first.headers["location"]
+    counts = row_counts(settings.database_url)
+    assert counts["adaptation_jobs"] == 1 and counts["job_images"] == 2
+
+    other = client.post(url, headers={"Idempotency-Key": "abc"}, files=files(png_bytes(seed=5)))
+    assert other.status_code == 409
+    no_key = client.post(url, **body)
+    assert no_key.status_code == 202 and no_key.json()["id"] != first.json()["id"]
+    assert row_counts(settings.database_url)["adaptation_jobs"] == 2
+    assert len(queued_messages(settings)) == 2
+
+
+def test_cancel_queued_job(client):
+    es = make_set(client)
+    job = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=files(png_bytes())).json()
+    r = client.post(f"/v1/adaptations/{job['id']}/cancel")
+    assert r.status_code == 202 and r.json()["status"] == "canceled" and r.json()["cancel_requested"]
+    assert client.get(f"/v1/adaptations/{job['id']}").json()["status"] == "canceled"
+
+
+def test_unreachable_broker_is_503_and_the_job_is_failed(tmp_path, bundle_dir):
+    from fastapi.testclient import TestClient
+    from service_fixtures import make_test_settings, migrate
+
+    from app.main import create_app
+
+    settings = make_test_settings(tmp_path, bundle_dir, broker_url="redis://127.0.0.1:1/0")
+    migrate(settings.database_url)
+    with TestClient(create_app(settings)) as c:
+        ready = c.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["broker"].startswith("error")
+        es = make_set(c)
+        r = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=files(png_bytes()))
+        assert r.status_code == 503
+        jobs = c.get(f"/v1/exemplar-sets/{es['id']}/adaptations").json()["data"]
+        assert [j["status"] for j in jobs] == ["failed"] and "enqueue" in jobs[0]["error"]

@@ -1,0 +1,99 @@
+"""The two ways to run: ``scripts/run`` (the README's run command) and the image / compose file.
+
+No Docker engine runs here: the compose file is parsed and checked, and the image's commands are
+checked to be the modes of ``scripts/run``, which the run command itself is tested with.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from service_fixtures import REPO, VENV_BIN, files, free_port, make_test_settings, png_bytes, settings_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_compose_file_parses_and_runs_the_scripts_modes():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"postgres", "redis", "migrate", "api", "worker"}
+    assert services["migrate"]["command"] == ["scripts/run", "migrate"]
+    assert services["api"]["command"] == ["scripts/run", "api"]
+    assert services["worker"]["command"] == ["scripts/run", "worker"]
+    for name in ("api", "worker"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        env = services[name]["environment"]
+        assert env["QLOC_DATABASE_URL"].startswith("postgresql+psycopg://")
+        assert env["QLOC_BROKER_URL"].startswith("redis://")
+        assert services[name]["build"] == "." and "blobs:/data" in services[name]["volumes"]
+    assert services["migrate"]["restart"] == "no"
+    gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    assert services["api"]["environment"]["QLOC_HOST"] == "0.0.0.0"
+
+
+def test_image_runs_the_run_script():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    cmd = re.findall(r"^CMD (.+)$", dockerfile, re.MULTILINE)
+    assert cmd == ['["scripts/run", "api"]']
+    copied = set(re.findall(r"^COPY (\S+)", dockerfile, re.MULTILINE))
+    assert {"models", "app", "worker", "migrations", "alembic.ini", "bundles", "scripts/run"} <= copied
+    assert "QLOC_BOOTSTRAP=0" in dockerfile  # the image has no virtualenv: scripts/run uses PATH
+
+
+def test_run_script_modes_and_usage():
+    assert subprocess.run(["bash", "-n", str(REPO / "scripts/run")]).returncode == 0
+    r = subprocess.run([str(REPO / "scripts/run"), "nonsense"], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_run_command_serves_api_and_worker_and_stops_both(tmp_path, bundle_dir):
+    """``scripts/run``: migrate, worker, API; a job succeeds; SIGTERM stops API and worker."""
+    settings = make_test_settings(tmp_path, bundle_dir)
+    port = free_port()
+    env = {**os.environ, **settings_env(settings), "QLOC_PORT": str(port), "QLOC_BOOTSTRAP": "0",
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    log = open(tmp_path / "run.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(REPO / "scripts/run")], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()
+            try:
+                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()
+            time.sleep(0.3)
+        with httpx.Client(base_url=base, timeout=60) as c:
+            es = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()
+            job = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=files(png_bytes()),
+                         data={"iterations": "2"}).json()
+            deadline = time.monotonic() + 90
+            while (status := c.get(f"/v1/adaptations/{job['id']}").json()["status"]) in ("queued", "running"):
+                assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()
+                time.sleep(0.3)
+            assert status == "succeeded", (tmp_path / "run.log").read_text()
+        children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) >= 3  # the script, uvicorn, the Celery worker (and its pool process)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        deadline = time.monotonic() + 30
+        while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "API or worker still running after the run command exited"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 0:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        log.close()
+    assert Path(settings.database_url.removeprefix("sqlite:///")).exists()

@@ -1,0 +1,105 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.actions import MNIST_ACTIONS, PHOTO_ACTIONS, apply_actions
+from models.boxes import check_boxes, clip_boxes, pairwise_iou, paired_iou, square_candidates
+
+
+def slow_iou(a, b):
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union
+
+
+def random_boxes(n, size=84.0, gen=None):
+    xy = torch.rand(n, 2, generator=gen) * (size - 10)
+    wh = 1 + torch.rand(n, 2, generator=gen) * (size - xy - 1)
+    return torch.cat([xy, xy + wh], 1)
+
+
+def test_iou_matches_slow_reference():
+    g = torch.Generator().manual_seed(0)
+    a, b = random_boxes(30, gen=g), random_boxes(20, gen=g)
+    fast = pairwise_iou(a, b)
+    for i in range(len(a)):
+        for j in range(len(b)):
+            assert abs(fast[i, j].item() - slow_iou(a[i].tolist(), b[j].tolist())) < 1e-5
+    assert torch.allclose(paired_iou(a[:20], b), fast[torch.arange(20), torch.arange(20)])
+    assert torch.allclose(pairwise_iou(a, a).diagonal(), torch.ones(30))
+
+
+def test_iou_known_values():
+    a = torch.tensor([[0.0, 0, 10, 10]])
+    assert paired_iou(a, torch.tensor([[5.0, 0, 15, 10]])).item() == pytest.approx(50 / 150)
+    assert paired_iou(a, torch.tensor([[20.0, 20, 30, 30]])).item() == 0.0
+
+
+def test_clip_and_check():
+    b = clip_boxes(torch.tensor([[-5.0, -1, 90, 50]]), 84, 84)
+    assert b.tolist() == [[0.0, 0.0, 84.0, 50.0]]
+    check_boxes(b, 84, 84)
+    for bad in ([[5.0, 5, 5, 9]], [[0.0, 0, 90, 9]]):
+        try:
+            check_boxes(torch.tensor(bad), 84, 84)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} should be refused")
+
+
+def test_square_candidates_cover_range():
+    c = square_candidates(84, 28, 76, 4, 4)
+    check_boxes(c, 84, 84)
+    wh = c[:, 2:] - c[:, :2]
+    assert wh.min() >= 14 and wh.max() <= 76
+    assert len(torch.unique(c, dim=0)) == len(c)
+
+
+box_st = st.tuples(st.floats(0, 80), st.floats(0, 80), st.floats(1, 84), st.floats(1, 84)).map(
+    lambda t: (t[0], t[1], min(84.0, t[0] + t[2]), min(84.0, t[1] + t[3]))).filter(
+    lambda b: b[2] - b[0] >= 1 and b[3] - b[1] >= 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(box_st, min_size=1, max_size=8), st.integers(0, PHOTO_ACTIONS - 1), st.integers(0, 12))
+def test_every_action_keeps_boxes_valid(boxes, action, repeat):
+    b = torch.tensor(boxes, dtype=torch.float32)
+    min_side = 28.0
+    for _ in range(repeat + 1):
+        before = b
+        b = apply_actions(b, torch.full((len(b),), action), 84, 84, 0.2, min_side)
+        check_boxes(b, 84, 84)
+        wh, wh0 = b[:, 2:] - b[:, :2], before[:, 2:] - before[:, :2]
+        # A side never falls below the minimum, unless it already was (then it never shrinks).
+        assert bool((wh >= torch.minimum(wh0, torch.full_like(wh0, min_side)) - 1e-3).all())
+
+
+def test_action_semantics():
+    b = torch.tensor([[10.0, 10, 60, 60]])
+
+    def act(a):
+        return apply_actions(b, torch.tensor([a]), 84, 84, 0.2, 28)[0].tolist()
+    assert act(0) == [10, 10, 50, 50]
+    assert act(3) == [20, 20, 60, 60]
+    assert act(4) == [15, 15, 55, 55]
+    assert act(5) == [10, 10, 60, 60]
+    assert act(6) == [0, 10, 50, 60]   # 10 px left, snapped at the border
+    assert act(7) == [20, 10, 70, 60]
+    assert act(9) == [10, 20, 60, 70]
+    assert act(7 + 0) != act(6)
+    small = torch.tensor([[0.0, 0, 30, 30]])
+    assert apply_actions(small, torch.tensor([0]), 84, 84, 0.2, 28)[0].tolist() == [0, 0, 28, 28]
+
+
+def test_batched_actions_equal_per_sample_loop():
+    g = torch.Generator().manual_seed(1)
+    boxes = random_boxes(64, gen=g)
+    actions = torch.randint(0, PHOTO_ACTIONS, (64,), generator=g)
+    batched = apply_actions(boxes, actions, 84, 84, 0.2, 28)
+    for i in range(64):
+        single = apply_actions(boxes[i:i + 1], actions[i:i + 1], 84, 84, 0.2, 28)
+        assert torch.equal(batched[i], single[0])
+    assert MNIST_ACTIONS == 10

@@ -1,0 +1,75 @@
+import math
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from models.metrics import corloc, spearman
+from models.ordinal import group_prototypes, ordinal_accuracy, sample_pairs, triplet_loss
+from models.reinforce import discounted_returns, reinforce_loss
+
+
+def test_discounted_returns_known_answer():
+    r = torch.tensor([[1.0, 0.0], [0.0, 0.0], [2.0, 1.0]])  # [T=3, B=2]
+    g = discounted_returns(r, 0.5)
+    assert g[:, 0].tolist() == [1 + 0.25 * 2, 0 + 0.5 * 2, 2]
+    assert g[:, 1].tolist() == [0.25, 0.5, 1.0]
+
+
+def test_reinforce_gradient_prefers_better_actions():
+    # Two samples took action 0 / 1; only action 0 earned reward: the loss gradient must raise its logit.
+    logits = torch.zeros(1, 2, requires_grad=True)
+    dist = torch.distributions.Categorical(logits=logits.expand(2, 2))
+    actions = torch.tensor([0, 1])
+    log_probs = dist.log_prob(actions)[None]  # [T=1, B=2]
+    out = reinforce_loss(log_probs, dist.entropy()[None], torch.tensor([[1.0, 0.0]]), gamma=0.99,
+                         entropy_coef=0.0, normalize=False)
+    out.loss.backward()
+    assert logits.grad[0, 0] < 0 < logits.grad[0, 1]  # gradient descent raises logit 0
+    assert out.mean_return.item() == pytest.approx(0.5)
+
+
+def test_corloc_known_values():
+    gt = torch.tensor([[0.0, 0, 10, 10]] * 4)
+    pred = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 20], [0, 0, 10, 21], [50, 50, 60, 60]])
+    assert corloc(pred, gt) == 50.0  # IoU 1, 0.5 (counts), 0.476, 0
+
+
+def test_ordacc_known_values():
+    a = torch.zeros(1, 2)
+    pos = torch.tensor([[[1.0, 0], [3.0, 0]]])
+    neg = torch.tensor([[[2.0, 0], [1.0, 0]]])
+    assert ordinal_accuracy(a, pos, neg).item() == 50.0
+    assert triplet_loss(a, pos, neg, margin=1.0).item() == pytest.approx(((1 + 1 - 2) + (1 + 3 - 1)) / 2)
+
+
+def test_spearman_matches_scipy():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 40, generator=g).double()
+    y = (x + torch.randn(5, 40, generator=g)).round(decimals=0)  # ties included
+    ours = spearman(x, y)
+    for i in range(5):
+        assert ours[i].item() == pytest.approx(spearmanr(x[i], y[i]).statistic, abs=1e-9)
+    assert math.isclose(spearman(torch.arange(5.0), -torch.arange(5.0)).item(), -1.0)
+
+
+def test_pair_sampling_orders_by_iou_and_spans_bins():
+    from models.boxes import paired_iou, square_candidates
+
+    cands = square_candidates(84, 28, 76, 4, 4)
+    gt = torch.tensor([[10.0, 20, 38, 48], [50, 50, 78, 78]])
+    p = sample_pairs(gt, cands, 200, generator=torch.Generator().manual_seed(0))
+    assert p.pos.shape == (2, 200, 4)
+    assert bool((p.pos_iou > p.neg_iou).all())
+    assert torch.allclose(paired_iou(p.pos, gt[:, None]), p.pos_iou)
+    bins = (p.neg_iou * 10).floor().unique()
+    assert len(bins) >= 5  # group-based: low-IoU bins are drawn, not only the most common ones
+
+
+def test_shuffle_proto_never_contains_the_image():
+    emb = torch.eye(10) * 100  # image i's embedding is far from all others
+    protos = group_prototypes(emb, 5, shuffle=True, generator=torch.Generator().manual_seed(0))
+    # With shuffle the prototype is the mean of the *other* group: image i's own coordinate is 0.
+    assert bool((protos.diagonal() == 0).all())
+    own = group_prototypes(emb, 5, shuffle=False, generator=torch.Generator().manual_seed(0))
+    assert bool((own.diagonal() == 20).all())

@@ -1,0 +1,280 @@
+"""Fixtures and helpers shared by the service's tests (``tests/app``, ``tests/worker``).
+
+Tests run against real SQL, a real broker and real files: SQLite + Celery's SQLAlchemy transport
+in a temporary directory (the embedded default), and PostgreSQL + Redis on this machine (a fresh
+database and a unique Redis key prefix per run, removed afterwards). PostgreSQL and Redis being
+down is a failure, never a skip: CI starts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from alembic import command
+from alembic.config import Config
+from PIL import Image
+from sqlalchemy import func, select
+
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.tables import AdaptationJob, Checkpoint, Exemplar, ExemplarSet, JobImage
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+PG_ADMIN_URL = os.environ.get("QLOC_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("QLOC_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+TEST_BUNDLES = ("test-digits", "test-other")
+
+
+# --- images
+
+
+def png_bytes(width: int = 84, height: int = 84, mode: str = "L", seed: int = 0, square: bool = True) -> bytes:
+    """A dark image with a bright square (a stand-in for a digit), PNG-encoded."""
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((height, width)) * 40).astype(np.uint8)
+    if square:
+        s = max(2, min(width, height) // 3)
+        y, x = rng.integers(0, height - s + 1), rng.integers(0, width - s + 1)
+        arr[y:y + s, x:x + s] = 230
+    buf = io.BytesIO()
+    Image.fromarray(arr).convert(mode).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def jpeg_bytes(width: int = 60, height: int = 40, seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(png_bytes(width, height, "RGB", seed))).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def files(*blobs: bytes, content_type: str = "image/png", field: str = "files") -> list[tuple[str, Any]]:
+    return [(field, (f"img{i}.png", b, content_type)) for i, b in enumerate(blobs)]
+
+
+# --- settings, database, bundles
+
+
+@pytest.fixture(scope="session")
+def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random-weight bundles in the real format, so tests do not depend on the trained one."""
+    from models.bundle import new_bundle, save_bundle
+    from models.config import mnist_config
+
+    d = tmp_path_factory.mktemp("bundles")
+    for seed, name in enumerate(TEST_BUNDLES):
+        save_bundle(d / f"{name}.pt", new_bundle(name, mnist_config(), seed=seed))
+    return d
+
+
+def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settings:
+    """Embedded-default settings under ``root``, with short job timings."""
+    values: dict[str, Any] = dict(
+        database_url=f"sqlite:///{root}/qloc.db", broker_url=f"sqla+sqlite:///{root}/celery-broker.db",
+        storage_dir=root / "blobs", bundle_dir=bundle_dir, default_bundle=TEST_BUNDLES[0], device="cpu",
+        checkpoint_every=2, default_iterations=4, max_iterations=50, adapt_batch_size=4,
+        heartbeat_interval=0.3, heartbeat_timeout=2.0, reaper_interval=0.5, job_soft_time_limit=120,
+        job_time_limit=150, max_files_per_request=8, max_file_bytes=200_000, max_image_pixels=1_000_000)
+    values.update(overrides)
+    return Settings(**values)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a subprocess read ``settings``."""
+    import json
+
+    env = {}
+    for name, value in settings.model_dump().items():
+        if name == "api_keys":
+            value = ",".join(value)
+        elif isinstance(value, dict):
+            value = json.dumps(value)
+        env[f"QLOC_{name.upper()}"] = str(value)
+    return env
+
+
+def migrate(database_url: str) -> None:
+    cfg = Config(str(REPO / "alembic.ini"))
+    cfg.attributes["database_url"] = database_url
+    cfg.attributes["configure_logger"] = False
+    command.upgrade(cfg, "head")
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    import psycopg
+
+    url = PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        psycopg.connect(url, connect_timeout=5).close()
+    except psycopg.OperationalError as e:  # CI must start PostgreSQL: fail, never skip
+        pytest.fail(f"PostgreSQL is not reachable at {url}: {e}")
+    return url
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for one test; dropped afterwards."""
+    import psycopg
+
+    name = f"qloc_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    url = f"{base}/{name}"
+    migrate(url)
+    yield url
+    with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A unique key prefix on the test Redis for one test; its keys are deleted afterwards."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as e:  # CI must start Redis: fail, never skip
+        pytest.fail(f"Redis is not reachable at {REDIS_URL}: {e}")
+    prefix = f"qloc-test-{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, bundle_dir: Path) -> Settings:
+    """Embedded-default settings in a fresh directory, database migrated."""
+    s = make_test_settings(tmp_path, bundle_dir)
+    migrate(s.database_url)
+    return s
+
+
+@pytest.fixture
+def client(settings: Settings):  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def row_counts(database_url: str) -> dict[str, int]:
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return {t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0
+                    for t in (ExemplarSet, Exemplar, AdaptationJob, JobImage, Checkpoint)}
+    finally:
+        engine.dispose()
+
+
+def stored_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+# --- live processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """The API (uvicorn) and Celery worker processes of one test, configured by ``settings``."""
+
+    def __init__(self, settings: Settings, log_dir: Path):
+        self.settings = settings
+        self.log_dir = log_dir
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+        self.api: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.log_dir / log_name, "ab")  # noqa: SIM115 -- closed with the process
+        # Own session: the whole process group (Celery's pool included) can be killed at once.
+        return subprocess.Popen(args, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start_api(self) -> None:
+        self.api = self._spawn([str(VENV_BIN / "uvicorn"), "--factory", "app.main:create_app", "--host", "127.0.0.1",
+                                "--port", str(self.port), "--log-level", "warning"], "api.log")
+
+    def start_worker(self) -> subprocess.Popen:
+        n = len(self.workers)
+        proc = self._spawn([str(VENV_BIN / "celery"), "-A", "worker.celery_app", "worker", "--loglevel=INFO",
+                            "--concurrency=1", "--pool=prefork", f"--hostname=qloc-test-{n}-{uuid.uuid4().hex[:6]}@%h",
+                            "--without-mingle", "--without-gossip"], f"worker-{n}.log")
+        self.workers.append(proc)
+        return proc
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.api is not None and self.api.poll() is not None:
+                raise AssertionError(f"API exited with {self.api.returncode}:\n{self.logs()}")
+            try:
+                r = httpx.get(f"{self.base_url}/readyz", timeout=5)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as e:
+                last = e
+            time.sleep(0.3)
+        raise AssertionError(f"API not ready after {timeout}s: {last}\n{self.logs()}")
+
+    def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for proc in [*self.workers, *([self.api] if self.api else [])]:
+            self.kill(proc, signal.SIGTERM)
+
+    def logs(self) -> str:
+        out = []
+        for p in sorted(self.log_dir.glob("*.log")):
+            out.append(f"----- {p.name}\n{p.read_text(errors='replace')[-6000:]}")
+        return "\n".join(out)
+
+
+def wait_for_job(client: httpx.Client, job_id: str, states: tuple[str, ...] = ("succeeded", "failed", "canceled"),
+                 timeout: float = 120, stack: Stack | None = None) -> dict:
+    deadline = time.monotonic() + timeout
+    job: dict = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/adaptations/{job_id}").json()
+        if job["status"] in states:
+            return job
+        time.sleep(0.25)
+    raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {job}\n{stack.logs() if stack else ''}")

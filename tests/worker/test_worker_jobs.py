@@ -1,0 +1,240 @@
+"""The job logic without Celery: claim, run ``models.adapt`` with checkpoints, resume, cancel, reap."""
+
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch
+from celery.exceptions import SoftTimeLimitExceeded
+from service_fixtures import files, png_bytes
+from sqlalchemy import select, update
+
+from app.inference import read_checkpoint
+from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
+from worker import jobs
+from worker.context import WorkerContext
+from worker.jobs import AdaptationRun, claim_job, run_adaptation_job
+from worker.reaper import reap_abandoned_jobs
+
+
+@pytest.fixture
+def ctx(settings):
+    c = WorkerContext.create(settings)
+    yield c
+    c.engine.dispose()
+
+
+def new_job(client, set_id=None, **data):
+    if set_id is None:
+        set_id = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9))).json()["id"]
+    data = {"iterations": "5", "seed": "3", **data}
+    r = client.post(f"/v1/exemplar-sets/{set_id}/adaptations", data=data,
+                    files=files(*[png_bytes(84, 84, seed=i) for i in range(3)], png_bytes(120, 90, seed=5)))
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+def checkpoints_of(ctx, job_id):
+    with ctx.session_factory() as s:
+        return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == uuid.UUID(job_id))
+                              .order_by(Checkpoint.iteration)))
+
+
+def job_row(ctx, job_id):
+    with ctx.session_factory() as s:
+        return s.get_one(AdaptationJob, uuid.UUID(job_id))
+
+
+def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
+    job = new_job(client)
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    assert polled["status"] == "succeeded" and polled["attempts"] == 1 and polled["error"] is None
+    assert polled["progress"]["iteration"] == polled["progress"]["total"] == 5
+    assert polled["progress"]["mean_reward"] is not None
+    assert polled["started_at"] <= polled["finished_at"]
+
+    ckpts = checkpoints_of(ctx, job["id"])
+    assert [c.iteration for c in ckpts] == [2, 4, 5]  # every checkpoint_every=2 iterations, and the end
+    assert [c.parent_id for c in ckpts] == [uuid.UUID(job["params"]["base_checkpoint_id"]), ckpts[0].id, ckpts[1].id]
+    assert polled["checkpoint_id"] == str(ckpts[-1].id)
+    es = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}").json()
+    assert es["active_checkpoint_id"] == str(ckpts[-1].id)
+
+    public = client.get(f"/v1/checkpoints/{ckpts[-1].id}").json()
+    assert public["kind"] == "adapted" and public["active"] and public["job_id"] == job["id"]
+    assert set(public["metrics"]) == {"mean_reward"}
+    loaded = ctx.bundles.get(es["bundle"]).bundle
+    agent, meta = read_checkpoint(ctx.store, blob=ckpts[-1].blob, sha256=public["sha256"], bundle=loaded)
+    assert meta["iteration"] == 5 and set(meta["resume"]) >= {"optimizer", "rng", "iteration"}
+
+    r = client.post(f"/v1/exemplar-sets/{job['exemplar_set_id']}/localize", files=files(png_bytes()))
+    assert r.status_code == 200 and r.json()["checkpoint_id"] == str(ckpts[-1].id)
+
+    # a second job starts from the adapted policy: the lineage continues
+    second = new_job(client, job["exemplar_set_id"], iterations="2", activate="false")
+    assert second["params"]["base_checkpoint_id"] == str(ckpts[-1].id)
+    assert run_adaptation_job(ctx, uuid.UUID(second["id"]), worker="test") == "succeeded"
+    (only,) = checkpoints_of(ctx, second["id"])
+    assert only.parent_id == ckpts[-1].id
+    es = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}").json()
+    assert es["active_checkpoint_id"] == str(ckpts[-1].id)  # activate=false
+
+    # rollback: activate the base checkpoint again
+    base = job["params"]["base_checkpoint_id"]
+    assert client.post(f"/v1/checkpoints/{base}/activate").json()["active_checkpoint_id"] == base
+    r = client.post(f"/v1/exemplar-sets/{job['exemplar_set_id']}/localize", files=files(png_bytes()))
+    assert r.json()["checkpoint_id"] == base
+
+
+def test_a_finished_job_is_never_run_again(client, ctx):
+    job = new_job(client, iterations="2")
+    job_id = uuid.UUID(job["id"])
+    assert run_adaptation_job(ctx, job_id, worker="a") == "succeeded"
+    assert run_adaptation_job(ctx, job_id, worker="b") == "skipped"
+    assert len(checkpoints_of(ctx, job["id"])) == 1 and job_row(ctx, job["id"]).attempts == 1
+
+
+def test_claim_is_exclusive_while_the_heartbeat_is_fresh(client, ctx):
+    job_id = uuid.UUID(new_job(client)["id"])
+    assert claim_job(ctx, job_id, worker="a") == 1
+    assert claim_job(ctx, job_id, worker="b") is None
+    with ctx.session_factory.begin() as s:  # the heartbeat goes stale: the job may be taken over
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id)
+                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+    assert claim_job(ctx, job_id, worker="b") == 2
+
+
+class Crash(BaseException):
+    """Stands for the process dying: nothing in the job code catches it."""
+
+
+def test_resume_after_a_crash_continues_from_the_last_checkpoint(client, ctx, monkeypatch):
+    job = new_job(client)
+    job_id = uuid.UUID(job["id"])
+    save = AdaptationRun.save_checkpoint
+
+    def crash_after_the_first_checkpoint(self, iteration, state):
+        save(self, iteration, state)
+        raise Crash
+
+    monkeypatch.setattr(AdaptationRun, "save_checkpoint", crash_after_the_first_checkpoint)
+    with pytest.raises(Crash):
+        run_adaptation_job(ctx, job_id, worker="dies")
+    monkeypatch.setattr(AdaptationRun, "save_checkpoint", save)
+    row = job_row(ctx, job["id"])
+    assert row.status == "running" and row.attempts == 1
+    assert [c.iteration for c in checkpoints_of(ctx, job["id"])] == [2]
+
+    # nothing happens while the heartbeat is fresh; once stale, the reaper requeues the job
+    assert reap_abandoned_jobs(ctx) == ([], [])
+    later = utcnow() + timedelta(seconds=ctx.settings.heartbeat_timeout + 1)
+    assert reap_abandoned_jobs(ctx, now=later) == ([job_id], [])
+    assert job_row(ctx, job["id"]).status == "queued"
+
+    assert run_adaptation_job(ctx, job_id, worker="second") == "succeeded"
+    ckpts = checkpoints_of(ctx, job["id"])
+    assert [c.iteration for c in ckpts] == [2, 4, 5]  # nothing lost, nothing written twice
+    assert ckpts[1].parent_id == ckpts[0].id
+    row = job_row(ctx, job["id"])
+    assert row.attempts == 2 and row.checkpoint_id == ckpts[-1].id
+
+    # the resumed run restored agent, optimizer and random state: same weights as an uninterrupted run
+    ref = new_job(client, job["exemplar_set_id"], activate="false")
+    with ctx.session_factory.begin() as s:  # start from the same policy as the first job
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == uuid.UUID(ref["id"]))
+                  .values(base_checkpoint_id=uuid.UUID(job["params"]["base_checkpoint_id"])))
+    assert run_adaptation_job(ctx, uuid.UUID(ref["id"]), worker="ref") == "succeeded"
+    bundle = ctx.bundles.get(ctx.settings.default_bundle).bundle
+    resumed = read_checkpoint(ctx.store, blob=ckpts[-1].blob, sha256=ckpts[-1].sha256, bundle=bundle)[0]
+    ref_ckpt = checkpoints_of(ctx, ref["id"])[-1]
+    straight = read_checkpoint(ctx.store, blob=ref_ckpt.blob, sha256=ref_ckpt.sha256, bundle=bundle)[0]
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-6)
+
+
+def test_cancel_is_honoured_between_iterations(client, ctx):
+    job = new_job(client, iterations="50")
+    job_id = uuid.UUID(job["id"])
+    calls = []
+
+    def cancel_at_iteration_3(iteration, total, mean_reward):
+        calls.append(iteration)
+        if iteration == 3:
+            assert client.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 202
+
+    run = AdaptationRun  # cancel arrives through the API while the job runs
+    original = run.on_progress
+
+    def on_progress(self, iteration, total, mean_reward):
+        cancel_at_iteration_3(iteration, total, mean_reward)
+        self._last_sync = 0.0  # check the flag now rather than after progress_every_s
+        original(self, iteration, total, mean_reward)
+
+    run.on_progress = on_progress
+    try:
+        assert run_adaptation_job(ctx, job_id, worker="test") == "canceled"
+    finally:
+        run.on_progress = original
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    assert polled["status"] == "canceled" and polled["cancel_requested"] and calls[-1] < 50
+    assert [c.iteration for c in checkpoints_of(ctx, job["id"])] == [2]  # kept, but not activated
+    es = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}").json()
+    assert es["active_checkpoint_id"] == job["params"]["base_checkpoint_id"]
+    assert client.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 409
+
+
+def test_soft_time_limit_fails_the_job_and_keeps_checkpoints(client, ctx, monkeypatch):
+    job = new_job(client)
+    save = AdaptationRun.save_checkpoint
+
+    def time_is_up(self, iteration, state):
+        save(self, iteration, state)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(AdaptationRun, "save_checkpoint", time_is_up)
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "failed"
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    assert polled["status"] == "failed" and "time limit" in polled["error"] and polled["finished_at"]
+    assert [c.iteration for c in checkpoints_of(ctx, job["id"])] == [2]
+
+
+def test_a_run_that_lost_its_lease_writes_nothing(client, ctx):
+    job = new_job(client)
+    job_id = uuid.UUID(job["id"])
+    assert claim_job(ctx, job_id, worker="slow") == 1
+    later = utcnow() + timedelta(seconds=ctx.settings.heartbeat_timeout + 1)
+    assert reap_abandoned_jobs(ctx, now=later) == ([job_id], [])
+    assert claim_job(ctx, job_id, worker="new") == 2
+    with pytest.raises(jobs.LeaseLost):
+        AdaptationRun(ctx, job_id, attempt=1).execute()
+    assert checkpoints_of(ctx, job["id"]) == []
+    row = job_row(ctx, job["id"])
+    assert row.status == "running" and row.worker == "new"
+
+
+def test_jobs_abandoned_too_often_fail(client, ctx):
+    job = new_job(client)
+    job_id = uuid.UUID(job["id"])
+    with ctx.session_factory.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(
+            status="running", attempts=ctx.settings.max_job_attempts, heartbeat_at=utcnow() - timedelta(hours=1)))
+    assert reap_abandoned_jobs(ctx) == ([], [job_id])
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    assert polled["status"] == "failed" and "worker lost" in polled["error"]
+
+    # a redelivered task past the attempt budget fails the job too
+    other = uuid.UUID(new_job(client, job["exemplar_set_id"])["id"])
+    with ctx.session_factory.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == other)
+                  .values(attempts=ctx.settings.max_job_attempts))
+    assert run_adaptation_job(ctx, other, worker="test") == "failed"
+
+
+def test_a_job_of_a_deleted_bundle_fails_with_the_reason(client, ctx, settings):
+    job = new_job(client, iterations="2")
+    with ctx.session_factory.begin() as s:
+        s.execute(update(ExemplarSet).where(ExemplarSet.id == uuid.UUID(job["exemplar_set_id"]))
+                  .values(bundle="gone"))
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "failed"
+    assert "unknown bundle 'gone'" in client.get(f"/v1/adaptations/{job['id']}").json()["error"]

@@ -1,0 +1,269 @@
+"""Adaptation jobs, without Celery: claim a job row, run ``models.adapt`` with checkpoints, finish.
+
+A run owns its job through a lease: claiming sets ``status=running`` and increments ``attempts``,
+whose value is the run's fencing token; every later write of the run requires it. A heartbeat thread
+renews the lease. The reaper (``worker.reaper``) requeues a job whose heartbeat stopped, and the
+next run resumes from the job's latest checkpoint, so a job killed with its worker continues where
+it was and no checkpoint is written twice (``(job_id, iteration)`` is unique).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from celery.exceptions import SoftTimeLimitExceeded
+from PIL import Image
+from sqlalchemy import and_, func, literal, or_, select, update
+from sqlalchemy.orm import Session
+
+from app.inference import prototype_from_bytes, read_checkpoint
+from app.storage import checkpoint_key
+from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, UTCDateTime, utcnow
+from models.adapt import AdaptConfig, adapt
+from models.bundle import policy_to_bytes
+from models.inference import pil_to_tensor, resize_batch
+from worker.context import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(Exception):  # noqa: N818 -- a condition, not a crash
+    """Another run owns the job now (the reaper gave it away): stop without writing anything."""
+
+
+def claim_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) -> int | None:
+    """Take a queued job (or a running one whose worker stopped beating) -> its fencing token, or None."""
+    now = utcnow()
+    stale = now - timedelta(seconds=ctx.settings.heartbeat_timeout)
+    with ctx.session_factory.begin() as s:
+        res = s.execute(
+            update(AdaptationJob)
+            .where(AdaptationJob.id == job_id,
+                   or_(AdaptationJob.status == "queued",
+                       and_(AdaptationJob.status == "running", AdaptationJob.heartbeat_at < stale)))
+            .values(status="running", attempts=AdaptationJob.attempts + 1, worker=worker, heartbeat_at=now,
+                    started_at=func.coalesce(AdaptationJob.started_at, literal(now, UTCDateTime()))))
+        if res.rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        return s.scalar(select(AdaptationJob.attempts).where(AdaptationJob.id == job_id))
+
+
+def _owned(job_id: uuid.UUID, attempt: int) -> Any:
+    return and_(AdaptationJob.id == job_id, AdaptationJob.attempts == attempt, AdaptationJob.status == "running")
+
+
+class Heartbeat:
+    """Renews the run's lease every ``interval`` seconds from a thread, until stopped."""
+
+    def __init__(self, ctx: WorkerContext, job_id: uuid.UUID, attempt: int):
+        self.ctx, self.job_id, self.attempt = ctx, job_id, attempt
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.ctx.settings.heartbeat_interval):
+            try:
+                with self.ctx.session_factory.begin() as s:
+                    res = s.execute(update(AdaptationJob).where(_owned(self.job_id, self.attempt))
+                                    .values(heartbeat_at=utcnow()))
+                if res.rowcount != 1:  # type: ignore[attr-defined]
+                    self.lost = True
+                    return
+            except Exception:  # a database hiccup: try again at the next beat
+                log.exception("heartbeat of job %s failed", self.job_id)
+
+
+class AdaptationRun:
+    """One run of one job under one lease; the callbacks ``adapt`` calls write progress and checkpoints."""
+
+    progress_every_s = 0.5
+    """Progress rows and cancel checks at most this often (``adapt`` calls back every iteration)."""
+
+    def __init__(self, ctx: WorkerContext, job_id: uuid.UUID, attempt: int):
+        self.ctx, self.job_id, self.attempt = ctx, job_id, attempt
+        self.heartbeat: Heartbeat | None = None
+        self.cancel = False
+        self.lost = False
+        self.mean_reward: float | None = None
+        self.iteration = 0
+        self._last_sync = 0.0
+
+    # --- the run
+
+    def execute(self) -> str:
+        ctx = self.ctx
+        with ctx.session_factory() as s:
+            job = s.get_one(AdaptationJob, self.job_id)
+            es = s.get_one(ExemplarSet, job.exemplar_set_id)
+            images = list(s.scalars(select(JobImage).where(JobImage.job_id == self.job_id)
+                                    .order_by(JobImage.position)))
+            start = s.get(Checkpoint, job.base_checkpoint_id) if job.base_checkpoint_id else None
+            latest = s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id)
+                               .order_by(Checkpoint.iteration.desc()).limit(1)).first()
+        self.job, self.exemplar_set = job, es
+        bundle = ctx.bundles.get(es.bundle).bundle
+
+        agent_state = None  # None = the bundle's base policy
+        if start is not None and start.kind != "base":
+            agent_state = read_checkpoint(ctx.store, blob=start.blob or "", sha256=start.sha256, bundle=bundle)[0]
+        resume = None
+        self.parent_id = start.id if start is not None else None
+        self.last_checkpoint_id: uuid.UUID | None = None
+        self.last_iteration = 0
+        if latest is not None:  # a redelivered job: continue from its latest checkpoint
+            agent, meta = read_checkpoint(ctx.store, blob=latest.blob or "", sha256=latest.sha256, bundle=bundle)
+            resume = {**meta["resume"], "agent": agent}
+            self.parent_id = self.last_checkpoint_id = latest.id
+            self.last_iteration = self.iteration = latest.iteration
+            self.mean_reward = latest.metrics.get("mean_reward")
+            log.info("job %s resumes from checkpoint %s at iteration %d", self.job_id, latest.id, latest.iteration)
+        self.bundle = bundle
+
+        if self.last_iteration < job.iterations:
+            pils = [Image.open(io.BytesIO(ctx.store.read_verified(im.blob, im.sha256))) for im in images]
+            tensors = [pil_to_tensor(im, bundle.config.input.channels) for im in pils]
+            images01, _ = resize_batch(tensors, bundle.config.input.size)  # [N, C, S, S] in [0, 1]
+            cfg = AdaptConfig(iterations=job.iterations, lr=job.learning_rate, seed=job.seed,
+                              checkpoint_every=ctx.settings.checkpoint_every,
+                              batch_size=min(ctx.settings.adapt_batch_size, len(images)))
+            result = adapt(bundle, prototype_from_bytes(es.prototype), images01, cfg, agent_state=agent_state,
+                           resume=resume, on_progress=self.on_progress, on_checkpoint=self.on_checkpoint,
+                           should_stop=self.should_stop, device=ctx.settings.device)
+            if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
+                raise LeaseLost
+            if result.stopped:
+                return self.finish("canceled", error="canceled on request")
+            self.mean_reward = result.mean_reward
+            if result.iteration > self.last_iteration:  # adapt did not checkpoint its final state
+                self.save_checkpoint(result.iteration, {"iteration": result.iteration, "agent": result.agent_state})
+        return self.finish("succeeded")
+
+    # --- callbacks from ``adapt``
+
+    def on_progress(self, iteration: int, total: int, mean_reward: float) -> None:
+        self.iteration, self.mean_reward = iteration, float(mean_reward)
+        if time.monotonic() - self._last_sync >= self.progress_every_s or iteration >= total:
+            self._sync()
+
+    def should_stop(self) -> bool:
+        if time.monotonic() - self._last_sync >= self.progress_every_s:
+            self._sync()
+        return self.cancel or self.lost or (self.heartbeat is not None and self.heartbeat.lost)
+
+    def on_checkpoint(self, state: dict[str, Any]) -> None:
+        self.save_checkpoint(int(state["iteration"]), state)
+
+    # --- writes
+
+    def _sync(self) -> None:
+        """Write progress (and renew the lease); read the cancel flag."""
+        self._last_sync = time.monotonic()
+        with self.ctx.session_factory.begin() as s:
+            res = s.execute(update(AdaptationJob).where(_owned(self.job_id, self.attempt)).values(
+                progress_iteration=self.iteration, mean_reward=self.mean_reward, heartbeat_at=utcnow()))
+            if res.rowcount != 1:  # type: ignore[attr-defined]
+                self.lost = True
+                return
+            self.cancel = bool(s.scalar(select(AdaptationJob.cancel_requested)
+                                        .where(AdaptationJob.id == self.job_id)))
+
+    def save_checkpoint(self, iteration: int, state: dict[str, Any]) -> None:
+        """File first (atomic), then its row; a run never rewrites an iteration it already recorded."""
+        if iteration <= self.last_iteration:
+            return
+        es = self.exemplar_set
+        key = checkpoint_key(es.id, self.job_id, iteration)
+        metrics = {"mean_reward": self.mean_reward}
+        meta = {"job_id": str(self.job_id), "iteration": iteration, "metrics": metrics,
+                "resume": {k: v for k, v in state.items() if k != "agent"}}
+        with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
+            if not self._still_owned(s):
+                raise LeaseLost
+        sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta))
+        ckpt_id = uuid.uuid4()
+        with self.ctx.session_factory.begin() as s:
+            if not self._still_owned(s):
+                raise LeaseLost
+            s.add(Checkpoint(id=ckpt_id, exemplar_set_id=es.id, parent_id=self.parent_id, job_id=self.job_id,
+                             kind="adapted", iteration=iteration, sha256=sha, metrics=metrics, blob=key))
+            s.flush()
+            s.execute(update(AdaptationJob).where(AdaptationJob.id == self.job_id).values(
+                checkpoint_id=ckpt_id, progress_iteration=iteration, mean_reward=self.mean_reward,
+                heartbeat_at=utcnow()))
+        self.parent_id = self.last_checkpoint_id = ckpt_id
+        self.last_iteration = self.iteration = iteration
+
+    def _still_owned(self, s: Session) -> bool:
+        owned = s.scalar(select(func.count()).select_from(AdaptationJob).where(_owned(self.job_id, self.attempt)))
+        if not owned:
+            self.lost = True
+        return bool(owned)
+
+    def finish(self, status: str, *, error: str | None = None) -> str:
+        """Record the outcome; on success, make the final checkpoint the set's active policy (unless told not)."""
+        now = utcnow()
+        values: dict[str, Any] = {"status": status, "finished_at": now, "heartbeat_at": now, "error": error,
+                                  "progress_iteration": self.iteration, "mean_reward": self.mean_reward}
+        if self.last_checkpoint_id is not None:
+            values["checkpoint_id"] = self.last_checkpoint_id
+        with self.ctx.session_factory.begin() as s:
+            res = s.execute(update(AdaptationJob).where(_owned(self.job_id, self.attempt)).values(**values))
+            if res.rowcount != 1:  # type: ignore[attr-defined]
+                raise LeaseLost
+            if status == "succeeded" and self.job.activate and self.last_checkpoint_id is not None:
+                s.execute(update(ExemplarSet).where(ExemplarSet.id == self.exemplar_set.id)
+                          .values(active_checkpoint_id=self.last_checkpoint_id))
+        log.info("job %s %s (attempt %d)", self.job_id, status, self.attempt)
+        return status
+
+
+def fail_job(ctx: WorkerContext, job_id: uuid.UUID, attempt: int, error: str) -> None:
+    with ctx.session_factory.begin() as s:
+        s.execute(update(AdaptationJob).where(_owned(job_id, attempt)).values(
+            status="failed", error=error[:2000], finished_at=utcnow()))
+
+
+def run_adaptation_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) -> str:
+    """Claim and run one job -> its outcome (``succeeded``, ``failed``, ``canceled``, or ``skipped`` / ``lost``).
+
+    Safe to call any number of times for the same job: only one run at a time holds it, and a
+    finished job is never run again.
+    """
+    attempt = claim_job(ctx, job_id, worker=worker)
+    if attempt is None:
+        log.info("job %s is not claimable (finished, canceled, or owned by a live worker): skipped", job_id)
+        return "skipped"
+    if attempt > ctx.settings.max_job_attempts:
+        fail_job(ctx, job_id, attempt, f"gave up after {attempt - 1} attempts (worker lost each time)")
+        return "failed"
+    run = AdaptationRun(ctx, job_id, attempt)
+    try:
+        with Heartbeat(ctx, job_id, attempt) as hb:
+            run.heartbeat = hb
+            return run.execute()
+    except LeaseLost:
+        log.warning("job %s: lease lost, another run owns it now", job_id)
+        return "lost"
+    except SoftTimeLimitExceeded:
+        fail_job(ctx, job_id, attempt, f"time limit exceeded ({ctx.settings.job_soft_time_limit:g} s); "
+                                       "checkpoints written so far are kept")
+        return "failed"
+    except Exception as e:
+        log.exception("job %s failed", job_id)
+        fail_job(ctx, job_id, attempt, f"{type(e).__name__}: {e}")
+        return "failed"
