@@ -6,16 +6,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from models.boxes import square_candidates
 from models.bundle import Bundle
 from models.train_agent import PolicyConfig, features_of, policy_step
-from models.train_embedding import LabeledImages, candidate_boxes
+from models.train_embedding import LabeledImages
+
+
+def ranking_candidates(bundle: Bundle, per_side: int = 14) -> Tensor:
+    """Dense squares for the ranking baseline: ``per_side`` positions and sizes per axis -> ``[K, 4]``."""
+    size = bundle.config.input.size
+    step = max(2, round(size / per_side))
+    return square_candidates(size, int(bundle.config.env.min_side), int(size * 0.9), side_step=step, stride=step)
 
 
 @torch.no_grad()
 def ranking(bundle: Bundle, images01: Tensor, prototype: Tensor, candidates: Tensor | None = None,
             batch: int = 16, chunk: int = 2048) -> Tensor:
-    """For each image ``[N, C, S, S]`` the candidate box nearest ``prototype [D]`` -> ``[N, 4]``."""
-    cands = candidate_boxes(bundle) if candidates is None else candidates  # [K, 4]
+    """For each image ``[N, C, S, S]`` the candidate box nearest ``prototype [D]`` -> ``[N, 4]``.
+
+    Every candidate costs one RoIAlign + head call on the cached feature map (the backbone runs once
+    per image), so the default grid is coarser than stage 1's: a 6-pixel grid on an 84-pixel image.
+    """
+    cands = ranking_candidates(bundle) if candidates is None else candidates  # [K, 4]
     dev = next(bundle.embedder.parameters()).device
     cands, proto = cands.to(dev), prototype.to(dev)
     out = []

@@ -74,7 +74,7 @@ class TransferSetup:
     exemplars: int = 5
     unlabeled: int = 500
     test: int = 500
-    ranking_images: int = 200
+    ranking_images: int = 100
     finetune_iterations: int = 100
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=100, batch_size=64))
     baselines: bool = True

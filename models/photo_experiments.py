@@ -327,9 +327,9 @@ class PhotoTrainSetup:
     anchor: str = "shuffle_exemplar"
     use_prototype: bool = True
     embedding: EmbeddingTrainConfig = field(default_factory=lambda: EmbeddingTrainConfig(
-        epochs=30, batch_size=32, pairs_per_image=8, lr=1e-4, margin=60.0, recon_weight=0.0, eval_every=5))
+        epochs=15, batch_size=32, pairs_per_image=8, lr=1e-3, margin=60.0, recon_weight=0.0, eval_every=5))
     agent: PhotoAgentConfig = field(default_factory=lambda: PhotoAgentConfig(
-        iterations=200, eval_every=20, entropy_coef=0.5, batch_size=64))
+        iterations=120, eval_every=20, lr=3e-3, entropy_coef=0.1, batch_size=32))
 
 
 def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
@@ -378,12 +378,12 @@ def _plain_setup(setup: Any) -> dict:
 class PhotoTransferSetup:
     class_name: str
     exemplars: int = 5
-    unlabeled: int = 64
-    test: int = 48
-    ranking_images: int = 16
-    """The ranking baseline embeds every candidate box (~1k per image): only the first test images."""
-    finetune_iterations: int = 50
-    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=60, batch_size=32))
+    unlabeled: int = 32
+    test: int = 32
+    ranking_images: int = 12
+    """The ranking baseline embeds every candidate box (~1.8k per image): only the first test images."""
+    finetune_iterations: int = 30
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=30, batch_size=16))
     baselines: bool = True
 
 

@@ -258,8 +258,11 @@ class Stack:
             proc.wait(timeout=10)
 
     def stop(self) -> None:
-        for proc in [*self.workers, *([self.api] if self.api else [])]:
-            self.kill(proc, signal.SIGTERM)
+        # The tests are over: no need for the workers' warm shutdown (the run command's test covers it).
+        for proc in self.workers:
+            self.kill(proc, signal.SIGKILL)
+        if self.api is not None:
+            self.kill(self.api, signal.SIGTERM)
 
     def logs(self) -> str:
         out = []

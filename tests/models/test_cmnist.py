@@ -25,7 +25,7 @@ def test_backgrounds_deterministic_and_boxed(background):
     b = generate(CMnistSpec(3, "train", 8, background, seed=5))
     c = generate(CMnistSpec(3, "train", 8, background, seed=6))
     assert torch.equal(a.images, b.images) and not torch.equal(a.images, c.images)
-    assert a.images.shape == (8, 1, 84, 84) and 0 <= a.images.min() and a.images.max() <= 1
+    assert a.images.shape == (8, 1, 84, 84) and a.images.min() >= 0 and a.images.max() <= 1
     wh = a.boxes[:, 2:] - a.boxes[:, :2]
     assert bool((wh == 28).all()) and bool((a.boxes >= 0).all()) and bool((a.boxes <= 84).all())
     if background == "patch":

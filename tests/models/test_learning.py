@@ -6,9 +6,9 @@ import torch
 from models.bundle import new_bundle
 from models.config import mnist_config
 from models.experiments import cmnist
+from models.inference import Localizer
 from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
 from models.train_embedding import EmbeddingTrainConfig, evaluate_ordacc, train_embedding
-from models.inference import Localizer
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ from models.metrics import spearman
 from models.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
 
 SIZE = 64
+EMBED = 32
 COLORS = {"mammals": (200, 120, 40), "birds": (40, 90, 220), "fish": (230, 230, 40)}
 
 
@@ -56,13 +57,15 @@ def manifest(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def no_pretrained_weights(monkeypatch):
-    """Random backbone weights: the tests must not need the ImageNet weights package."""
+def tiny_networks(monkeypatch):
+    """Random backbone weights (no ImageNet weights package needed) and a small head, for speed."""
     real = pe.photo_model_config
 
     def cfg(setup):
         c = real(setup)
         c.encoder.options = {**c.encoder.options, "pretrained": False}
+        c.head.hidden, c.head.out_features = 64, EMBED
+        c.agent.embed_dim = EMBED
         return c
     monkeypatch.setattr(pe, "photo_model_config", cfg)
 
@@ -93,7 +96,7 @@ def test_pipeline_smoke(manifest, anchor):
     prov = bundle.provenance
     assert 0 <= prov["embedding"]["val/ordacc"] <= 100 and 0 <= prov["agent"]["val/corloc"] <= 100
     assert bundle.config.agent.use_prototype == setup.use_prototype
-    ts = pe.PhotoTransferSetup("birds", unlabeled=6, test=6, ranking_images=2, finetune_iterations=2)
+    ts = pe.PhotoTransferSetup("birds", unlabeled=6, test=6, ranking_images=1, finetune_iterations=2)
     ts.adapt.iterations, ts.adapt.batch_size = 2, 4
     m, art = pe.photo_transfer(bundle, manifest, ts, seed=0)
     for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "ordacc", "ordacc_inst"):
@@ -132,7 +135,7 @@ def test_speed_reports_both_throughputs(manifest):
     from models.bundle import new_bundle
 
     bundle = new_bundle("x", pe.photo_model_config(pe.PhotoTrainSetup(size=SIZE)), seed=1)
-    out = pe.measure_speed(bundle, torch.rand(2, 3, SIZE, SIZE), torch.zeros(1024), batch_sizes=(1, 2), repeats=1)
+    out = pe.measure_speed(bundle, torch.rand(2, 3, SIZE, SIZE), torch.zeros(EMBED), batch_sizes=(1, 2), repeats=1)
     assert out["localize_images_per_s_batch2"] > 0 and out["backbone_images_per_s_batch1"] > 0
 
 
