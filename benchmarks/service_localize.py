@@ -20,9 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 from _client import client, multipart, percentiles, to_png  # noqa: E402
 
 from models.experiments import cmnist  # noqa: E402
+from models.metrics import corloc  # noqa: E402
 from models.train_agent import exemplar_crops  # noqa: E402
 
 
@@ -37,6 +39,17 @@ def latency(c, url: str, images: list[bytes], batch: int, requests: int, warmup:
         if i >= warmup:
             times.append(dt)
     return {"images_per_request": batch, **percentiles(times)}
+
+
+def api_corloc(c, url: str, digit: int, n: int, batch: int = 50) -> dict:
+    """CorLoc of the boxes the API returns for ``n`` test images (the CLI's ``evaluate`` draws the same ones)."""
+    test = cmnist(digit, "test", n, seed=0)
+    boxes = []
+    for i in range(0, n, batch):
+        r = c.post(url, files=multipart([to_png(t) for t in test.images[i:i + batch]]))
+        r.raise_for_status()
+        boxes += [res["box"] for res in r.json()["results"]]
+    return {"images": n, "corloc": corloc(torch.tensor(boxes), test.boxes)}
 
 
 def throughput(base: str, api_key: str | None, url: str, images: list[bytes], clients: int, batch: int,
@@ -84,6 +97,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--throughput-batch", type=int, default=1)
     p.add_argument("--seconds", type=float, default=15.0, help="per concurrency level")
+    p.add_argument("--corloc-images", type=int, default=500,
+                   help="CorLoc through the API on this many test images (compare: qloc evaluate --n-test N)")
     p.add_argument("--out")
     a = p.parse_args()
 
@@ -100,6 +115,7 @@ def main() -> None:
         es = r.json()
         url = f"/v1/exemplar-sets/{es['id']}/localize"
         result = {"url": a.url, "bundle": es["bundle"], "digit": a.digit,
+                  "corloc": api_corloc(c, url, a.digit, a.corloc_images),
                   "latency": [latency(c, url, images, b, a.requests) for b in a.batches]}
         result["throughput"] = [throughput(a.url, a.api_key, url, images, n, a.throughput_batch, a.seconds)
                                 for n in a.clients]

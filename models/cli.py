@@ -24,7 +24,7 @@ from models.experiments import TrainSetup, TransferSetup, cmnist, train_bundle, 
 from models.inference import Localizer, resolve_device
 from models.plots import search_paths, training_curves
 from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
-from models.train_embedding import EmbeddingTrainConfig, evaluate_ordacc, train_embedding
+from models.train_embedding import EmbeddingTrainConfig, ordacc_all, train_embedding
 
 
 def _seed_all(seed: int) -> None:
@@ -114,8 +114,8 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
     agent = bundle.new_agent(state)
     out = {"digit": a.digit, "background": a.background, "n_test": a.n_test, "policy": a.policy or "base"}
     out["corloc"], _ = evaluate_corloc(bundle, agent, test, proto, deterministic=not a.sampled, seed=a.seed)
-    out["ordacc_proto"] = evaluate_ordacc(bundle, test, anchor="proto", seed=a.seed)
-    out["ordacc_inst"] = evaluate_ordacc(bundle, test, anchor="inst", seed=a.seed)
+    acc = ordacc_all(bundle, test, ("proto", "inst"), seed=a.seed)
+    out["ordacc_proto"], out["ordacc_inst"] = acc["proto"], acc["inst"]
     if a.figure:
         k = min(18, a.n_test)
         ro = loc.run(test.images[:k], proto, agent.eval())
@@ -167,6 +167,7 @@ def cmd_reproduce(a: argparse.Namespace) -> dict:
                 iou_bundles[reward] = _retrain_agent(bundle, setup, seed, reward)
         for digit, bg in tqdm(targets, desc=f"seed {seed}", file=sys.stderr, leave=False):
             ts = TransferSetup(digit, bg, unlabeled=a.unlabeled, test=a.n_test,
+                               finetune_iterations=a.finetune_iterations,
                                adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=64))
             m, art = transfer(bundle, ts, seed)
             m["train_seconds"] = round(train_s, 1)
@@ -219,7 +220,7 @@ def cmd_photo(a: argparse.Namespace) -> dict:
     """photo-train / photo-reproduce: the photo protocol of ``models.photo_experiments``."""
     from models import photo_experiments as pe
 
-    torch.set_num_threads(min(2, torch.get_num_threads()))  # the benchmark machine: 2 shared cores
+    torch.set_num_threads(a.threads)
     return pe.photo_train_command(a) if a.command == "photo-train" else pe.photo_reproduce_command(a)
 
 
@@ -283,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--adapt-iterations", type=int, default=100)
     sp.add_argument("--unlabeled", type=int, default=500)
     sp.add_argument("--n-test", type=int, default=500)
+    sp.add_argument("--finetune-iterations", type=int, default=100)
     sp.add_argument("--ablation", action="store_true", help="also train agents with the IoU rewards")
     sp.add_argument("--out", default="runs/reproduce")
     sp.set_defaults(func=cmd_reproduce)

@@ -22,7 +22,7 @@ from models.config import ModelConfig, mnist_config
 from models.inference import Localizer
 from models.metrics import corloc
 from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
-from models.train_embedding import EmbeddingTrainConfig, LabeledImages, evaluate_ordacc, train_embedding
+from models.train_embedding import EmbeddingTrainConfig, LabeledImages, ordacc_all, train_embedding
 
 
 def cmnist(digit: int, split: str, n: int, background: str = "patch", seed: int = 0, offset: int = 0
@@ -92,8 +92,8 @@ def transfer(bundle: Bundle, setup: TransferSetup, seed: int) -> tuple[dict, dic
     proto = loc.prototype(exemplar_crops(ex))
     base = bundle.new_agent()
     m: dict = {"digit": d, "background": bg, "seed": seed}
-    m["ordacc_proto"] = evaluate_ordacc(bundle, test, anchor="proto", seed=seed)
-    m["ordacc_inst"] = evaluate_ordacc(bundle, test, anchor="inst", seed=seed)
+    acc = ordacc_all(bundle, test, ("proto", "inst"), seed=seed)
+    m["ordacc_proto"], m["ordacc_inst"] = acc["proto"], acc["inst"]
     m["corloc_before"], boxes_before = evaluate_corloc(bundle, base, test, proto)
     if setup.sampled:
         m["corloc_before_sampled"], _ = evaluate_corloc(bundle, base, test, proto, deterministic=False, seed=seed)

@@ -124,13 +124,16 @@ class Localizer:
 
     @torch.no_grad()
     def run(self, images01: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
-            generator: torch.Generator | None = None) -> Rollout:
-        """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``."""
+            generator: torch.Generator | None = None, rewards: bool = False) -> Rollout:
+        """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``.
+
+        Only the final box is embedded (its distance is the score) unless ``rewards`` asks for every step's.
+        """
         images = normalize(images01.to(self.device), self.spec)
         feats = self.embedder.features(images)  # the one backbone pass of this episode
         s = float(self.spec.size)
         return rollout(self.embedder, agent, feats, prototype.to(self.device), self.bundle.config.env, (s, s),
-                       deterministic=deterministic, generator=generator)
+                       deterministic=deterministic, generator=generator, rewards=rewards)
 
     def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
                  agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,

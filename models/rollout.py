@@ -47,9 +47,14 @@ class BoxEnv:
         self.boxes = full_image_boxes(feats.shape[0], self.width, self.height, device=feats.device)
 
     @torch.no_grad()
-    def observe(self) -> tuple[Tensor, Tensor, Tensor]:
-        """-> (RoI features ``[B, C, s, s]``, embeddings ``[B, D]``, distances ``[B]``) of the current boxes."""
+    def observe(self, embed: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """-> (RoI features ``[B, C, s, s]``, embeddings ``[B, D]``, distances ``[B]``) of the current boxes.
+
+        With ``embed=False`` only the RoI features (the head is skipped; embeddings and distances are None).
+        """
         roi = self.embedder.roi(self.feats, self.boxes[:, None])  # [B, 1, C, s, s]
+        if not embed:
+            return roi[:, 0], None, None
         emb = self.embedder.embed_roi(roi)[:, 0]
         return roi[:, 0], emb, (emb - self.prototypes).norm(dim=-1)
 
@@ -78,12 +83,18 @@ def select_actions(logits: Tensor, deterministic: bool, generator: torch.Generat
 def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
             size: tuple[float, float], *, deterministic: bool = False,
             generator: torch.Generator | None = None, reward: str = "embedding",
-            gt_boxes: Tensor | None = None) -> Rollout:
+            gt_boxes: Tensor | None = None, rewards: bool = True) -> Rollout:
     """Run ``cfg.steps`` actions from the whole image on every image of ``feats [B, C, h, w]``.
 
     ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
     ``log_probs`` and ``entropies``; the frozen embedder is run without gradient.
+    ``rewards=False`` (inference) embeds only the final box when the agent does not look at the
+    prototype: ``rewards`` are then zeros and ``distances`` NaN but for the last step.
     """
+    if not rewards and agent.cfg.use_prototype:
+        rewards = True  # the agent's input needs every step's embedding anyway
+    if not rewards:
+        return _inference_rollout(embedder, agent, feats, prototypes, cfg, size, deterministic, generator)
     b = feats.shape[0]
     if prototypes.dim() == 1:
         prototypes = prototypes.expand(b, -1)
@@ -105,3 +116,32 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
         dists.append(dist)
     return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
                    torch.stack(rewards), torch.stack(dists))
+
+
+def _inference_rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
+                       size: tuple[float, float], deterministic: bool,
+                       generator: torch.Generator | None) -> Rollout:
+    """``rollout`` without rewards: RoIAlign every step, the projection head on the final box only."""
+    b = feats.shape[0]
+    if prototypes.dim() == 1:
+        prototypes = prototypes.expand(b, -1)
+    env = BoxEnv(embedder, feats, prototypes, cfg, size)
+    roi, _, _ = env.observe(embed=False)
+    h = agent.initial_state(b, device=feats.device)
+    boxes, actions, log_probs, entropies = [env.boxes], [], [], []
+    for _ in range(cfg.steps):
+        logits, h = agent(roi, h)
+        dist_t = Categorical(logits=logits)
+        a = select_actions(logits, deterministic, generator)
+        log_probs.append(dist_t.log_prob(a))
+        entropies.append(dist_t.entropy())
+        env.boxes = apply_actions(env.boxes, a, env.width, env.height, cfg.alpha, cfg.min_side, cfg.resize)
+        roi, _, _ = env.observe(embed=False)
+        actions.append(a)
+        boxes.append(env.boxes)
+    _, _, final = env.observe()
+    distances = torch.full((cfg.steps + 1, b), float("nan"), device=feats.device)
+    distances[-1] = final
+    zeros = torch.zeros(cfg.steps, b, device=feats.device)
+    return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
+                   zeros, distances)

@@ -61,23 +61,34 @@ def evaluate_ordacc(bundle: Bundle, data: LabeledImages, anchor: str = "proto", 
                     pairs: int = 32, seed: int = 0, batch: int = 100) -> float:
     """OrdAcc (%) on ``data``: ``inst`` anchors on each image's own ground truth, ``proto`` on the
     prototype of a *different* group of ``group_size`` images (as at test time)."""
+    return ordacc_all(bundle, data, (anchor,), group_size, pairs, seed, batch)[anchor]
+
+
+@torch.no_grad()
+def ordacc_all(bundle: Bundle, data: LabeledImages, anchors: tuple[str, ...] = ("proto", "inst"),
+               group_size: int = 5, pairs: int = 32, seed: int = 0, batch: int = 100) -> dict[str, float]:
+    """OrdAcc (%) for several anchors from one pass over ``data`` -> ``{anchor: ordacc}``."""
     emb = bundle.embedder.eval()
     gen = torch.Generator().manual_seed(seed)
     dev = next(emb.parameters()).device
-    cands = candidate_boxes(bundle).to(dev)
+    cands = candidate_boxes(bundle)
     gts, poss, negs = [], [], []
     for i in range(0, len(data.images), batch):
         x = normalize(data.images[i:i + batch].to(dev), bundle.config.input)
-        gt = data.boxes[i:i + batch].to(dev)
-        feats = emb.features(x)
-        p = sample_pairs(gt.cpu(), cands.cpu(), pairs, generator=gen)
-        out = emb.embed(feats, torch.cat([gt[:, None], p.pos.to(dev), p.neg.to(dev)], 1))  # [b, 1+2P, D]
+        gt = data.boxes[i:i + batch]
+        p = sample_pairs(gt, cands, pairs, generator=gen)
+        out = emb.embed(emb.features(x), torch.cat([gt[:, None], p.pos, p.neg], 1).to(dev))  # [b, 1+2P, D]
         gts.append(out[:, 0])
         poss.append(out[:, 1:1 + pairs])
         negs.append(out[:, 1 + pairs:])
     gt_emb, pos, neg = torch.cat(gts), torch.cat(poss), torch.cat(negs)
-    a = gt_emb if anchor == "inst" else anchors_for("shuffle_proto", gt_emb, group_size, gen)
-    return float(ordinal_accuracy(a, pos, neg))
+    result = {}
+    for anchor in anchors:
+        if anchor not in ("proto", "inst"):
+            raise ValueError(f"OrdAcc anchor must be 'proto' or 'inst', got {anchor!r}")
+        a = gt_emb if anchor == "inst" else anchors_for("shuffle_proto", gt_emb, group_size, gen)
+        result[anchor] = float(ordinal_accuracy(a, pos, neg))
+    return result
 
 
 def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig,

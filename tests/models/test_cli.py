@@ -38,7 +38,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert 0 <= r["corloc"] <= 100 and fig.stat().st_size > 1000
     out = tmp_path / "repro"
     r = run(capsys, "reproduce", "new-digits", "--seeds", 0, 1, "--digits", 2, "--epochs", 1, "--agent-iterations", 2,
-            "--adapt-iterations", 2, "--unlabeled", 16, "--n-test", 12, "--ablation", "--out", out)
+            "--adapt-iterations", 2, "--unlabeled", 16, "--n-test", 12, "--finetune-iterations", 3, "--ablation",
+            "--out", out)
     summary = r["summary"]
     assert set(summary) == {"2", "mean"} and summary["mean"]["corloc_after"]["n"] == 2
     assert {"corloc_before", "corloc_finetune", "corloc_ranking", "ordacc_proto"} <= set(summary["2"])

@@ -106,3 +106,15 @@ def test_localize_maps_boxes_to_uploaded_pixels():
     assert 0 <= x1 < x2 <= 168 and 0 <= y1 < y2 <= 252
     # Resizing changes pixels slightly, but the whole-image start maps exactly and scales are per axis.
     assert ref.trajectory[0] == (0.0, 0.0, 84.0, 84.0)
+
+
+@torch.no_grad()
+def test_inference_rollout_equals_training_rollout():
+    bundle, data, feats, proto = _setup()
+    agent = bundle.new_agent().eval()
+    full = rollout(bundle.embedder, agent, feats, proto, bundle.config.env, (84, 84), deterministic=True)
+    fast = rollout(bundle.embedder, agent, feats, proto, bundle.config.env, (84, 84), deterministic=True,
+                   rewards=False)
+    assert torch.equal(full.actions, fast.actions) and torch.allclose(full.boxes, fast.boxes)
+    assert torch.allclose(full.distances[-1], fast.distances[-1])
+    assert bool(fast.distances[:-1].isnan().all())
