@@ -1,0 +1,40 @@
+"""Markdown tables from ``qloc reproduce`` metrics: ``python benchmarks/tables.py runs/new-digits/metrics.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+COLUMNS = [("ordacc_proto", "OrdAcc (proto)"), ("ordacc_inst", "OrdAcc (inst)"), ("corloc_before", "before"),
+           ("corloc_finetune", "fine-tune"), ("corloc_ranking", "ranking"), ("corloc_after", "after"),
+           ("corloc_before_sampled", "before, sampled"), ("corloc_after_sampled", "after, sampled"),
+           ("adapt_seconds", "adapt s")]
+
+
+def fmt(cell: dict | None) -> str:
+    return "–" if cell is None else f"{cell['mean']:.1f} ± {cell['std']:.1f}"
+
+
+def table(metrics: dict) -> str:
+    summary = metrics["summary"]
+    cols = [(k, name) for k, name in COLUMNS if k in summary["mean"]]
+    group = "digit" if metrics["experiment"] == "new-digits" else "background"
+    lines = [f"| {group} | " + " | ".join(n for _, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for g, row in summary.items():
+        label = f"**mean of {len(summary) - 1}**" if g == "mean" else g
+        lines.append(f"| {label} | " + " | ".join(fmt(row.get(k)) for k, _ in cols) + " |")
+    if metrics.get("ablation_iou_reward"):
+        lines.append("")
+        lines.append("| agent reward (stage 2) | mean CorLoc before adaptation |")
+        lines.append("|---|---|")
+        lines.append(f"| ordinal embedding (ours) | {fmt(summary['mean']['corloc_before'])} |")
+        for r, cell in metrics["ablation_iou_reward"].items():
+            lines.append(f"| {r} | {fmt(cell)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            print(table(json.load(f)))
+            print()
