@@ -58,6 +58,9 @@ def atomic_write(path: str | os.PathLike, payload: bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o644 & ~umask)  # mkstemp makes 0600; a bundle is meant to be read by others
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
