@@ -37,6 +37,5 @@ def reinforce_loss(log_probs: Tensor, entropies: Tensor, rewards: Tensor, gamma:
     if normalize and adv.numel() > 1:
         adv = adv / (adv.std() + 1e-6)
     policy = -(log_probs * adv.detach()).sum(0).mean()
-    entropy = entropies.sum(0).mean()
-    return PolicyLoss(policy - entropy_coef * entropy / log_probs.shape[0] * 1.0, policy, entropy,
-                      returns[0].mean())
+    entropy = entropies.sum(0).mean()  # summed over the episode; the bonus uses the per-step mean
+    return PolicyLoss(policy - entropy_coef * entropy / log_probs.shape[0], policy, entropy, returns[0].mean())
