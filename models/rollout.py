@@ -58,12 +58,18 @@ class BoxEnv:
         emb = self.embedder.embed_roi(roi)[:, 0]
         return roi[:, 0], emb, (emb - self.prototypes).norm(dim=-1)
 
-    def step(self, actions: Tensor, dist_before: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Apply ``actions [B]`` -> (roi, embeddings, distances, rewards ``[B]``) after the move."""
+    def step(self, actions: Tensor, dist_before: Tensor | None, embed: bool = True
+             ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """Apply ``actions [B]`` -> (roi, embeddings, distances, rewards ``[B]``) after the move.
+
+        With ``embed=False`` the head is skipped and embeddings, distances and rewards are None.
+        """
         before = self.boxes
         self.boxes = apply_actions(before, actions, self.width, self.height, self.cfg.alpha,
                                    self.cfg.min_side, self.cfg.resize)
-        roi, emb, dist = self.observe()
+        roi, emb, dist = self.observe(embed)
+        if not embed:
+            return roi, None, None, None
         if self.reward_kind == "embedding":
             reward = dist_before - dist
         else:
@@ -91,57 +97,30 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     ``rewards=False`` (inference) embeds only the final box when the agent does not look at the
     prototype: ``rewards`` are then zeros and ``distances`` NaN but for the last step.
     """
-    if not rewards and agent.cfg.use_prototype:
-        rewards = True  # the agent's input needs every step's embedding anyway
-    if not rewards:
-        return _inference_rollout(embedder, agent, feats, prototypes, cfg, size, deterministic, generator)
+    # Every step's embedding is needed for the rewards, or as input of an agent that reads the prototype.
+    embed = rewards or agent.cfg.use_prototype
     b = feats.shape[0]
     if prototypes.dim() == 1:
         prototypes = prototypes.expand(b, -1)
     env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes)
-    roi, emb, dist = env.observe()
+    roi, emb, dist = env.observe(embed)
     h = agent.initial_state(b, device=feats.device)
     boxes, dists = [env.boxes], [dist]
-    actions, log_probs, entropies, rewards = [], [], [], []
+    actions, log_probs, entropies, step_rewards = [], [], [], []
     for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
-        logits, h = agent(roi, h, emb - prototypes)
+        logits, h = agent(roi, h, None if emb is None else emb - prototypes)
         dist_t = Categorical(logits=logits)
         a = select_actions(logits.detach(), deterministic, generator)
         log_probs.append(dist_t.log_prob(a))
         entropies.append(dist_t.entropy())
-        roi, emb, dist, r = env.step(a, dist)
+        roi, emb, dist, r = env.step(a, dist, embed)
         actions.append(a)
-        rewards.append(r)
+        step_rewards.append(r)
         boxes.append(env.boxes)
         dists.append(dist)
+    if not embed:  # inference: only the final box is embedded (its distance is the score)
+        nan = torch.full((b,), float("nan"), device=feats.device)
+        dists = [nan] * cfg.steps + [env.observe()[2]]
+        step_rewards = [torch.zeros(b, device=feats.device)] * cfg.steps
     return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
-                   torch.stack(rewards), torch.stack(dists))
-
-
-def _inference_rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
-                       size: tuple[float, float], deterministic: bool,
-                       generator: torch.Generator | None) -> Rollout:
-    """``rollout`` without rewards: RoIAlign every step, the projection head on the final box only."""
-    b = feats.shape[0]
-    if prototypes.dim() == 1:
-        prototypes = prototypes.expand(b, -1)
-    env = BoxEnv(embedder, feats, prototypes, cfg, size)
-    roi, _, _ = env.observe(embed=False)
-    h = agent.initial_state(b, device=feats.device)
-    boxes, actions, log_probs, entropies = [env.boxes], [], [], []
-    for _ in range(cfg.steps):
-        logits, h = agent(roi, h)
-        dist_t = Categorical(logits=logits)
-        a = select_actions(logits, deterministic, generator)
-        log_probs.append(dist_t.log_prob(a))
-        entropies.append(dist_t.entropy())
-        env.boxes = apply_actions(env.boxes, a, env.width, env.height, cfg.alpha, cfg.min_side, cfg.resize)
-        roi, _, _ = env.observe(embed=False)
-        actions.append(a)
-        boxes.append(env.boxes)
-    _, _, final = env.observe()
-    distances = torch.full((cfg.steps + 1, b), float("nan"), device=feats.device)
-    distances[-1] = final
-    zeros = torch.zeros(cfg.steps, b, device=feats.device)
-    return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
-                   zeros, distances)
+                   torch.stack(step_rewards), torch.stack(dists))
