@@ -195,10 +195,3 @@ def _paste_patches_multi(canvas, boxes, rng, count):
         canvas[y:y + s, x:x + s] = rng.integers(50, 220) / 255.0
         placed += 1
 
-
-def crops(batch: CMnistBatch) -> list[Tensor]:
-    """The ground-truth crops of ``batch`` as ``[1, h, w]`` tensors (exemplars as a client would send)."""
-    out = []
-    for img, b in zip(batch.images, batch.boxes.round().long(), strict=True):
-        out.append(img[:, b[1]:b[3], b[0]:b[2]].clone())
-    return out

@@ -43,6 +43,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from models.train_agent import exemplar_crops
+
 DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "var" / "photos"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "qloc-photos"
@@ -523,10 +525,7 @@ def _jitter(rgb: np.ndarray, alpha: np.ndarray, rng: np.random.Generator, p: Pas
 
 def crops(batch: PhotoBatch) -> list[Tensor]:
     """The ground-truth crops of ``batch`` as ``[3, h, w]`` float tensors (exemplars as a client would send)."""
-    out = []
-    for img, b in zip(batch.images, batch.boxes.round().long(), strict=True):
-        out.append(img[:, b[1]:b[3], b[0]:b[2]].clone())
-    return out
+    return [c.clone() for c in exemplar_crops(batch)]  # the one crop rule, shared with cMNIST
 
 
 # ---------------------------------------------------------------- CLI
