@@ -40,21 +40,23 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--adapt-iterations", type=int, default=100)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="batch sizes to time")
     a = p.parse_args()
     dev = resolve_device(a.device)
     bundle = load_bundle(a.bundle, dev)
     loc = Localizer(bundle, dev)
-    data = cmnist(2, "test", 64, seed=0)
+    data = cmnist(2, "test", max(a.batches), seed=0)
     proto = loc.prototype(exemplar_crops(cmnist(2, "train", 5, seed=1000)))
     agent = loc.agent()
     out: dict = {"device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                 "machine": platform.machine(), "processor": platform.processor()}
+                 "machine": platform.machine(), "processor": platform.processor(),
+                      "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None}
 
     def sync():
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    for b in (1, 64):
+    for b in a.batches:
         x = data.images[:b]
 
         @torch.no_grad()

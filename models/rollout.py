@@ -79,10 +79,16 @@ class BoxEnv:
 
 
 def select_actions(logits: Tensor, deterministic: bool, generator: torch.Generator | None) -> Tensor:
-    """Greedy (argmax) or sampled actions from ``logits [B, A]`` -> ``[B]``."""
+    """Greedy (argmax) or sampled actions from ``logits [B, A]`` -> ``[B]``.
+
+    Sampling draws on the generator's device (training and adaptation keep one CPU generator), so
+    the random stream, and a checkpoint's saved generator state, are the same on CPU and CUDA.
+    """
     if deterministic:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float(), dim=-1)
+    if generator is not None and generator.device != probs.device:
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(logits.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 

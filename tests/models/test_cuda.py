@@ -1,0 +1,102 @@
+"""The CUDA paths: inference, adaptation (with a checkpoint that resumes on the other device), stage 1
+and stage 2 training, the photo bundle, the CLI. They skip where no GPU is present (CI); run them on a
+GPU machine with ``pytest tests/models/test_cuda.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.adapt import AdaptConfig, adapt
+from models.bundle import load_bundle
+from models.cli import main as cli_main
+from models.experiments import TrainSetup, cmnist, train_bundle
+from models.inference import Localizer, resolve_device
+from models.train_agent import evaluate_corloc, exemplar_crops
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ROOT = Path(__file__).resolve().parents[2]
+MNIST = ROOT / "bundles" / "mnist-digit4.pt"
+PHOTO = ROOT / "bundles" / "photo-mammals.pt"
+
+
+@pytest.fixture(scope="module")
+def data():
+    ex = cmnist(2, "train", 5, seed=1000)
+    return ex, cmnist(2, "train", 64, seed=1000, offset=5), cmnist(2, "test", 200, seed=0)
+
+
+def test_auto_device_is_cuda():
+    assert resolve_device("auto").type == "cuda"
+
+
+def test_localization_on_cuda_matches_cpu(data):
+    ex, _, test = data
+    cpu, gpu = load_bundle(MNIST, "cpu"), load_bundle(MNIST, "cuda")
+    assert next(gpu.embedder.parameters()).is_cuda
+    results = {}
+    for name, b in (("cpu", cpu), ("cuda", gpu)):
+        loc = Localizer(b, name)
+        proto = loc.prototype(exemplar_crops(ex))
+        results[name] = (proto, *evaluate_corloc(b, b.new_agent(), test, proto))
+    (p_cpu, c_cpu, b_cpu), (p_gpu, c_gpu, b_gpu) = results["cpu"], results["cuda"]
+    assert torch.allclose(p_cpu, p_gpu, rtol=1e-3, atol=1e-2)
+    # Greedy argmax may flip on a near-tie under other kernels' rounding; almost every box must agree.
+    same = (b_cpu - b_gpu).abs().amax(dim=1) < 1e-3
+    assert same.float().mean() >= 0.97
+    assert abs(c_cpu - c_gpu) <= 2.0
+
+
+def test_adaptation_on_cuda_learns_and_its_checkpoint_resumes_on_cpu(data):
+    ex, unl, test = data
+    b = load_bundle(MNIST, "cuda")
+    proto = Localizer(b, "cuda").prototype(exemplar_crops(ex))
+    saved = []
+    cfg = AdaptConfig(iterations=6, batch_size=32, checkpoint_every=3)
+    res = adapt(b, proto, unl.images, cfg, device="cuda", on_checkpoint=saved.append)
+    assert res.iteration == 6 and not res.stopped
+    assert all(v.device.type == "cpu" for v in res.agent_state.values())
+    assert torch.isfinite(torch.tensor(res.mean_reward))
+    assert [s["iteration"] for s in saved] == [3, 6]
+    # A job checkpointed on a GPU worker resumes on a CPU worker (the generator state is a CPU one).
+    cpu = load_bundle(MNIST, "cpu")
+    resumed = adapt(cpu, proto, unl.images, AdaptConfig(iterations=9, batch_size=32, checkpoint_every=3),
+                    resume=saved[0], device="cpu")
+    assert resumed.iteration == 9
+    corloc, _ = evaluate_corloc(cpu, cpu.new_agent(resumed.agent_state), test, proto)
+    assert corloc > 50.0
+
+
+def test_training_both_stages_on_cuda():
+    setup = TrainSetup(digit=4, n_train=20, n_val=10)
+    setup.embedding.epochs, setup.agent.iterations, setup.agent.eval_every = 2, 4, 2
+    b = train_bundle("cuda-smoke", setup, seed=0, device=torch.device("cuda"))
+    assert next(b.embedder.parameters()).is_cuda
+    assert b.agent_state is not None and all(v.device.type == "cpu" for v in b.agent_state.values())
+
+
+def test_photo_bundle_localizes_a_real_photo_on_cuda():
+    skimage_data = pytest.importorskip("skimage.data")
+    from PIL import Image
+
+    b = load_bundle(PHOTO, "cuda")
+    loc = Localizer(b, "cuda")
+    cat = Image.fromarray(skimage_data.chelsea())
+    w, h = cat.size
+    proto = loc.prototype([cat.crop((50, 20, 300, 280))])
+    (out,) = loc.localize([cat], proto, trajectory=True)
+    x0, y0, x1, y1 = out.box
+    assert 0 <= x0 < x1 <= w + 1e-3 and 0 <= y0 < y1 <= h + 1e-3
+    assert len(out.trajectory) == b.config.env.steps + 1
+
+
+def test_cli_evaluate_on_cuda(tmp_path, capsys):
+    metrics = tmp_path / "m.json"
+    assert cli_main(["evaluate", "--bundle", str(MNIST), "--digit", "2", "--n-test", "100", "--device", "cuda",
+                     "--metrics", str(metrics)]) == 0
+    m = json.loads(metrics.read_text())
+    assert m["corloc"] > 80.0
