@@ -9,6 +9,14 @@ COLUMNS = [("ordacc_proto", "OrdAcc (proto)"), ("ordacc_inst", "OrdAcc (inst)"),
            ("corloc_finetune", "fine-tune"), ("corloc_ranking", "ranking"), ("corloc_after", "after"),
            ("corloc_before_sampled", "before, sampled"), ("corloc_after_sampled", "after, sampled"),
            ("adapt_seconds", "adapt s")]
+SEARCH = ("corloc_before_best", "corloc_after_best")  # + N: the best-of-N search columns
+
+
+def columns(keys) -> list[tuple[str, str]]:
+    cols = [(k, name) for k, name in COLUMNS if k in keys]
+    for prefix, tag in zip(SEARCH, ("before", "after"), strict=True):
+        cols += [(k, f"{tag}, best of {k[len(prefix):]}") for k in sorted(keys) if k.startswith(prefix)]
+    return cols
 
 
 def fmt(cell: dict | None) -> str:
@@ -17,7 +25,7 @@ def fmt(cell: dict | None) -> str:
 
 def table(metrics: dict) -> str:
     summary = metrics["summary"]
-    cols = [(k, name) for k, name in COLUMNS if k in summary["mean"]]
+    cols = columns(summary["mean"])
     group = "digit" if metrics["experiment"] == "new-digits" else "background"
     lines = [f"| {group} | " + " | ".join(n for _, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for g, row in summary.items():

@@ -113,7 +113,11 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
     proto = loc.prototype(exemplar_crops(ex))
     agent = bundle.new_agent(state)
     out = {"digit": a.digit, "background": a.background, "n_test": a.n_test, "policy": a.policy or "base"}
-    out["corloc"], _ = evaluate_corloc(bundle, agent, test, proto, deterministic=not a.sampled, seed=a.seed)
+    if a.samples and a.sampled:
+        raise SystemExit("--samples (best-of-N search) and --sampled (one sampled episode) exclude each other")
+    out["samples"] = a.samples
+    out["corloc"], _ = evaluate_corloc(bundle, agent, test, proto, deterministic=not a.sampled, seed=a.seed,
+                                       samples=a.samples)
     acc = ordacc_all(bundle, test, ("proto", "inst"), seed=a.seed)
     out["ordacc_proto"], out["ordacc_inst"] = acc["proto"], acc["inst"]
     if a.figure:
@@ -167,7 +171,7 @@ def cmd_reproduce(a: argparse.Namespace) -> dict:
                 iou_bundles[reward] = _retrain_agent(bundle, setup, seed, reward)
         for digit, bg in tqdm(targets, desc=f"seed {seed}", file=sys.stderr, leave=False):
             ts = TransferSetup(digit, bg, unlabeled=a.unlabeled, test=a.n_test,
-                               finetune_iterations=a.finetune_iterations,
+                               finetune_iterations=a.finetune_iterations, search_samples=a.samples,
                                adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=64))
             m, art = transfer(bundle, ts, seed)
             m["train_seconds"] = round(train_s, 1)
@@ -271,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--exemplars", type=int, default=5)
     sp.add_argument("--n-test", type=int, default=500)
     sp.add_argument("--sampled", action="store_true", help="sample actions instead of the greedy policy")
+    sp.add_argument("--samples", type=int, default=0,
+                    help="best-of-(1 + N) search: the greedy episode + N sampled ones, nearest final box kept")
     sp.add_argument("--figure", help="PNG of the agent's search paths on the first test images")
     sp.set_defaults(func=cmd_evaluate)
 
@@ -286,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n-test", type=int, default=500)
     sp.add_argument("--finetune-iterations", type=int, default=100)
     sp.add_argument("--ablation", action="store_true", help="also train agents with the IoU rewards")
+    sp.add_argument("--samples", type=int, default=15,
+                    help="also report the best-of-(1 + N) search: greedy + N sampled episodes (0: off)")
     sp.add_argument("--out", default="runs/reproduce")
     sp.set_defaults(func=cmd_reproduce)
 

@@ -79,6 +79,8 @@ class TransferSetup:
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=100, batch_size=64))
     baselines: bool = True
     sampled: bool = True
+    search_samples: int = 15
+    """Also report the best-of-(1 + this) search (greedy + sampled episodes, nearest final box kept); 0: off."""
 
 
 def transfer(bundle: Bundle, setup: TransferSetup, seed: int) -> tuple[dict, dict]:
@@ -97,6 +99,10 @@ def transfer(bundle: Bundle, setup: TransferSetup, seed: int) -> tuple[dict, dic
     m["corloc_before"], boxes_before = evaluate_corloc(bundle, base, test, proto)
     if setup.sampled:
         m["corloc_before_sampled"], _ = evaluate_corloc(bundle, base, test, proto, deterministic=False, seed=seed)
+    n_best = setup.search_samples + 1
+    if setup.search_samples > 0:
+        m[f"corloc_before_best{n_best}"], _ = evaluate_corloc(bundle, base, test, proto, seed=seed,
+                                                             samples=setup.search_samples)
     if setup.baselines:
         k = min(setup.ranking_images, len(test.images))
         m["corloc_ranking"] = corloc(ranking(bundle, test.images[:k], proto), test.boxes[:k])
@@ -110,5 +116,8 @@ def transfer(bundle: Bundle, setup: TransferSetup, seed: int) -> tuple[dict, dic
     m["corloc_after"], boxes_after = evaluate_corloc(bundle, adapted, test, proto)
     if setup.sampled:
         m["corloc_after_sampled"], _ = evaluate_corloc(bundle, adapted, test, proto, deterministic=False, seed=seed)
+    if setup.search_samples > 0:
+        m[f"corloc_after_best{n_best}"], _ = evaluate_corloc(bundle, adapted, test, proto, seed=seed,
+                                                            samples=setup.search_samples)
     return m, {"test": test, "prototype": proto, "agent_state": res.agent_state,
                "boxes_before": boxes_before, "boxes_after": boxes_after}

@@ -17,7 +17,7 @@ from torch import Tensor
 from models.agent import Agent
 from models.bundle import Bundle
 from models.config import InputSpec
-from models.rollout import Rollout, rollout
+from models.rollout import Rollout, rollout, search
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -124,28 +124,41 @@ class Localizer:
 
     @torch.no_grad()
     def run(self, images01: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
-            generator: torch.Generator | None = None, rewards: bool = False) -> Rollout:
+            generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0) -> Rollout:
         """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``.
 
         Only the final box is embedded (its distance is the score) unless ``rewards`` asks for every step's.
+        ``samples > 0`` (greedy only) adds that many sampled episodes per image and keeps, per image, the
+        episode whose final box is nearest the prototype; ``generator`` (default: seed 0) makes it repeatable.
         """
         images = normalize(images01.to(self.device), self.spec)
         feats = self.embedder.features(images)  # the one backbone pass of this episode
         s = float(self.spec.size)
-        return rollout(self.embedder, agent, feats, prototype.to(self.device), self.bundle.config.env, (s, s),
+        proto = prototype.to(self.device)
+        if samples > 0:
+            if not deterministic or rewards:
+                raise ValueError("samples (best-of-N search) is for greedy inference without rewards")
+            gen = generator if generator is not None else torch.Generator().manual_seed(0)
+            return search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen)
+        return rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
                        deterministic=deterministic, generator=generator, rewards=rewards)
 
     def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
                  agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,
-                 trajectory: bool = False, seed: int | None = None) -> list[Localization]:
-        """Localize each image (any size) -> one ``Localization`` per image, in upload order."""
+                 trajectory: bool = False, seed: int | None = None, samples: int = 0) -> list[Localization]:
+        """Localize each image (any size) -> one ``Localization`` per image, in upload order.
+
+        ``samples``: extra sampled episodes per image for the best-of-N search (see ``run``)."""
         spec = self.spec
         tensors = [im if isinstance(im, Tensor) else pil_to_tensor(im, spec.channels, spec.fill) for im in images]
         batch, scales = resize_batch(tensors, self.spec.size)
         gen = None
         if not deterministic:
             gen = torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)
-        ro = self.run(batch, prototype, self.agent(agent_state), deterministic=deterministic, generator=gen)
+        elif samples > 0:
+            gen = torch.Generator().manual_seed(0 if seed is None else seed)
+        ro = self.run(batch, prototype, self.agent(agent_state), deterministic=deterministic, generator=gen,
+                      samples=samples)
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         scores = ro.distances[-1].cpu()

@@ -43,7 +43,7 @@ from models.metrics import corloc, spearman
 from models.ordinal import anchors_for, group_prototypes, sample_pairs, triplet_loss
 from models.photos import generate
 from models.reinforce import reinforce_loss
-from models.rollout import rollout
+from models.rollout import rollout, search
 from models.train_agent import AgentTrainConfig, PolicyConfig, exemplar_crops, features_of
 from models.train_embedding import EmbeddingTrainConfig, LabeledImages
 
@@ -183,12 +183,16 @@ def ranking_metrics(bundle: Bundle, data: PhotoSet, prototype: Tensor, pairs: in
 
 
 @torch.no_grad()
-def localize(bundle: Bundle, agent: Agent, feats: Tensor, prototype: Tensor, chunk: int = 128) -> Tensor:
-    """Greedy episodes on cached ``feats [N, C, h, w]`` -> the trajectory ``[T+1, N, 4]``."""
+def localize(bundle: Bundle, agent: Agent, feats: Tensor, prototype: Tensor, chunk: int = 128,
+             samples: int = 0, seed: int = 0) -> Tensor:
+    """Greedy episodes on cached ``feats [N, C, h, w]`` -> the trajectory ``[T+1, N, 4]``; ``samples > 0``:
+    the best-of-(1 + samples) search (greedy + sampled episodes, the final box nearest the prototype kept)."""
     agent.eval()
     s = float(bundle.config.input.size)
-    return torch.cat([rollout(bundle.embedder, agent, feats[i:i + chunk], prototype, bundle.config.env, (s, s),
-                              deterministic=True).boxes for i in range(0, len(feats), chunk)], dim=1)
+    gen = torch.Generator().manual_seed(seed)
+    chunk = max(1, chunk // (samples + 1))
+    return torch.cat([search(bundle.embedder, agent, feats[i:i + chunk], prototype, bundle.config.env, (s, s),
+                             samples, gen).boxes for i in range(0, len(feats), chunk)], dim=1)
 
 
 @torch.no_grad()
@@ -388,6 +392,8 @@ class PhotoTransferSetup:
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=100, batch_size=32, lr=3e-4,
                                                                    entropy_coef=0.1))
     baselines: bool = True
+    search_samples: int = 15
+    """Also report the best-of-(1 + this) search; 0: off."""
 
 
 def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransferSetup, seed: int,
@@ -404,6 +410,10 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
     base = bundle.new_agent()
     traj_before = localize(bundle, base, test.feats, proto)
     m["corloc_before"] = corloc(traj_before[-1], test.boxes)
+    n_best = setup.search_samples + 1
+    if setup.search_samples > 0:
+        best_before = localize(bundle, base, test.feats, proto, samples=setup.search_samples, seed=seed)[-1]
+        m[f"corloc_before_best{n_best}"] = corloc(best_before, test.boxes)
     if setup.baselines:
         k = min(setup.ranking_images, len(test))
         cands = photo_candidates(cfg.input.size, cfg.env.min_side, sides=7, stride=cfg.input.size // 10)
@@ -419,6 +429,12 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
     m["corloc_after"] = corloc(traj_after[-1], test.boxes)
     if setup.baselines:
         m["corloc_after_ranking_subset"] = corloc(traj_after[-1][:k], test.boxes[:k])
+    if setup.search_samples > 0:
+        best_after = localize(bundle, bundle.new_agent(res.agent_state), test.feats, proto,
+                              samples=setup.search_samples, seed=seed)[-1]
+        m[f"corloc_after_best{n_best}"] = corloc(best_after, test.boxes)
+        if setup.baselines:
+            m[f"corloc_after_best{n_best}_ranking_subset"] = corloc(best_after[:k], test.boxes[:k])
     return m, {"test": test, "prototype": proto, "agent_state": res.agent_state,
                "trajectory_before": traj_before, "trajectory_after": traj_after}
 
@@ -457,6 +473,7 @@ def measure_speed(bundle: Bundle, images01: Tensor, prototype: Tensor, batch_siz
 
 METRIC_KEYS = ("ordacc", "ordacc_inst", "spearman", "corloc_before", "corloc_after", "corloc_ranking",
                "corloc_after_ranking_subset", "corloc_finetune", "adapt_seconds")
+SEARCH_PREFIXES = ("corloc_before_best", "corloc_after_best")
 
 
 def mean_std(xs: list[float]) -> dict[str, float]:
@@ -466,7 +483,7 @@ def mean_std(xs: list[float]) -> dict[str, float]:
 
 def summarize(rows: list[dict], train_class: str) -> dict:
     """Per class mean/std over seeds, and the mean over the *new* classes (each seed's mean, then mean/std)."""
-    keys = [k for k in METRIC_KEYS if k in rows[0]]
+    keys = [k for k in METRIC_KEYS if k in rows[0]] + [k for k in rows[0] if k.startswith(SEARCH_PREFIXES)]
     out: dict = {}
     for c in dict.fromkeys(r["class"] for r in rows):
         sel = [r for r in rows if r["class"] == c]
@@ -515,6 +532,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--unlabeled", type=int, default=t.unlabeled)
     sp.add_argument("--n-test", type=int, default=t.test)
     sp.add_argument("--ranking-images", type=int, default=t.ranking_images)
+    sp.add_argument("--samples", type=int, default=t.search_samples,
+                    help="also report the best-of-(1 + N) search: greedy + N sampled episodes (0: off)")
     sp.add_argument("--finetune-iterations", type=int, default=t.finetune_iterations)
     sp.add_argument("--adapt-iterations", type=int, default=t.adapt.iterations)
     sp.add_argument("--adapt-batch-size", type=int, default=t.adapt.batch_size)
@@ -643,7 +662,7 @@ def photo_reproduce_command(a: Any) -> dict:
         training_curves(bundle.provenance["history"], out_dir / f"seed{seed}" / "curves.png")
         for c in a.classes:
             ts = PhotoTransferSetup(c, unlabeled=a.unlabeled, test=a.n_test, ranking_images=a.ranking_images,
-                                    finetune_iterations=a.finetune_iterations,
+                                    finetune_iterations=a.finetune_iterations, search_samples=a.samples,
                                     adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=a.adapt_batch_size,
                                                       lr=a.adapt_lr, entropy_coef=a.entropy_coef))
             m, art = photo_transfer(bundle, manifest, ts, seed, cache)

@@ -36,27 +36,34 @@ class BoxEnv:
     """Boxes on ``B`` images at once; ``observe`` gives RoI features, embeddings and distances."""
 
     def __init__(self, embedder: RoIEmbedder, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
-                 size: tuple[float, float], reward: str = "embedding", gt_boxes: Tensor | None = None):
+                 size: tuple[float, float], reward: str = "embedding", gt_boxes: Tensor | None = None,
+                 episodes: int = 1):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if reward != "embedding" and gt_boxes is None:
             raise ValueError(f"the {reward!r} reward needs ground-truth boxes")
-        self.embedder, self.feats, self.prototypes = embedder, feats, prototypes  # [B, C, h, w], [B, D]
+        if episodes < 1:
+            raise ValueError(f"episodes must be >= 1, got {episodes}")
+        # ``episodes`` boxes per image share its feature map: episode j of image i is row i * episodes + j.
+        self.embedder, self.feats, self.episodes = embedder, feats, episodes  # [B, C, h, w]
+        self.prototypes = prototypes.repeat_interleave(episodes, 0) if episodes > 1 else prototypes  # [B*E, D]
         self.cfg, self.width, self.height = cfg, float(size[0]), float(size[1])
-        self.reward_kind, self.gt_boxes = reward, gt_boxes
-        self.boxes = full_image_boxes(feats.shape[0], self.width, self.height, device=feats.device)
+        self.reward_kind = reward
+        self.gt_boxes = gt_boxes.repeat_interleave(episodes, 0) if gt_boxes is not None and episodes > 1 else gt_boxes
+        self.boxes = full_image_boxes(feats.shape[0] * episodes, self.width, self.height, device=feats.device)
 
     @torch.no_grad()
     def observe(self, embed: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """-> (RoI features ``[B, C, s, s]``, embeddings ``[B, D]``, distances ``[B]``) of the current boxes.
+        """-> (RoI features ``[B*E, C, s, s]``, embeddings ``[B*E, D]``, distances ``[B*E]``) of the current boxes.
 
         With ``embed=False`` only the RoI features (the head is skipped; embeddings and distances are None).
         """
-        roi = self.embedder.roi(self.feats, self.boxes[:, None])  # [B, 1, C, s, s]
+        b, e = self.feats.shape[0], self.episodes
+        roi = self.embedder.roi(self.feats, self.boxes.view(b, e, 4)).flatten(0, 1)  # [B*E, C, s, s]
         if not embed:
-            return roi[:, 0], None, None
-        emb = self.embedder.embed_roi(roi)[:, 0]
-        return roi[:, 0], emb, (emb - self.prototypes).norm(dim=-1)
+            return roi, None, None
+        emb = self.embedder.embed_roi(roi[:, None])[:, 0]
+        return roi, emb, (emb - self.prototypes).norm(dim=-1)
 
     def step(self, actions: Tensor, dist_before: Tensor | None, embed: bool = True
              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
@@ -78,37 +85,45 @@ class BoxEnv:
         return roi, emb, dist, reward
 
 
-def select_actions(logits: Tensor, deterministic: bool, generator: torch.Generator | None) -> Tensor:
-    """Greedy (argmax) or sampled actions from ``logits [B, A]`` -> ``[B]``.
+def select_actions(logits: Tensor, deterministic: bool | Tensor, generator: torch.Generator | None) -> Tensor:
+    """Greedy (argmax) or sampled actions from ``logits [B, A]`` -> ``[B]``; ``deterministic`` may be a
+    ``[B]`` mask (greedy rows, sampled rows).
 
     Sampling draws on the generator's device (training and adaptation keep one CPU generator), so
     the random stream, and a checkpoint's saved generator state, are the same on CPU and CUDA.
     """
-    if deterministic:
+    if isinstance(deterministic, bool) and deterministic:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float(), dim=-1)
     if generator is not None and generator.device != probs.device:
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(logits.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        sampled = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(logits.device)
+    else:
+        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if isinstance(deterministic, Tensor):
+        return torch.where(deterministic, logits.argmax(dim=-1), sampled)
+    return sampled
 
 
 def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
-            size: tuple[float, float], *, deterministic: bool = False,
+            size: tuple[float, float], *, deterministic: bool | Tensor = False,
             generator: torch.Generator | None = None, reward: str = "embedding",
-            gt_boxes: Tensor | None = None, rewards: bool = True) -> Rollout:
+            gt_boxes: Tensor | None = None, rewards: bool = True, episodes: int = 1) -> Rollout:
     """Run ``cfg.steps`` actions from the whole image on every image of ``feats [B, C, h, w]``.
 
     ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
     ``log_probs`` and ``entropies``; the frozen embedder is run without gradient.
     ``rewards=False`` (inference) embeds only the final box when the agent does not look at the
     prototype: ``rewards`` are then zeros and ``distances`` NaN but for the last step.
+    ``episodes`` runs that many episodes per image on its one feature map; the rollout's rows are
+    then ``B * episodes``, image-major, and ``deterministic`` may be a ``[B * episodes]`` mask.
     """
     # Every step's embedding is needed for the rewards, or as input of an agent that reads the prototype.
     embed = rewards or agent.cfg.use_prototype
-    b = feats.shape[0]
     if prototypes.dim() == 1:
-        prototypes = prototypes.expand(b, -1)
-    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes)
+        prototypes = prototypes.expand(feats.shape[0], -1)
+    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes, episodes)
+    prototypes = env.prototypes
+    b = feats.shape[0] * episodes
     roi, emb, dist = env.observe(embed)
     h = agent.initial_state(b, device=feats.device)
     boxes, dists = [env.boxes], [dist]
@@ -130,3 +145,20 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
         step_rewards = [torch.zeros(b, device=feats.device)] * cfg.steps
     return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
                    torch.stack(step_rewards), torch.stack(dists))
+
+
+def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
+           size: tuple[float, float], samples: int, generator: torch.Generator | None = None) -> Rollout:
+    """Best of ``1 + samples`` episodes per image: the greedy one and ``samples`` sampled ones, all
+    batched on the one feature map; each image keeps the episode whose final box is nearest the
+    prototype (the score needs no label) -> a ``Rollout`` of ``B`` rows. Ties keep the greedy episode."""
+    if samples < 0:
+        raise ValueError(f"samples must be >= 0, got {samples}")
+    b, e = feats.shape[0], samples + 1
+    greedy = torch.arange(b * e, device=feats.device) % e == 0
+    ro = rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=greedy if e > 1 else True,
+                 generator=generator, rewards=False, episodes=e)
+    if e == 1:
+        return ro
+    pick = ro.distances[-1].view(b, e).argmin(dim=1) + torch.arange(b, device=feats.device) * e  # [B] rows
+    return Rollout(*(field[:, pick] for field in ro))

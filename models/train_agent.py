@@ -78,13 +78,20 @@ def exemplar_crops(data: LabeledImages) -> list[Tensor]:
 
 @torch.no_grad()
 def evaluate_corloc(bundle: Bundle, agent: Agent, data: LabeledImages, prototype: Tensor,
-                    deterministic: bool = True, seed: int = 0, batch: int = 256) -> tuple[float, Tensor]:
-    """CorLoc (%) of ``agent`` on ``data`` with one shared ``prototype [D]`` -> (corloc, boxes ``[N, 4]``)."""
+                    deterministic: bool = True, seed: int = 0, batch: int = 256, samples: int = 0
+                    ) -> tuple[float, Tensor]:
+    """CorLoc (%) of ``agent`` on ``data`` with one shared ``prototype [D]`` -> (corloc, boxes ``[N, 4]``).
+
+    ``samples > 0``: the best-of-(1 + samples) search of ``Localizer.run`` (greedy episode included)."""
     loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
     agent.eval()
-    gen = None if deterministic else torch.Generator(device=loc.device).manual_seed(seed)
+    if samples > 0:
+        gen = torch.Generator().manual_seed(seed)
+    else:
+        gen = None if deterministic else torch.Generator(device=loc.device).manual_seed(seed)
     boxes = torch.cat([loc.run(data.images[i:i + batch], prototype, agent, deterministic=deterministic,
-                               generator=gen).boxes[-1].cpu() for i in range(0, len(data.images), batch)])
+                               generator=gen, samples=samples).boxes[-1].cpu()
+                       for i in range(0, len(data.images), batch)])
     return corloc(boxes, data.boxes), boxes
 
 

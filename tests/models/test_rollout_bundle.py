@@ -118,3 +118,46 @@ def test_inference_rollout_equals_training_rollout():
     assert torch.equal(full.actions, fast.actions) and torch.allclose(full.boxes, fast.boxes)
     assert torch.allclose(full.distances[-1], fast.distances[-1])
     assert bool(fast.distances[:-1].isnan().all())
+
+
+@torch.no_grad()
+def test_episodes_share_the_feature_map_and_equal_separate_rollouts():
+    bundle, data, feats, proto = _setup()
+    agent = bundle.new_agent().eval()
+    cfg = bundle.config.env
+    one = rollout(bundle.embedder, agent, feats, proto, cfg, (84, 84), deterministic=True)
+    many = rollout(bundle.embedder, agent, feats, proto, cfg, (84, 84), deterministic=True, episodes=3)
+    assert many.boxes.shape == (cfg.steps + 1, 3 * len(feats), 4)
+    for j in range(3):  # image-major rows: episode j of image i is row 3 i + j
+        assert torch.allclose(many.boxes[:, j::3], one.boxes)
+        assert torch.allclose(many.rewards[:, j::3], one.rewards, atol=1e-5)
+    # A mask makes some rows greedy and samples the others.
+    mask = torch.arange(3 * len(feats)) % 3 == 0
+    mixed = rollout(bundle.embedder, agent, feats, proto, cfg, (84, 84), deterministic=mask,
+                    generator=torch.Generator().manual_seed(0), episodes=3)
+    assert torch.equal(mixed.actions[:, 0::3], one.actions)
+    assert not torch.equal(mixed.actions[:, 1::3], one.actions)
+
+
+@torch.no_grad()
+def test_best_of_n_search_keeps_the_nearest_final_box_and_is_repeatable():
+    from models.rollout import search
+
+    bundle, data, feats, proto = _setup(n=8)
+    agent = bundle.new_agent().eval()
+    cfg = bundle.config.env
+    greedy = rollout(bundle.embedder, agent, feats, proto, cfg, (84, 84), deterministic=True, rewards=False)
+    assert torch.equal(search(bundle.embedder, agent, feats, proto, cfg, (84, 84), 0).boxes, greedy.boxes)
+    best = search(bundle.embedder, agent, feats, proto, cfg, (84, 84), 7, torch.Generator().manual_seed(3))
+    again = search(bundle.embedder, agent, feats, proto, cfg, (84, 84), 7, torch.Generator().manual_seed(3))
+    assert torch.equal(best.boxes, again.boxes)
+    assert best.boxes.shape == greedy.boxes.shape
+    # Never worse than the greedy episode (it is one of the candidates), and the score is the kept box's.
+    assert bool((best.distances[-1] <= greedy.distances[-1] + 1e-5).all())
+    assert bool((best.distances[-1] < greedy.distances[-1] - 1e-5).any())
+    emb = bundle.embedder.embed(feats, best.boxes[-1][:, None])[:, 0]
+    assert torch.allclose((emb - proto).norm(dim=-1), best.distances[-1], atol=1e-4)
+    # The same through the Localizer, on images of any size.
+    loc = Localizer(bundle, "cpu")
+    out = loc.localize(list(data.images[:4]), proto[0], samples=7)
+    assert len(out) == 4 and all(o.score >= 0 for o in out)
