@@ -15,6 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
+MAX_SAMPLES = 63
+"""Most extra sampled episodes per image a localize request may ask for (64 episodes in all)."""
 
 
 class Settings(BaseSettings):
@@ -33,6 +35,9 @@ class Settings(BaseSettings):
     """Every ``<name>.pt`` here can be served as bundle ``<name>``."""
     default_bundle: str = "mnist-digit4"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    localize_samples: int = Field(0, ge=0, le=MAX_SAMPLES)
+    """Default of localize's ``samples``: extra sampled episodes per image for the best-of-N search
+    (0 = the greedy episode alone; 15 is the benchmarks' best of 16)."""
 
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)

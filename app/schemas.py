@@ -46,6 +46,7 @@ class LocalizeResponse(BaseModel):
     exemplar_set_id: uuid.UUID
     checkpoint_id: uuid.UUID
     bundle: str
+    samples: int = Field(description="Extra sampled episodes per image (best-of-N search); 0 = greedy only")
     results: list[LocalizationResult]
 
 

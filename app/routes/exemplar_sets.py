@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from torch import Tensor
 
 from app import crud
+from app.config import MAX_SAMPLES
 from app.deps import BundlesDep, CallerDep, MetricsDep, SessionDep, SettingsDep, StoreDep
 from app.inference import (
     BundleRegistry,
@@ -139,6 +140,11 @@ def localize(
     files: Annotated[list[UploadFile], File(description="Images to search (PNG/JPEG, any size)")],
     checkpoint: CheckpointQuery = "active",
     trajectory: Annotated[bool, Query(description="Also return every box of the agent's episode")] = False,
+    samples: Annotated[int | None, Query(ge=0, le=MAX_SAMPLES, description=(
+        "Best-of-N search: this many sampled episodes per image besides the greedy one; each image keeps the "
+        "episode whose final box is nearest the exemplars (lowest score). Repeatable (seeded); about N+1 "
+        "times the agent's work, the backbone still runs once per image. Default: the server's setting "
+        "(QLOC_LOCALIZE_SAMPLES, 0 = greedy only)."))] = None,
 ) -> LocalizeResponse:
     """Localize the set's object in each image: one box per image, in the pixels as uploaded."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
@@ -146,14 +152,15 @@ def localize(
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
     ckpt = resolve_checkpoint(session, es, checkpoint)
     session.commit()  # end the read transaction before the slow part
+    n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings)
     metrics.localize_batch.observe(len(images))
     loaded = get_bundle(bundles, es.bundle, explicit=False)
     agent_state = None if ckpt.kind == "base" else load_policy_cached(bundles, store, ckpt, loaded)
     results = loaded.localizer.localize([im.image for im in images], prototype_from_bytes(es.prototype),
-                                        agent_state, deterministic=True, trajectory=trajectory)
+                                        agent_state, deterministic=True, trajectory=trajectory, samples=n_samples)
     return LocalizeResponse(
-        exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle,
+        exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=n_samples,
         results=[LocalizationResult(filename=im.filename, width=im.width, height=im.height, box=list(r.box),
                                     score=r.score, trajectory=[list(b) for b in r.trajectory] if trajectory else None)
                  for im, r in zip(images, results, strict=True)])

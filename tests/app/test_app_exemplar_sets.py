@@ -102,3 +102,24 @@ def test_health_ready_metrics(client):
     assert "qloc_localize_batch_size_sum 2.0" in text
     assert 'qloc_jobs{status="queued"} 0.0' in text
     assert "# TYPE qloc_job_duration_seconds summary" in text
+
+
+def test_localize_best_of_n_search(client):
+    set_id = create_set(client).json()["id"]
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    uploads = [png_bytes(seed=s) for s in range(6)]
+    greedy = client.post(url, files=files(*uploads)).json()
+    assert greedy["samples"] == 0  # the server's default: the greedy episode alone
+    best = client.post(url, files=files(*uploads), params={"samples": 15, "trajectory": "true"})
+    assert best.status_code == 200, best.text
+    assert best.json()["samples"] == 15
+    again = client.post(url, files=files(*uploads), params={"samples": 15, "trajectory": "true"}).json()
+    assert again["results"] == best.json()["results"]  # seeded: the same answer every time
+    for g, b in zip(greedy["results"], best.json()["results"], strict=True):
+        assert b["score"] <= g["score"] + 1e-4  # the greedy episode is one of the candidates
+        assert b["trajectory"][-1] == b["box"]
+    assert any(b["score"] < g["score"] - 1e-4 for g, b in zip(greedy["results"], best.json()["results"],
+                                                               strict=True))
+    for bad in (-1, 64, "many"):
+        r = client.post(url, files=files(png_bytes()), params={"samples": bad})
+        assert r.status_code == 422 and "samples" in r.text
