@@ -41,8 +41,34 @@ def table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+PHOTO_COLUMNS = [("ordacc", "OrdAcc"), ("spearman", "Spearman ρ"), ("corloc_before", "before"),
+                 ("corloc_finetune", "fine-tune"), ("corloc_ranking", "ranking"), ("corloc_after", "after")]
+
+
+def photo_table(metrics: dict) -> str:
+    """The cross-class photo table of ``qloc photo-reproduce``'s metrics.json."""
+    summary = metrics["summary"]
+    keys = summary["mean_new_classes"]
+    cols = [(k, n) for k, n in PHOTO_COLUMNS if k in keys] + [c for c in columns(keys) if "best" in c[0]]
+    cols.append(("adapt_seconds", "adapt s"))
+
+    def cell(row: dict, k: str) -> str:
+        c = row.get(k)
+        if c is None:
+            return "–"
+        return f"{c['mean']:.3f} ± {c['std']:.3f}" if k == "spearman" else fmt(c)
+
+    lines = ["| class | " + " | ".join(n for _, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for g, row in summary.items():
+        label = ("**mean of new classes**" if g == "mean_new_classes"
+                 else f"{g} (training class)" if g == metrics["train_class"] else g)
+        lines.append(f"| {label} | " + " | ".join(cell(row, k) for k, _ in cols) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as f:
-            print(table(json.load(f)))
-            print()
+            m = json.load(f)
+        print(photo_table(m) if "train_class" in m else table(m))
+        print()

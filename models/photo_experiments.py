@@ -385,8 +385,8 @@ class PhotoTransferSetup:
     exemplars: int = 5
     unlabeled: int = 64
     test: int = 48
-    ranking_images: int = 16
-    """The ranking baseline embeds every candidate box (~1.8k per image): only the first test images."""
+    ranking_images: int = 48
+    """The ranking baseline embeds every candidate box (~1.8k per image) on the first this many test images."""
     finetune_iterations: int = 30
     finetune: PolicyConfig = field(default_factory=lambda: PolicyConfig(reward="iou", entropy_coef=0.1))
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(iterations=100, batch_size=32, lr=3e-4,

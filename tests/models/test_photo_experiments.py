@@ -117,13 +117,15 @@ def test_pipeline_smoke(manifest):
     ts = pe.PhotoTransferSetup("birds", unlabeled=6, test=6, ranking_images=1, finetune_iterations=2)
     ts.adapt.iterations, ts.adapt.batch_size = 2, 4
     m, art = pe.photo_transfer(bundle, manifest, ts, seed=0)
-    for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "ordacc", "ordacc_inst"):
+    for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "ordacc", "ordacc_inst",
+              "corloc_before_best16", "corloc_after_best16", "corloc_after_best16_ranking_subset"):
         assert 0 <= m[k] <= 100, k
     assert -1 <= m["spearman"] <= 1 and m["adapt_seconds"] > 0
     steps = bundle.config.env.steps
     assert art["trajectory_after"].shape == (steps + 1, 6, 4)
     summary = pe.summarize([m, {**m, "seed": 1}], "mammals")
     assert summary["birds"]["corloc_after"]["n"] == 2 and "mean_new_classes" in summary
+    assert summary["birds"]["corloc_after_best16"]["n"] == 2
 
 
 def test_ranking_metrics_agree_with_a_reference_loop(manifest):
