@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="per concurrency level")
     p.add_argument("--corloc-images", type=int, default=500,
                    help="CorLoc through the API on this many test images (compare: qloc evaluate --n-test N)")
+    p.add_argument("--samples", type=int, help="localize's best-of-N search (default: the server's setting)")
     p.add_argument("--out")
     a = p.parse_args()
 
@@ -113,8 +114,8 @@ def main() -> None:
                                                                       **({"bundle": a.bundle} if a.bundle else {})})
         r.raise_for_status()
         es = r.json()
-        url = f"/v1/exemplar-sets/{es['id']}/localize"
-        result = {"url": a.url, "bundle": es["bundle"], "digit": a.digit,
+        url = f"/v1/exemplar-sets/{es['id']}/localize" + ("" if a.samples is None else f"?samples={a.samples}")
+        result = {"url": a.url, "bundle": es["bundle"], "digit": a.digit, "samples": a.samples,
                   "corloc": api_corloc(c, url, a.digit, a.corloc_images),
                   "latency": [latency(c, url, images, b, a.requests) for b in a.batches]}
         result["throughput"] = [throughput(a.url, a.api_key, url, images, n, a.throughput_batch, a.seconds)
