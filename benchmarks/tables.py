@@ -49,7 +49,8 @@ def photo_table(metrics: dict) -> str:
     """The cross-class photo table of ``qloc photo-reproduce``'s metrics.json."""
     summary = metrics["summary"]
     keys = summary["mean_new_classes"]
-    cols = [(k, n) for k, n in PHOTO_COLUMNS if k in keys] + [c for c in columns(keys) if "best" in c[0]]
+    cols = [(k, n) for k, n in PHOTO_COLUMNS if k in keys]
+    cols += [c for c in columns(keys) if "best" in c[0] and not c[0].endswith("ranking_subset")]
     cols.append(("adapt_seconds", "adapt s"))
 
     def cell(row: dict, k: str) -> str:
