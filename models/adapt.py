@@ -55,6 +55,10 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
     dev = resolve_device(device) if isinstance(device, str) else device
     bundle.embedder.to(dev).eval()
     agent = bundle.new_agent(agent_state).to(dev)
+    reference = None
+    if cfg.kl_coef > 0:  # the trust region: the policy the adaptation starts from, frozen
+        reference = bundle.new_agent(agent_state).to(dev).eval()
+        reference.requires_grad_(False)
     opt = torch.optim.Adam(agent.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     start = 0
@@ -81,7 +85,7 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
             break
         idx = torch.randperm(n, generator=gen)[:cfg.batch_size]
         feats = cached[idx.to(cached.device)] if cached is not None else features_of(bundle, images01[idx])
-        stats = policy_step(bundle, agent, opt, feats, proto.expand(len(idx), -1), cfg, gen)
+        stats = policy_step(bundle, agent, opt, feats, proto.expand(len(idx), -1), cfg, gen, reference=reference)
         it += 1
         rewards.append(stats["charts/return"])
         if on_progress is not None:

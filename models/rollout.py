@@ -30,6 +30,7 @@ class Rollout(NamedTuple):
     entropies: Tensor   # [T, B]
     rewards: Tensor     # [T, B]
     distances: Tensor   # [T+1, B] embedding distance of boxes[t] to the prototype
+    kl: Tensor | None = None  # [T, B] KL(agent || reference) at the visited states, when a reference is given
 
 
 class BoxEnv:
@@ -107,7 +108,8 @@ def select_actions(logits: Tensor, deterministic: bool | Tensor, generator: torc
 def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
             size: tuple[float, float], *, deterministic: bool | Tensor = False,
             generator: torch.Generator | None = None, reward: str = "embedding",
-            gt_boxes: Tensor | None = None, rewards: bool = True, episodes: int = 1) -> Rollout:
+            gt_boxes: Tensor | None = None, rewards: bool = True, episodes: int = 1,
+            reference: Agent | None = None) -> Rollout:
     """Run ``cfg.steps`` actions from the whole image on every image of ``feats [B, C, h, w]``.
 
     ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
@@ -116,6 +118,8 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     prototype: ``rewards`` are then zeros and ``distances`` NaN but for the last step.
     ``episodes`` runs that many episodes per image on its one feature map; the rollout's rows are
     then ``B * episodes``, image-major, and ``deterministic`` may be a ``[B * episodes]`` mask.
+    ``reference`` (a frozen agent) adds ``kl``: KL(agent || reference) of the action distributions at
+    every visited state, differentiable in the agent (adaptation's trust region).
     """
     # Every step's embedding is needed for the rewards, or as input of an agent that reads the prototype.
     embed = rewards or agent.cfg.use_prototype
@@ -126,11 +130,17 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     b = feats.shape[0] * episodes
     roi, emb, dist = env.observe(embed)
     h = agent.initial_state(b, device=feats.device)
+    h_ref = None if reference is None else reference.initial_state(b, device=feats.device)
     boxes, dists = [env.boxes], [dist]
-    actions, log_probs, entropies, step_rewards = [], [], [], []
+    actions, log_probs, entropies, step_rewards, kls = [], [], [], [], []
     for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
-        logits, h = agent(roi, h, None if emb is None else emb - prototypes)
+        offset = None if emb is None else emb - prototypes
+        logits, h = agent(roi, h, offset)
         dist_t = Categorical(logits=logits)
+        if reference is not None:
+            with torch.no_grad():
+                ref_logits, h_ref = reference(roi, h_ref, offset)
+            kls.append(torch.distributions.kl_divergence(dist_t, Categorical(logits=ref_logits)))
         a = select_actions(logits.detach(), deterministic, generator)
         log_probs.append(dist_t.log_prob(a))
         entropies.append(dist_t.entropy())
@@ -144,7 +154,7 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
         dists = [nan] * cfg.steps + [env.observe()[2]]
         step_rewards = [torch.zeros(b, device=feats.device)] * cfg.steps
     return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
-                   torch.stack(step_rewards), torch.stack(dists))
+                   torch.stack(step_rewards), torch.stack(dists), torch.stack(kls) if kls else None)
 
 
 def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
@@ -161,4 +171,4 @@ def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tenso
     if e == 1:
         return ro
     pick = ro.distances[-1].view(b, e).argmin(dim=1) + torch.arange(b, device=feats.device) * e  # [B] rows
-    return Rollout(*(field[:, pick] for field in ro))
+    return Rollout(*(None if field is None else field[:, pick] for field in ro))

@@ -34,6 +34,8 @@ class PolicyConfig:
     normalize_advantages: bool = True
     reward: str = "embedding"
     """"embedding" (the paper's transferable reward), or the baselines "iou" / "iou_sign" (need boxes)."""
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference policy) per step (adaptation: the starting policy); 0 = off."""
 
 
 @dataclass
@@ -45,19 +47,31 @@ class AgentTrainConfig(PolicyConfig):
 
 
 def policy_step(bundle: Bundle, agent: Agent, opt: torch.optim.Optimizer, feats: Tensor, prototypes: Tensor,
-                cfg: PolicyConfig, generator: torch.Generator | None = None, gt_boxes: Tensor | None = None) -> dict:
-    """One sampled episode on ``feats [B, C, h, w]`` and one Adam step on the agent -> stats."""
+                cfg: PolicyConfig, generator: torch.Generator | None = None, gt_boxes: Tensor | None = None,
+                reference: Agent | None = None) -> dict:
+    """One sampled episode on ``feats [B, C, h, w]`` and one Adam step on the agent -> stats.
+
+    With ``reference`` and ``cfg.kl_coef > 0`` the loss adds ``kl_coef`` x the mean per-step
+    KL(agent || reference) at the visited states."""
     agent.train()
     s = float(bundle.config.input.size)
+    ref = reference if cfg.kl_coef > 0 else None
     ro = rollout(bundle.embedder, agent, feats, prototypes, bundle.config.env, (s, s), deterministic=False,
-                 generator=generator, reward=cfg.reward, gt_boxes=gt_boxes)
+                 generator=generator, reward=cfg.reward, gt_boxes=gt_boxes, reference=ref)
     out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
                          cfg.normalize_advantages)
+    loss = out.loss
+    stats = {}
+    if ro.kl is not None:
+        kl = ro.kl.mean()
+        loss = loss + cfg.kl_coef * kl
+        stats["losses/kl"] = float(kl.detach())
     opt.zero_grad(set_to_none=True)
-    out.loss.backward()
+    loss.backward()
     opt.step()
     return {"losses/policy": float(out.policy.detach()), "losses/entropy": float(out.entropy.detach()),
-            "charts/return": float(out.mean_return), "charts/final_distance": float(ro.distances[-1].mean())}
+            "charts/return": float(out.mean_return), "charts/final_distance": float(ro.distances[-1].mean()),
+            **stats}
 
 
 @torch.no_grad()
