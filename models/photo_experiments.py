@@ -538,6 +538,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--adapt-iterations", type=int, default=t.adapt.iterations)
     sp.add_argument("--adapt-batch-size", type=int, default=t.adapt.batch_size)
     sp.add_argument("--adapt-lr", type=float, default=t.adapt.lr)
+    sp.add_argument("--adapt-kl-coef", type=float, default=t.adapt.kl_coef,
+                    help="adaptation's KL(policy || starting policy) weight per step (0: off)")
     sp.add_argument("--speed-repeats", type=int, default=5)
     sp.add_argument("--out", default="runs/photo")
 
@@ -664,7 +666,8 @@ def photo_reproduce_command(a: Any) -> dict:
             ts = PhotoTransferSetup(c, unlabeled=a.unlabeled, test=a.n_test, ranking_images=a.ranking_images,
                                     finetune_iterations=a.finetune_iterations, search_samples=a.samples,
                                     adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=a.adapt_batch_size,
-                                                      lr=a.adapt_lr, entropy_coef=a.entropy_coef))
+                                                      lr=a.adapt_lr, entropy_coef=a.entropy_coef,
+                                                      kl_coef=a.adapt_kl_coef))
             m, art = photo_transfer(bundle, manifest, ts, seed, cache)
             rows.append(m)
             _printer(f"seed {seed} ")("transfer", m)
