@@ -73,6 +73,9 @@ def test_adaptation_on_cuda_learns_and_its_checkpoint_resumes_on_cpu(data):
     assert all(v.device.type == "cpu" for v in res.agent_state.values())
     assert torch.isfinite(torch.tensor(res.mean_reward))
     assert [s["iteration"] for s in saved] == [3, 6]
+    # The KL trust region runs on CUDA too (a frozen copy of the starting policy beside the agent).
+    kl = adapt(b, proto, unl.images, AdaptConfig(iterations=3, batch_size=32, kl_coef=1.0), device="cuda")
+    assert kl.iteration == 3 and torch.isfinite(torch.tensor(kl.mean_reward))
     # A job checkpointed on a GPU worker resumes on a CPU worker (the generator state is a CPU one).
     cpu = load_bundle(MNIST, "cpu")
     resumed = adapt(cpu, proto, unl.images, AdaptConfig(iterations=9, batch_size=32, checkpoint_every=3),
