@@ -34,7 +34,8 @@ def test_kl_against_itself_is_zero_and_absent_without_reference():
 
 def test_kl_penalty_keeps_the_adapted_policy_near_the_start():
     bundle, data, proto, feats = _setup()
-    far, near = (adapt(bundle, proto, data.images, AdaptConfig(iterations=15, batch_size=16, lr=1e-2, kl_coef=k))
+    far, near = (adapt(bundle, proto, data.images, AdaptConfig(iterations=15, batch_size=16, lr=1e-2, kl_coef=k),
+                       device="cpu")
                  for k in (0.0, 20.0))
     kl_far = _kl_to(bundle, far.agent_state, None, feats, proto)
     kl_near = _kl_to(bundle, near.agent_state, None, feats, proto)
