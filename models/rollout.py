@@ -164,11 +164,11 @@ def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tenso
     prototype (the score needs no label) -> a ``Rollout`` of ``B`` rows. Ties keep the greedy episode."""
     if samples < 0:
         raise ValueError(f"samples must be >= 0, got {samples}")
+    if samples == 0:
+        return rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=True, rewards=False)
     b, e = feats.shape[0], samples + 1
     greedy = torch.arange(b * e, device=feats.device) % e == 0
-    ro = rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=greedy if e > 1 else True,
-                 generator=generator, rewards=False, episodes=e)
-    if e == 1:
-        return ro
+    ro = rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=greedy, generator=generator,
+                 rewards=False, episodes=e)
     pick = ro.distances[-1].view(b, e).argmin(dim=1) + torch.arange(b, device=feats.device) * e  # [B] rows
     return Rollout(*(None if field is None else field[:, pick] for field in ro))
