@@ -50,10 +50,11 @@ class RoIEmbedder(nn.Module):
         return self.encoder(images)
 
     def roi(self, feats: Tensor, boxes: Tensor) -> Tensor:
-        """RoI features of ``boxes [B, K, 4]`` (input pixels) on ``feats [B, C, H', W']`` -> ``[B, K, C, s, s]``."""
+        """RoI features of ``boxes [B, K, 4]`` (input pixels; moved to ``feats``' device) on
+        ``feats [B, C, H', W']`` -> ``[B, K, C, s, s]``."""
         b, k, _ = boxes.shape
         r = self.roi_cfg
-        out = roi_align(feats, batched_rois(boxes.to(feats.dtype)), output_size=r.output_size,
+        out = roi_align(feats, batched_rois(boxes.to(feats.device, feats.dtype)), output_size=r.output_size,
                         spatial_scale=r.spatial_scale, sampling_ratio=r.sampling_ratio, aligned=True)
         return out.view(b, k, *out.shape[1:])
 

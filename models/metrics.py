@@ -9,10 +9,10 @@ from models.boxes import paired_iou
 
 
 def corloc(pred: Tensor, gt: Tensor, threshold: float = 0.5) -> float:
-    """% of images whose predicted box ``pred [N, 4]`` has IoU >= ``threshold`` with ``gt [N, 4]``."""
+    """% of images whose predicted box ``pred [N, 4]`` has IoU >= ``threshold`` with ``gt [N, 4]`` (either device)."""
     if pred.shape != gt.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and gt {tuple(gt.shape)} must have the same shape")
-    return float((paired_iou(pred, gt) >= threshold).float().mean() * 100)
+    return float((paired_iou(pred, gt.to(pred.device)) >= threshold).float().mean() * 100)
 
 
 def _ranks(x: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class FeatureCache:
         self.root = Path(root) if root else None
 
     def get(self, bundle: Bundle, key: str, make: Callable[[], Tensor]) -> Tensor:
+        """``make()``'s features, from disk when cached, on the embedder's device."""
         if self.root is None:
             return make()
         cfg = bundle.config
@@ -93,7 +94,7 @@ class FeatureCache:
                            list(cfg.input.mean), list(cfg.input.std)], sort_keys=True, default=str)
         path = self.root / f"{key}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}.pt"
         if path.is_file():
-            return torch.load(path, weights_only=True)
+            return torch.load(path, weights_only=True).to(next(bundle.embedder.parameters()).device)
         out = make()
         self.root.mkdir(parents=True, exist_ok=True)
         torch.save(out.cpu(), path)
@@ -176,7 +177,8 @@ def ranking_metrics(bundle: Bundle, data: PhotoSet, prototype: Tensor, pairs: in
     proto = prototype.to(out.device)
     d_pos, d_neg = (pos - proto).norm(dim=-1), (neg - proto).norm(dim=-1)  # [N, P]
     i_pos, i_neg = (pos - gt[:, None]).norm(dim=-1), (neg - gt[:, None]).norm(dim=-1)
-    rho = spearman(torch.cat([d_pos, d_neg], 1).double(), torch.cat([p.pos_iou, p.neg_iou], 1).double())  # [N]
+    ious = torch.cat([p.pos_iou, p.neg_iou], 1).to(out.device)
+    rho = spearman(torch.cat([d_pos, d_neg], 1).double(), ious.double())  # [N]
     return {"ordacc": float((d_pos < d_neg).float().mean() * 100),
             "ordacc_inst": float((i_pos < i_neg).float().mean() * 100),
             "spearman": float(rho.mean())}
@@ -200,6 +202,7 @@ def ranking_boxes(bundle: Bundle, feats: Tensor, prototype: Tensor, candidates: 
     """The ranking baseline on cached ``feats [N, C, h, w]``: per image the candidate nearest the prototype
     -> ``[N, 4]``."""
     out = []
+    candidates = candidates.to(feats.device)
     for f in feats.split(1):
         d = torch.cat([(bundle.embedder.embed(f, candidates[j:j + chunk][None]) - prototype).norm(dim=-1)[0]
                        for j in range(0, len(candidates), chunk)])  # [K]
@@ -284,13 +287,14 @@ def train_photo_agent(bundle: Bundle, train: PhotoSet, val: PhotoSet, val_exempl
     validation CorLoc (prototype of ``val_exemplars``) becomes ``bundle.agent_state``."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    agent = Agent(bundle.config.agent)
+    dev = next(bundle.embedder.parameters()).device
+    agent = Agent(bundle.config.agent).to(dev)
     opt = torch.optim.Adam(agent.parameters(), lr=cfg.lr)
     with torch.no_grad():
         crop_emb = bundle.embedder.embed(train.crop_feats, train.crop_boxes[:, None])[:, 0]  # [N, D]
     val_proto = prototype_of(bundle, val_exemplars)
     s = float(bundle.config.input.size)
-    gt_all = train.boxes if cfg.reward != "embedding" else None
+    gt_all = train.boxes.to(dev) if cfg.reward != "embedding" else None
     best: tuple[float, dict | None, int] = (-1.0, None, 0)
     history = []
     bs = min(cfg.batch_size, len(train))
@@ -335,6 +339,9 @@ class PhotoTrainSetup:
         epochs=15, batch_size=32, pairs_per_image=8, lr=1e-3, margin=60.0, recon_weight=0.0, eval_every=5))
     agent: PhotoAgentConfig = field(default_factory=lambda: PhotoAgentConfig(
         iterations=400, eval_every=25, lr=3e-3, entropy_coef=0.1, batch_size=64))
+    agent_restarts: int = 3
+    """Stage 2 runs this many times (seeds ``seed + 1000 * r``); the run with the best validation CorLoc is
+    kept. One run's result depends a lot on its seed (val CorLoc 61-94 % over three seeds)."""
 
 
 def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
@@ -346,12 +353,18 @@ def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
 
 
 def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSetup, seed: int,
-                       cache: FeatureCache | None = None, log: Callable[[str, dict], None] | None = None
-                       ) -> Bundle:
-    """Stages 1 and 2 on ``setup.class_name`` -> a trained bundle with provenance (seconds, val metrics)."""
+                       cache: FeatureCache | None = None, log: Callable[[str, dict], None] | None = None,
+                       device: str | torch.device = "cpu") -> Bundle:
+    """Stages 1 and 2 on ``setup.class_name`` -> a trained bundle with provenance (seconds, val metrics).
+
+    Everything runs on ``device``; the generated images and the boxes stay on the CPU (the random
+    streams are CPU generators, so a seed draws the same data and the same box pairs on any device)."""
+    if setup.agent_restarts < 1:
+        raise ValueError(f"agent_restarts must be >= 1, got {setup.agent_restarts}")
     setup.embedding.seed = setup.agent.seed = seed
     t0 = time.perf_counter()
     bundle = new_bundle(name, photo_model_config(setup), seed)
+    bundle.embedder.to(device)
     c = setup.class_name
     train = photo_set(bundle, manifest, c, "train", setup.n_train, seed, crops=True, cache=cache)
     val = photo_set(bundle, manifest, c, "val", setup.n_val, seed, cache=cache)
@@ -360,14 +373,22 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     s1 = train_photo_embedding(bundle, train, val, val_ex, setup.embedding, setup.anchor,
                                on_log=lambda r: log and log("embedding", r))
     t2 = time.perf_counter()
-    s2 = train_photo_agent(bundle, train, val, val_ex, setup.agent, on_log=lambda r: log and log("agent", r))
+    runs = []
+    for r in range(setup.agent_restarts):
+        cfg = replace(setup.agent, seed=seed + 1000 * r)
+        res = train_photo_agent(bundle, train, val, val_ex, cfg,
+                                on_log=lambda rec, r=r: log and log("agent", {"restart": r, **rec}))
+        runs.append((res, bundle.agent_state))
+    chosen = max(range(len(runs)), key=lambda r: runs[r][0]["val/corloc"])  # the first of equals
+    s2, bundle.agent_state = runs[chosen]
     t3 = time.perf_counter()
     bundle.provenance = {
         "data": f"offline photos (models.photos), class {c}: {setup.n_train} generated training images from the "
                 f"train split, validation {setup.n_val} + {setup.exemplars} exemplars from the val split",
         "seed": seed, "setup": _plain_setup(setup),
         "embedding": {k: v for k, v in s1.items() if k != "history"},
-        "agent": {k: v for k, v in s2.items() if k != "history"},
+        "agent": {**{k: v for k, v in s2.items() if k != "history"}, "restart": chosen,
+                  "restarts_val_corloc": [res["val/corloc"] for res, _ in runs]},
         "seconds": {"data_and_backbone": round(t1 - t0, 1), "embedding": round(t2 - t1, 1),
                     "agent": round(t3 - t2, 1)},
         "history": {"embedding": s1["history"], "agent": s2["history"]},
@@ -457,9 +478,9 @@ def measure_speed(bundle: Bundle, images01: Tensor, prototype: Tensor, batch_siz
         full, backbone = [], []
         for r in range(repeats + 1):
             t0 = time.perf_counter()
-            loc.run(x, prototype, agent)
+            loc.run(x, prototype, agent).boxes[-1].cpu()  # waits for the device, as a client would
             t1 = time.perf_counter()
-            loc.embedder.features(normalize(x.to(loc.device), loc.spec))
+            loc.embedder.features(normalize(x.to(loc.device), loc.spec)).cpu()
             t2 = time.perf_counter()
             if r:  # the first round warms up
                 full.append(t1 - t0)
@@ -520,6 +541,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--agent-batch-size", type=int, default=d.agent.batch_size)
     sp.add_argument("--agent-lr", type=float, default=d.agent.lr)
     sp.add_argument("--entropy-coef", type=float, default=d.agent.entropy_coef)
+    sp.add_argument("--agent-restarts", type=int, default=d.agent_restarts,
+                    help="stage-2 runs per seed; the best by validation CorLoc is kept")
     sp.add_argument("--use-prototype", action=argparse.BooleanOptionalAction, default=d.use_prototype,
                     help="feed the agent the direction from the current box's embedding to the prototype")
     if not reproduce:
@@ -546,7 +569,7 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
 
 def _setup_from_args(a: Any) -> PhotoTrainSetup:
     s = PhotoTrainSetup(class_name=a.class_name, size=a.size, n_train=a.n_train, n_val=a.n_val, anchor=a.anchor,
-                        use_prototype=a.use_prototype)
+                        use_prototype=a.use_prototype, agent_restarts=a.agent_restarts)
     e = s.embedding
     e.epochs, e.batch_size, e.pairs_per_image, e.lr = a.epochs, a.batch_size, a.pairs, a.lr
     e.eval_every = max(1, min(e.eval_every, a.epochs))
@@ -594,6 +617,10 @@ def _environment() -> dict[str, Any]:
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+
+
 def _printer(prefix: str) -> Callable[[str, dict], None]:
     import sys
 
@@ -610,14 +637,12 @@ def photo_train_command(a: Any) -> dict:
     from models.photos import load_manifest
     from models.plots import training_curves
 
-    if a.device != "auto" and resolve_device(a.device).type != "cpu":
-        raise ValueError("the photo commands cache features on the CPU; run them with --device cpu")
     manifest = load_manifest(a.cache)
     out = Path(a.out)
     setup = _setup_from_args(a)
     t0 = time.perf_counter()
     bundle = train_photo_bundle(a.name or out.stem, manifest, setup, a.seed, FeatureCache(a.feature_cache),
-                                log=_printer(""))
+                                log=_printer(""), device=resolve_device(a.device))
     bundle.provenance["command"] = _command_line("photo-train", a)
     sha = save_bundle(out, bundle, half=True)
     training_curves(bundle.provenance["history"], out.with_suffix(".curves.png"))
@@ -642,8 +667,6 @@ def photo_reproduce_command(a: Any) -> dict:
     from models.photos import load_manifest
     from models.plots import search_paths, training_curves
 
-    if a.device != "auto" and resolve_device(a.device).type != "cpu":
-        raise ValueError("the photo commands cache features on the CPU; run them with --device cpu")
     manifest = load_manifest(a.cache)
     out_dir = Path(a.out)
     cache = FeatureCache(a.feature_cache)
@@ -656,10 +679,11 @@ def photo_reproduce_command(a: Any) -> dict:
         setup = _setup_from_args(a)
         t0 = time.perf_counter()
         bundle = train_photo_bundle(f"photo-{setup.class_name}", manifest, setup, seed, cache,
-                                    log=_printer(f"seed {seed} "))
+                                    log=_printer(f"seed {seed} "), device=resolve_device(a.device))
         train_info[str(seed)] = {"seconds": round(time.perf_counter() - t0, 1), **bundle.provenance["seconds"],
                                  "val/ordacc": bundle.provenance["embedding"]["val/ordacc"],
-                                 "val/corloc": bundle.provenance["agent"]["val/corloc"]}
+                                 "val/corloc": bundle.provenance["agent"]["val/corloc"],
+                                 "val/corloc_restarts": bundle.provenance["agent"]["restarts_val_corloc"]}
         save_bundle(out_dir / f"seed{seed}" / "bundle.pt", bundle, half=True)
         training_curves(bundle.provenance["history"], out_dir / f"seed{seed}" / "curves.png")
         for c in a.classes:
@@ -673,7 +697,7 @@ def photo_reproduce_command(a: Any) -> dict:
             _printer(f"seed {seed} ")("transfer", m)
             k = min(12, len(art["test"]))
             for tag in ("before", "after"):
-                search_paths(art["test"].images[:k], art[f"trajectory_{tag}"][:, :k], art["test"].boxes[:k],
+                search_paths(art["test"].images[:k], art[f"trajectory_{tag}"][:, :k].cpu(), art["test"].boxes[:k],
                              out_dir / f"seed{seed}" / f"paths_{c}_{tag}.png", cols=6,
                              title=f"{c} {tag} adaptation: CorLoc {m[f'corloc_{tag}']:.1f} (train {setup.class_name})")
             if speed_input is None:
@@ -684,7 +708,8 @@ def photo_reproduce_command(a: Any) -> dict:
     speed = measure_speed(b, imgs, proto, batch_sizes=bs, repeats=a.speed_repeats)
     adapt_s = [r["adapt_seconds"] for r in rows]
     speed["adapt_seconds_mean"] = round(statistics.fmean(adapt_s), 2)
-    result = {"command": _command_line("photo-reproduce", a), "environment": _environment(),
+    result = {"command": _command_line("photo-reproduce", a),
+              "environment": {**_environment(), "device": _device_name(resolve_device(a.device))},
               "wall_seconds": round(time.perf_counter() - t_start, 1), "train_class": a.class_name,
               "seeds": a.seeds, "train": train_info, "rows": rows, "summary": summarize(rows, a.class_name),
               "speed": speed}

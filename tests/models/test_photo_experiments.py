@@ -16,7 +16,7 @@ from PIL import Image
 from models import photo_experiments as pe
 from models.bundle import load_bundle, new_bundle
 from models.cli import main
-from models.metrics import spearman
+from models.metrics import corloc, spearman
 from models.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
 
 SIZE = 32
@@ -126,6 +126,41 @@ def test_pipeline_smoke(manifest):
     summary = pe.summarize([m, {**m, "seed": 1}], "mammals")
     assert summary["birds"]["corloc_after"]["n"] == 2 and "mean_new_classes" in summary
     assert summary["birds"]["corloc_after_best16"]["n"] == 2
+
+
+def test_stage2_restarts_keep_the_best_on_validation(manifest):
+    one = _tiny_setup()
+    one.agent_restarts = 1
+    single = pe.train_photo_bundle("a", manifest, one, seed=0).provenance["agent"]
+    setup = _tiny_setup()
+    setup.agent_restarts = 3
+    bundle = pe.train_photo_bundle("b", manifest, setup, seed=0)
+    prov = bundle.provenance["agent"]
+    runs = prov["restarts_val_corloc"]
+    assert len(runs) == 3 and runs[0] == single["val/corloc"]  # restart 0 is the single run
+    assert prov["val/corloc"] == max(runs) and prov["restart"] == runs.index(max(runs))
+    # the kept weights are the chosen run's: they score its val CorLoc again
+    val = pe.photo_set(bundle, manifest, "mammals", "val", setup.n_val, 0)
+    val_ex = pe.photo_set(bundle, manifest, "mammals", "val", setup.exemplars, 500, crops=True)
+    traj = pe.localize(bundle, bundle.new_agent(), val.feats, pe.prototype_of(bundle, val_ex))
+    assert corloc(traj[-1], val.boxes) == prov["val/corloc"]
+    setup.agent_restarts = 0
+    with pytest.raises(ValueError, match="agent_restarts"):
+        pe.train_photo_bundle("c", manifest, setup, seed=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pipeline_on_cuda(manifest):
+    """Stages 1-3 and every metric with the networks and feature maps on the GPU, boxes on the CPU."""
+    setup = _tiny_setup()
+    setup.agent_restarts = 2
+    bundle = pe.train_photo_bundle("photo-cuda", manifest, setup, seed=0, device="cuda")
+    assert next(bundle.embedder.parameters()).is_cuda and not bundle.agent_state["policy.weight"].is_cuda
+    ts = pe.PhotoTransferSetup("birds", unlabeled=6, test=6, ranking_images=2, finetune_iterations=2)
+    ts.adapt.iterations, ts.adapt.batch_size = 2, 4
+    m, _ = pe.photo_transfer(bundle, manifest, ts, seed=0)
+    for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "corloc_after_best16"):
+        assert 0 <= m[k] <= 100, k
 
 
 def test_ranking_metrics_agree_with_a_reference_loop(manifest):

