@@ -31,7 +31,8 @@ def main(out: str, inputs: list[str]) -> dict:
         commands.append(m["command"])
     if len(classes) != 1:
         raise SystemExit(f"the inputs train on different classes: {sorted(classes)}")
-    all_rows = sorted(rows.values(), key=lambda r: (r["seed"], r["class"]))
+    order = {c: i for i, c in enumerate(dict.fromkeys(c for _, c in rows))}  # classes in the inputs' order
+    all_rows = sorted(rows.values(), key=lambda r: (r["seed"], order[r["class"]]))
     train_class = classes.pop()
     result = {"train_class": train_class, "seeds": sorted({r["seed"] for r in all_rows}),
               "commands": commands, "train": dict(sorted(train.items(), key=lambda kv: int(kv[0]))),
