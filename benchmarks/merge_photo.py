@@ -40,6 +40,7 @@ def main(out: str, inputs: list[str]) -> dict:
               "speed_median": {k: statistics.median(s[k] for s in speeds)
                                for k in speeds[0] if k != "input" and all(k in s for s in speeds)},
               "inputs": inputs}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     return result
 

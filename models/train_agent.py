@@ -36,6 +36,9 @@ class PolicyConfig:
     """"embedding" (the paper's transferable reward), or the baselines "iou" / "iou_sign" (need boxes)."""
     kl_coef: float = 0.0
     """Weight of KL(policy || reference policy) per step (adaptation: the starting policy); 0 = off."""
+    episodes: int = 1
+    """Sampled episodes per image and step, on the image's one feature map; > 1 gives each episode
+    the mean return of its image's other episodes as baseline (see ``reinforce_loss``)."""
 
 
 @dataclass
@@ -57,9 +60,9 @@ def policy_step(bundle: Bundle, agent: Agent, opt: torch.optim.Optimizer, feats:
     s = float(bundle.config.input.size)
     ref = reference if cfg.kl_coef > 0 else None
     ro = rollout(bundle.embedder, agent, feats, prototypes, bundle.config.env, (s, s), deterministic=False,
-                 generator=generator, reward=cfg.reward, gt_boxes=gt_boxes, reference=ref)
+                 generator=generator, reward=cfg.reward, gt_boxes=gt_boxes, reference=ref, episodes=cfg.episodes)
     out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
-                         cfg.normalize_advantages)
+                         cfg.normalize_advantages, cfg.episodes)
     loss = out.loss
     stats = {}
     if ro.kl is not None:

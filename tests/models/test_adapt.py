@@ -41,3 +41,14 @@ def test_kl_penalty_keeps_the_adapted_policy_near_the_start():
     kl_near = _kl_to(bundle, near.agent_state, None, feats, proto)
     assert kl_far > 0.01  # adaptation does move the policy
     assert kl_near < 0.5 * kl_far
+
+
+def test_several_episodes_per_image_adapt_reproducibly():
+    bundle, data, proto, _ = _setup()
+    cfg = AdaptConfig(iterations=3, batch_size=8, lr=1e-2, episodes=4)
+    a, b = (adapt(bundle, proto, data.images, cfg, device="cpu") for _ in range(2))
+    start = bundle.agent_state
+    assert all(torch.equal(a.agent_state[k], b.agent_state[k]) for k in start)  # seeded: the same run twice
+    assert any(not torch.equal(a.agent_state[k], start[k]) for k in start)  # and it learned something
+    one = adapt(bundle, proto, data.images, AdaptConfig(iterations=3, batch_size=8, lr=1e-2), device="cpu")
+    assert any(not torch.equal(a.agent_state[k], one.agent_state[k]) for k in start)

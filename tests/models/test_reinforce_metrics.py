@@ -29,6 +29,33 @@ def test_reinforce_gradient_prefers_better_actions():
     assert out.mean_return.item() == pytest.approx(0.5)
 
 
+def test_per_image_baseline_is_leave_one_out_and_ignores_the_image_offset():
+    torch.manual_seed(0)
+    T, B, E = 4, 3, 4
+    log_probs = torch.randn(T, B * E, requires_grad=True)
+    rewards = torch.randn(T, B * E)
+    out = reinforce_loss(log_probs, torch.zeros(T, B * E), rewards, gamma=0.9, entropy_coef=0.0,
+                         normalize=False, episodes=E)
+    (grad,) = torch.autograd.grad(out.loss, log_probs)
+    g = discounted_returns(rewards, 0.9)
+    for i in range(B * E):  # the slow, obvious way: minus the mean of the image's other episodes
+        image = i // E
+        others = [j for j in range(image * E, image * E + E) if j != i]
+        adv = g[:, i] - g[:, others].mean(dim=1)
+        assert torch.allclose(grad[:, i], -adv / (B * E), atol=1e-6)
+    # an image that starts farther from the prototype (a larger first reward in all its episodes)
+    # changes nothing: the baseline absorbs it
+    shifted = rewards.clone()
+    shifted[0, :E] += 50.0
+    out2 = reinforce_loss(log_probs, torch.zeros(T, B * E), shifted, gamma=0.9, entropy_coef=0.0,
+                          normalize=True, episodes=E)
+    out1 = reinforce_loss(log_probs, torch.zeros(T, B * E), rewards, gamma=0.9, entropy_coef=0.0,
+                          normalize=True, episodes=E)
+    assert torch.allclose(out1.loss, out2.loss, atol=1e-5)
+    with pytest.raises(ValueError, match="groups of 5"):
+        reinforce_loss(log_probs, torch.zeros(T, B * E), rewards, episodes=5)
+
+
 def test_corloc_known_values():
     gt = torch.tensor([[0.0, 0, 10, 10]] * 4)
     pred = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 20], [0, 0, 10, 21], [50, 50, 60, 60]])
