@@ -4,6 +4,9 @@
 #   here:   bash benchmarks/gpu_photo.sh --pack        # -> var/gpu (~33 MB): the photos manifest.json names,
 #                                                      #    its licenses, and the MobileNetV2 weights package
 #   there:  bash benchmarks/gpu_photo.sh OUT_DIR [SEEDS...]   # default seeds 0-9, one process per seed
+# The device tool carries at most 64 MiB (working tree + var/gpu); the tracked tree holds ~42 MB of MNIST
+# data and bundles this run does not need, so send it from a checkout or index without them.
+# Only a few files come back from such a machine: tar OUT_DIR into one file at the end of the command.
 # Each seed runs twice: the benchmark's defaults (3 stage-2 restarts) and with --agent-restarts 1.
 # Per-seed outputs land in OUT_DIR/photo{,-r1}/sS/ and are merged into OUT_DIR/photo{,-r1}/metrics.json.
 set -uo pipefail
