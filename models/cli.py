@@ -90,7 +90,8 @@ def cmd_adapt(a: argparse.Namespace) -> dict:
     ex = cmnist(a.digit, "train", a.exemplars, a.background, a.seed + 1000)
     unl = cmnist(a.digit, "train", a.unlabeled, a.background, a.seed + 1000, offset=a.exemplars)
     proto = loc.prototype(exemplar_crops(ex))
-    cfg = AdaptConfig(iterations=a.iterations, batch_size=a.batch_size, seed=a.seed, lr=a.lr, kl_coef=a.kl_coef)
+    cfg = AdaptConfig(iterations=a.iterations, batch_size=a.batch_size, seed=a.seed, lr=a.lr, kl_coef=a.kl_coef,
+                      episodes=a.episodes)
     bar = tqdm(total=cfg.iterations, desc="stage 3 (adapt)", file=sys.stderr, leave=False)
     t0 = time.perf_counter()
     res = adapt(bundle, proto, unl.images, cfg, device=dev,
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--lr", type=float, default=1e-3)
     sp.add_argument("--kl-coef", type=float, default=0.0,
                     help="weight of KL(policy || starting policy) per step: a trust region (0: off)")
+    sp.add_argument("--episodes", type=int, default=1,
+                    help="sampled episodes per image and iteration (> 1: per-image baseline)")
     sp.add_argument("--out", required=True, help="policy checkpoint to write")
     sp.set_defaults(func=cmd_adapt)
 

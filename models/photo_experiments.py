@@ -303,9 +303,10 @@ def train_photo_agent(bundle: Bundle, train: PhotoSet, val: PhotoSet, val_exempl
         protos = group_prototypes(crop_emb[idx], cfg.group_size, shuffle=True, generator=gen)
         agent.train()
         ro = rollout(bundle.embedder, agent, train.feats[idx], protos, bundle.config.env, (s, s),
-                     generator=gen, reward=cfg.reward, gt_boxes=None if gt_all is None else gt_all[idx])
+                     generator=gen, reward=cfg.reward, gt_boxes=None if gt_all is None else gt_all[idx],
+                     episodes=cfg.episodes)
         out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
-                             cfg.normalize_advantages)
+                             cfg.normalize_advantages, cfg.episodes)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
@@ -543,6 +544,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--entropy-coef", type=float, default=d.agent.entropy_coef)
     sp.add_argument("--agent-restarts", type=int, default=d.agent_restarts,
                     help="stage-2 runs per seed; the best by validation CorLoc is kept")
+    sp.add_argument("--agent-episodes", type=int, default=d.agent.episodes,
+                    help="stage-2 episodes per image and iteration (> 1: per-image baseline)")
     sp.add_argument("--use-prototype", action=argparse.BooleanOptionalAction, default=d.use_prototype,
                     help="feed the agent the direction from the current box's embedding to the prototype")
     if not reproduce:
@@ -563,6 +566,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--adapt-lr", type=float, default=t.adapt.lr)
     sp.add_argument("--adapt-kl-coef", type=float, default=t.adapt.kl_coef,
                     help="adaptation's KL(policy || starting policy) weight per step (0: off)")
+    sp.add_argument("--adapt-episodes", type=int, default=t.adapt.episodes,
+                    help="adaptation episodes per image and iteration (> 1: per-image baseline)")
     sp.add_argument("--speed-repeats", type=int, default=5)
     sp.add_argument("--out", default="runs/photo")
 
@@ -575,7 +580,7 @@ def _setup_from_args(a: Any) -> PhotoTrainSetup:
     e.eval_every = max(1, min(e.eval_every, a.epochs))
     g = s.agent
     g.iterations, g.batch_size, g.lr = a.agent_iterations, a.agent_batch_size, a.agent_lr
-    g.entropy_coef = a.entropy_coef
+    g.entropy_coef, g.episodes = a.entropy_coef, a.agent_episodes
     g.eval_every = max(1, min(g.eval_every, a.agent_iterations))
     return s
 
@@ -691,7 +696,7 @@ def photo_reproduce_command(a: Any) -> dict:
                                     finetune_iterations=a.finetune_iterations, search_samples=a.samples,
                                     adapt=AdaptConfig(iterations=a.adapt_iterations, batch_size=a.adapt_batch_size,
                                                       lr=a.adapt_lr, entropy_coef=a.entropy_coef,
-                                                      kl_coef=a.adapt_kl_coef))
+                                                      kl_coef=a.adapt_kl_coef, episodes=a.adapt_episodes))
             m, art = photo_transfer(bundle, manifest, ts, seed, cache)
             rows.append(m)
             _printer(f"seed {seed} ")("transfer", m)

@@ -28,7 +28,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert load_bundle(bundle_path).provenance["agent"]["reward"] == "embedding"
     pol = tmp_path / "policy.pt"
     r = run(capsys, "adapt", "--bundle", bundle_path, "--digit", 2, "--unlabeled", 16, "--iterations", 3,
-            "--batch-size", 8, "--out", pol, "--metrics", tmp_path / "adapt.json")
+            "--batch-size", 8, "--episodes", 2, "--out", pol, "--metrics", tmp_path / "adapt.json")
     assert r["iterations"] == 3 and json.loads((tmp_path / "adapt.json").read_text()) == r
     state, meta = load_policy(pol, load_bundle(bundle_path))
     assert meta["digit"] == 2 and all(isinstance(v, torch.Tensor) for v in state.values())

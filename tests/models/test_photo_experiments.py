@@ -202,8 +202,13 @@ def test_cli_photo_train_and_reproduce(manifest, tmp_path, monkeypatch):
     run = tmp_path / "run"
     assert main(["photo-reproduce", "--seeds", "0", "--classes", "fish", "--out", str(run), *tiny,
                  "--adapt-iterations", "1", "--unlabeled", "4", "--n-test", "4", "--ranking-images", "1",
-                 "--finetune-iterations", "1", "--speed-repeats", "1"]) == 0
+                 "--finetune-iterations", "1", "--speed-repeats", "1", "--agent-episodes", "2",
+                 "--adapt-episodes", "2", "--agent-restarts", "2"]) == 0
     metrics = json.loads((run / "metrics.json").read_text())
     assert [r["class"] for r in metrics["rows"]] == ["fish"]
     assert "fish" in metrics["summary"] and metrics["speed"]["backbone_images_per_s_batch1"] > 0
+    words = metrics["command"].split()
+    assert {"--agent-episodes 2", "--adapt-episodes 2", "--agent-restarts 2"} <= {
+        f"{a} {b}" for a, b in zip(words, words[1:], strict=False)}
+    assert len(metrics["train"]["0"]["val/corloc_restarts"]) == 2
     assert list(run.glob("seed0/paths_fish_*.png"))
