@@ -658,7 +658,9 @@ def photo_train_command(a: Any) -> dict:
             "metrics": {"val/ordacc": bundle.provenance["embedding"]["val/ordacc"],
                         "best_epoch": bundle.provenance["embedding"]["best_epoch"],
                         "val/corloc": bundle.provenance["agent"]["val/corloc"],
-                        "best_iteration": bundle.provenance["agent"]["best_iteration"]},
+                        "best_iteration": bundle.provenance["agent"]["best_iteration"],
+                        "restart": bundle.provenance["agent"]["restart"],
+                        "restarts_val_corloc": bundle.provenance["agent"]["restarts_val_corloc"]},
             "stage_seconds": bundle.provenance["seconds"]}
     out.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
     return {k: info[k] for k in ("bundle", "bytes", "metrics", "seconds")}
