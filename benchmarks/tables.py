@@ -67,9 +67,45 @@ def photo_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def photo_seed_table(metrics: dict) -> str:
+    """Per seed: the mean of the new classes before / after adaptation, ranking, and the differences
+    the floor asks about (after - before, after - ranking), plus the best-of-16 search after adaptation."""
+    import statistics
+
+    new = [r for r in metrics["rows"] if r["class"] != metrics["train_class"]]
+    best = next((k for k in new[0] if k.startswith("corloc_after_best") and not k.endswith("subset")), None)
+    head = ["seed", "stage-2 val CorLoc", "before", "after", "ranking", "after − before", "after − ranking"]
+    if best:
+        head += [f"after, best of {best.removeprefix('corloc_after_best')}", "best − ranking"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    cols: dict[str, list[float]] = {h: [] for h in head[2:]}
+    for seed in sorted({r["seed"] for r in new}):
+        rows = [r for r in new if r["seed"] == seed]
+
+        def m(k: str, rows: list = rows) -> float:
+            return statistics.fmean(r[k] for r in rows)
+        vals = [m("corloc_before"), m("corloc_after"), m("corloc_ranking")]
+        vals += [vals[1] - vals[0], vals[1] - vals[2]]
+        if best:
+            vals += [m(best), m(best) - vals[2]]
+        for h, v in zip(head[2:], vals, strict=True):
+            cols[h].append(v)
+        val = metrics.get("train", {}).get(str(seed), {}).get("val/corloc")
+        lines.append(f"| {seed} | {'–' if val is None else f'{val:.1f}'} | "
+                     + " | ".join(f"{v:+.1f}" if "−" in h else f"{v:.1f}" for h, v in zip(head[2:], vals, strict=True))
+                     + " |")
+    sd = {h: statistics.stdev(v) if len(v) > 1 else 0.0 for h, v in cols.items()}
+    lines.append("| mean ± std | | " + " | ".join(
+        f"{statistics.fmean(v):{'+' if '−' in h else ''}.1f} ± {sd[h]:.1f}" for h, v in cols.items()) + " |")
+    wins = {h: sum(x > 0 for x in v) for h, v in cols.items() if "−" in h}
+    lines.append("| seeds > 0 | | | | | " + " | ".join(
+        f"{wins[h]} of {len(cols[h])}" if h in wins else "" for h in head[5:]) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as f:
             m = json.load(f)
-        print(photo_table(m) if "train_class" in m else table(m))
+        print(photo_table(m) + "\n\n" + photo_seed_table(m) if "train_class" in m else table(m))
         print()
