@@ -6,9 +6,9 @@
 #   there:  bash benchmarks/gpu_photo.sh OUT_DIR [SEEDS...]   # default seeds 0-9, one process per seed
 # The device tool carries at most 64 MiB (working tree + var/gpu); the tracked tree holds ~42 MB of MNIST
 # data and bundles this run does not need, so send it from a checkout or index without them.
-# Only a few files come back from such a machine: tar OUT_DIR into one file at the end of the command.
-# Each seed runs twice: the benchmark's defaults (3 stage-2 restarts) and with --agent-restarts 1.
-# Per-seed outputs land in OUT_DIR/photo{,-r1}/sS/ and are merged into OUT_DIR/photo{,-r1}/metrics.json.
+# One process per seed and variant (PHOTO_VARIANTS, default "photo": the benchmark's defaults; "photo-r1":
+# --agent-restarts 1). OUT_DIR gets gpu.txt, one table per variant (VARIANT.md) and photo-results.tgz
+# (per-seed metrics and logs, merged VARIANT/metrics.json, search-path PNGs, the test log).
 set -uo pipefail
 if [[ ${1:-} == --pack ]]; then
   rm -rf var/gpu && mkdir -p var/gpu/pkgs
@@ -35,30 +35,31 @@ seeds=("${@:-0 1 2 3 4 5 6 7 8 9}")
 read -ra seeds <<< "${seeds[*]}"
 limit=${PHOTO_LIMIT_S:-460}                   # seconds per process
 read -ra args <<< "${PHOTO_ARGS:-}"          # extra photo-reproduce options (a tiny dry run here, say)
+read -ra variants <<< "${PHOTO_VARIANTS:-photo}"  # photo: the defaults; photo-r1: --agent-restarts 1
 export PYTHONPATH=$PWD:$PWD/var/gpu/pkgs PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-mkdir -p "$out/photo" "$out/photo-r1"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -c "import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__)" \
-  | tee -a "$out/gpu.txt"
-nproc | tee -a "$out/gpu.txt"
+work="$out/work"
+mkdir -p "$work"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__)"
+  echo "cpus: $(getconf _NPROCESSORS_ONLN)"; } | tee "$out/gpu.txt"
 timeout 120 python3 -m pytest -q -ra -p no:cacheprovider tests/models/test_photo_experiments.py \
-  > "$out/test_photo_experiments.txt" 2>&1 &
+  > "$work/test_photo_experiments.txt" 2>&1 &
 start=$(date +%s)
 for s in "${seeds[@]}"; do
-  for variant in photo photo-r1; do
+  for variant in "${variants[@]}"; do
+    mkdir -p "$work/$variant"
     extra=(); [[ $variant == photo-r1 ]] && extra=(--agent-restarts 1)
-    timeout "$limit" python3 -m models photo-reproduce --device "${PHOTO_DEVICE:-cuda}" --cache var/gpu/photos --threads 1 \
-      --seeds "$s" "${extra[@]}" "${args[@]}" --out "$out/$variant/s$s" > "$out/$variant/s$s.log" 2>&1 &
+    timeout "$limit" python3 -m models photo-reproduce --device "${PHOTO_DEVICE:-cuda}" --cache var/gpu/photos \
+      --threads 1 --seeds "$s" "${extra[@]}" "${args[@]}" --out "$work/$variant/s$s" > "$work/$variant/s$s.log" 2>&1 &
   done
 done
 wait
 echo "runs took $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
-for variant in photo photo-r1; do
-  python3 benchmarks/merge_photo.py "$out/$variant/metrics.json" "$out/$variant"/s*/metrics.json \
-    > "$out/$variant/merge.txt" 2>&1
-  python3 benchmarks/tables.py "$out/$variant/metrics.json" > "$out/$variant/table.md" 2>&1
-  tail -n 3 "$out/$variant"/s*.log | cut -c1-300
-  cat "$out/$variant/merge.txt"
+for variant in "${variants[@]}"; do
+  python3 benchmarks/merge_photo.py "$work/$variant/metrics.json" "$work/$variant"/s*/metrics.json
+  python3 benchmarks/tables.py "$work/$variant/metrics.json" | tee "$out/$variant.md"
 done
-tail -5 "$out/test_photo_experiments.txt"
-rm -f "$out"/photo*/s*/bundle.pt
+tail -n 3 "$work/test_photo_experiments.txt" | tee -a "$out/gpu.txt"
+rm -f "$work"/*/s*/seed*/bundle.pt
+# such a machine sends back only a few files: everything else travels as one archive
+tar czf "$out/photo-results.tgz" -C "$work" . && rm -rf "$work"
