@@ -42,7 +42,8 @@ def table(metrics: dict) -> str:
 
 
 PHOTO_COLUMNS = [("ordacc", "OrdAcc"), ("spearman", "Spearman ρ"), ("corloc_before", "before"),
-                 ("corloc_finetune", "fine-tune"), ("corloc_ranking", "ranking"), ("corloc_after", "after")]
+                 ("corloc_finetune", "fine-tune"), ("corloc_ranking", "ranking"), ("corloc_after", "after"),
+                 ("corloc_before_nearest", "before, nearest"), ("corloc_after_nearest", "after, nearest")]
 
 
 def photo_table(metrics: dict) -> str:
@@ -75,6 +76,9 @@ def photo_seed_table(metrics: dict) -> str:
     new = [r for r in metrics["rows"] if r["class"] != metrics["train_class"]]
     best = next((k for k in new[0] if k.startswith("corloc_after_best") and not k.endswith("subset")), None)
     head = ["seed", "stage-2 val CorLoc", "before", "after", "ranking", "after − before", "after − ranking"]
+    nearest = "corloc_after_nearest" in new[0]
+    if nearest:
+        head += ["after, nearest", "nearest − ranking"]
     if best:
         head += [f"after, best of {best.removeprefix('corloc_after_best')}", "best − ranking"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -86,6 +90,8 @@ def photo_seed_table(metrics: dict) -> str:
             return statistics.fmean(r[k] for r in rows)
         vals = [m("corloc_before"), m("corloc_after"), m("corloc_ranking")]
         vals += [vals[1] - vals[0], vals[1] - vals[2]]
+        if nearest:
+            vals += [m("corloc_after_nearest"), m("corloc_after_nearest") - vals[2]]
         if best:
             vals += [m(best), m(best) - vals[2]]
         for h, v in zip(head[2:], vals, strict=True):

@@ -124,31 +124,37 @@ class Localizer:
 
     @torch.no_grad()
     def run(self, images01: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
-            generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0) -> Rollout:
+            generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0,
+            nearest: bool = False) -> Rollout:
         """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``.
 
         Only the final box is embedded (its distance is the score) unless ``rewards`` asks for every step's.
         ``samples > 0`` (greedy only) adds that many sampled episodes per image and keeps, per image, the
         episode whose final box is nearest the prototype; ``generator`` (default: seed 0) makes it repeatable.
+        ``nearest`` (greedy only) answers with the visited box nearest the prototype instead of the last
+        one (``models.rollout.search``).
         """
         images = normalize(images01.to(self.device), self.spec)
         feats = self.embedder.features(images)  # the one backbone pass of this episode
         s = float(self.spec.size)
         proto = prototype.to(self.device)
-        if samples > 0:
+        if samples > 0 or nearest:
             if not deterministic or rewards:
-                raise ValueError("samples (best-of-N search) is for greedy inference without rewards")
+                raise ValueError("samples (best-of-N search) and nearest are for greedy inference without rewards")
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            return search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen)
+            return search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen,
+                          nearest=nearest)
         return rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
                        deterministic=deterministic, generator=generator, rewards=rewards)
 
     def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
                  agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,
-                 trajectory: bool = False, seed: int | None = None, samples: int = 0) -> list[Localization]:
+                 trajectory: bool = False, seed: int | None = None, samples: int = 0,
+                 nearest: bool = False) -> list[Localization]:
         """Localize each image (any size) -> one ``Localization`` per image, in upload order.
 
-        ``samples``: extra sampled episodes per image for the best-of-N search (see ``run``)."""
+        ``samples``: extra sampled episodes per image for the best-of-N search; ``nearest``: answer with
+        the visited box nearest the prototype (see ``run``)."""
         spec = self.spec
         tensors = [im if isinstance(im, Tensor) else pil_to_tensor(im, spec.channels, spec.fill) for im in images]
         batch, scales = resize_batch(tensors, self.spec.size)
@@ -158,7 +164,7 @@ class Localizer:
         elif samples > 0:
             gen = torch.Generator().manual_seed(0 if seed is None else seed)
         ro = self.run(batch, prototype, self.agent(agent_state), deterministic=deterministic, generator=gen,
-                      samples=samples)
+                      samples=samples, nearest=nearest)
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         scores = ro.distances[-1].cpu()

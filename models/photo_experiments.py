@@ -186,15 +186,16 @@ def ranking_metrics(bundle: Bundle, data: PhotoSet, prototype: Tensor, pairs: in
 
 @torch.no_grad()
 def localize(bundle: Bundle, agent: Agent, feats: Tensor, prototype: Tensor, chunk: int = 128,
-             samples: int = 0, seed: int = 0) -> Tensor:
+             samples: int = 0, seed: int = 0, nearest: bool = False) -> Tensor:
     """Greedy episodes on cached ``feats [N, C, h, w]`` -> the trajectory ``[T+1, N, 4]``; ``samples > 0``:
-    the best-of-(1 + samples) search (greedy + sampled episodes, the final box nearest the prototype kept)."""
+    the best-of-(1 + samples) search (greedy + sampled episodes, the final box nearest the prototype kept);
+    ``nearest``: the answer is the visited box nearest the prototype (``models.rollout.search``)."""
     agent.eval()
     s = float(bundle.config.input.size)
     gen = torch.Generator().manual_seed(seed)
     chunk = max(1, chunk // (samples + 1))
     return torch.cat([search(bundle.embedder, agent, feats[i:i + chunk], prototype, bundle.config.env, (s, s),
-                             samples, gen).boxes for i in range(0, len(feats), chunk)], dim=1)
+                             samples, gen, nearest=nearest).boxes for i in range(0, len(feats), chunk)], dim=1)
 
 
 @torch.no_grad()
@@ -432,6 +433,7 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
     base = bundle.new_agent()
     traj_before = localize(bundle, base, test.feats, proto)
     m["corloc_before"] = corloc(traj_before[-1], test.boxes)
+    m["corloc_before_nearest"] = corloc(localize(bundle, base, test.feats, proto, nearest=True)[-1], test.boxes)
     n_best = setup.search_samples + 1
     if setup.search_samples > 0:
         best_before = localize(bundle, base, test.feats, proto, samples=setup.search_samples, seed=seed)[-1]
@@ -447,13 +449,14 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
     t0 = time.perf_counter()
     res = adapt(bundle, proto, unl.images, setup.adapt, device=next(bundle.embedder.parameters()).device)
     m["adapt_seconds"] = round(time.perf_counter() - t0, 2)
-    traj_after = localize(bundle, bundle.new_agent(res.agent_state), test.feats, proto)
+    adapted = bundle.new_agent(res.agent_state)
+    traj_after = localize(bundle, adapted, test.feats, proto)
     m["corloc_after"] = corloc(traj_after[-1], test.boxes)
+    m["corloc_after_nearest"] = corloc(localize(bundle, adapted, test.feats, proto, nearest=True)[-1], test.boxes)
     if setup.baselines:
         m["corloc_after_ranking_subset"] = corloc(traj_after[-1][:k], test.boxes[:k])
     if setup.search_samples > 0:
-        best_after = localize(bundle, bundle.new_agent(res.agent_state), test.feats, proto,
-                              samples=setup.search_samples, seed=seed)[-1]
+        best_after = localize(bundle, adapted, test.feats, proto, samples=setup.search_samples, seed=seed)[-1]
         m[f"corloc_after_best{n_best}"] = corloc(best_after, test.boxes)
         if setup.baselines:
             m[f"corloc_after_best{n_best}_ranking_subset"] = corloc(best_after[:k], test.boxes[:k])
@@ -494,7 +497,8 @@ def measure_speed(bundle: Bundle, images01: Tensor, prototype: Tensor, batch_siz
 # ---------------------------------------------------------------- summaries
 
 METRIC_KEYS = ("ordacc", "ordacc_inst", "spearman", "corloc_before", "corloc_after", "corloc_ranking",
-               "corloc_after_ranking_subset", "corloc_finetune", "adapt_seconds")
+               "corloc_after_ranking_subset", "corloc_finetune", "corloc_before_nearest", "corloc_after_nearest",
+               "adapt_seconds")
 SEARCH_PREFIXES = ("corloc_before_best", "corloc_after_best")
 
 
@@ -569,6 +573,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--adapt-episodes", type=int, default=t.adapt.episodes,
                     help="adaptation episodes per image and iteration (> 1: per-image baseline)")
     sp.add_argument("--speed-repeats", type=int, default=5)
+    sp.add_argument("--reuse", help="take seed S's stages 1-2 from REUSE/seedS/bundle.pt (an earlier run's, float16 "
+                                    "weights) instead of training; the training options are then ignored")
     sp.add_argument("--out", default="runs/photo")
 
 
@@ -669,7 +675,7 @@ def photo_train_command(a: Any) -> dict:
 def photo_reproduce_command(a: Any) -> dict:
     """``qloc photo-reproduce``: for each seed train on one class, transfer to every class; metrics.json,
     search-path PNGs and the speed numbers under ``--out``."""
-    from models.bundle import save_bundle
+    from models.bundle import load_bundle, save_bundle
     from models.inference import resolve_device
     from models.photos import load_manifest
     from models.plots import search_paths, training_curves
@@ -685,14 +691,23 @@ def photo_reproduce_command(a: Any) -> dict:
         torch.manual_seed(seed)
         setup = _setup_from_args(a)
         t0 = time.perf_counter()
-        bundle = train_photo_bundle(f"photo-{setup.class_name}", manifest, setup, seed, cache,
-                                    log=_printer(f"seed {seed} "), device=resolve_device(a.device))
-        train_info[str(seed)] = {"seconds": round(time.perf_counter() - t0, 1), **bundle.provenance["seconds"],
-                                 "val/ordacc": bundle.provenance["embedding"]["val/ordacc"],
-                                 "val/corloc": bundle.provenance["agent"]["val/corloc"],
-                                 "val/corloc_restarts": bundle.provenance["agent"]["restarts_val_corloc"]}
-        save_bundle(out_dir / f"seed{seed}" / "bundle.pt", bundle, half=True)
-        training_curves(bundle.provenance["history"], out_dir / f"seed{seed}" / "curves.png")
+        reused = Path(a.reuse) / f"seed{seed}" / "bundle.pt" if a.reuse else None
+        if reused is not None:
+            bundle = load_bundle(reused, resolve_device(a.device))
+            if bundle.provenance.get("seed") != seed or bundle.provenance["setup"]["class_name"] != a.class_name:
+                raise ValueError(f"{reused} was not trained on {a.class_name} with seed {seed}")
+        else:
+            bundle = train_photo_bundle(f"photo-{setup.class_name}", manifest, setup, seed, cache,
+                                        log=_printer(f"seed {seed} "), device=resolve_device(a.device))
+        prov = bundle.provenance
+        train_info[str(seed)] = {"seconds": round(time.perf_counter() - t0, 1), **prov["seconds"],
+                                 "val/ordacc": prov["embedding"]["val/ordacc"],
+                                 "val/corloc": prov["agent"]["val/corloc"],
+                                 "val/corloc_restarts": prov["agent"].get("restarts_val_corloc"),
+                                 "reused": None if reused is None else _relative(str(reused))}
+        if reused is None:
+            save_bundle(out_dir / f"seed{seed}" / "bundle.pt", bundle, half=True)
+        training_curves(prov["history"], out_dir / f"seed{seed}" / "curves.png")
         for c in a.classes:
             ts = PhotoTransferSetup(c, unlabeled=a.unlabeled, test=a.n_test, ranking_images=a.ranking_images,
                                     finetune_iterations=a.finetune_iterations, search_samples=a.samples,

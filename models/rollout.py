@@ -158,17 +158,37 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
 
 
 def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
-           size: tuple[float, float], samples: int, generator: torch.Generator | None = None) -> Rollout:
+           size: tuple[float, float], samples: int, generator: torch.Generator | None = None,
+           nearest: bool = False) -> Rollout:
     """Best of ``1 + samples`` episodes per image: the greedy one and ``samples`` sampled ones, all
     batched on the one feature map; each image keeps the episode whose final box is nearest the
-    prototype (the score needs no label) -> a ``Rollout`` of ``B`` rows. Ties keep the greedy episode."""
+    prototype (the score needs no label) -> a ``Rollout`` of ``B`` rows. Ties keep the greedy episode.
+
+    ``nearest`` looks at every box the episodes visit after step 1, not only the final ones: the
+    image's answer is the visited box nearest the prototype, and its episode is returned as if it had
+    stopped there (the later steps repeat that box and its distance). An agent trained for a fixed
+    ``T`` tends to walk past the object on classes it was not trained on; this answer costs nothing
+    more than embedding every step's box, which an agent that reads the prototype does anyway.
+    """
     if samples < 0:
         raise ValueError(f"samples must be >= 0, got {samples}")
-    if samples == 0:
+    if samples == 0 and not nearest:
         return rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=True, rewards=False)
     b, e = feats.shape[0], samples + 1
     greedy = torch.arange(b * e, device=feats.device) % e == 0
     ro = rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=greedy, generator=generator,
-                 rewards=False, episodes=e)
-    pick = ro.distances[-1].view(b, e).argmin(dim=1) + torch.arange(b, device=feats.device) * e  # [B] rows
-    return Rollout(*(None if field is None else field[:, pick] for field in ro))
+                 rewards=nearest, episodes=e)
+    steps = ro.distances.shape[0] - 1
+    image = torch.arange(b, device=feats.device)
+    if nearest:  # over (step >= 1, episode), step-major: ties keep the earlier step, then the greedy episode
+        k = ro.distances[1:].view(steps, b, e).permute(1, 0, 2).reshape(b, steps * e).argmin(dim=1)  # [B]
+        stop, pick = k // e + 1, k % e + image * e
+    else:
+        stop, pick = None, ro.distances[-1].view(b, e).argmin(dim=1) + image * e  # [B] rows
+    out = Rollout(*(None if field is None else field[:, pick] for field in ro))
+    if stop is None:
+        return out
+    after = torch.arange(steps + 1, device=feats.device)[:, None] > stop[None]  # [T+1, B]: steps past the stop
+    boxes = torch.where(after[..., None], out.boxes[stop, image][None], out.boxes)
+    dists = torch.where(after, out.distances[stop, image][None], out.distances)
+    return out._replace(boxes=boxes, distances=dists)

@@ -118,7 +118,8 @@ def test_pipeline_smoke(manifest):
     ts.adapt.iterations, ts.adapt.batch_size = 2, 4
     m, art = pe.photo_transfer(bundle, manifest, ts, seed=0)
     for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "ordacc", "ordacc_inst",
-              "corloc_before_best16", "corloc_after_best16", "corloc_after_best16_ranking_subset"):
+              "corloc_before_best16", "corloc_after_best16", "corloc_after_best16_ranking_subset",
+              "corloc_before_nearest", "corloc_after_nearest"):
         assert 0 <= m[k] <= 100, k
     assert -1 <= m["spearman"] <= 1 and m["adapt_seconds"] > 0
     steps = bundle.config.env.steps
@@ -159,7 +160,8 @@ def test_pipeline_on_cuda(manifest):
     ts = pe.PhotoTransferSetup("birds", unlabeled=6, test=6, ranking_images=2, finetune_iterations=2)
     ts.adapt.iterations, ts.adapt.batch_size = 2, 4
     m, _ = pe.photo_transfer(bundle, manifest, ts, seed=0)
-    for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "corloc_after_best16"):
+    for k in ("corloc_before", "corloc_after", "corloc_ranking", "corloc_finetune", "corloc_after_best16",
+              "corloc_after_nearest"):
         assert 0 <= m[k] <= 100, k
 
 
@@ -211,4 +213,12 @@ def test_cli_photo_train_and_reproduce(manifest, tmp_path, monkeypatch):
     assert {"--agent-episodes 2", "--adapt-episodes 2", "--agent-restarts 2"} <= {
         f"{a} {b}" for a, b in zip(words, words[1:], strict=False)}
     assert len(metrics["train"]["0"]["val/corloc_restarts"]) == 2
+    # --reuse: stages 1-2 from the run above's seed bundle, no training
+    again = tmp_path / "again"
+    assert main(["photo-reproduce", "--seeds", "0", "--classes", "fish", "--out", str(again), "--reuse", str(run),
+                 "--cache", manifest["root"], "--size", str(SIZE), "--adapt-iterations", "1", "--unlabeled", "4",
+                 "--n-test", "4", "--ranking-images", "1", "--finetune-iterations", "1", "--speed-repeats", "1"]) == 0
+    info = json.loads((again / "metrics.json").read_text())["train"]["0"]
+    assert info["reused"].endswith("seed0/bundle.pt") and info["val/corloc"] == metrics["train"]["0"]["val/corloc"]
+    assert not (again / "seed0" / "bundle.pt").exists()
     assert list(run.glob("seed0/paths_fish_*.png"))

@@ -140,6 +140,32 @@ def test_episodes_share_the_feature_map_and_equal_separate_rollouts():
 
 
 @torch.no_grad()
+def test_nearest_answer_is_the_visited_box_nearest_the_prototype():
+    from models.rollout import search
+
+    bundle, _, feats, proto = _setup(n=8)
+    agent = bundle.new_agent().eval()
+    cfg, size = bundle.config.env, (84, 84)
+    for samples in (0, 5):
+        full = rollout(bundle.embedder, agent, feats, proto, cfg, size, rewards=True, episodes=samples + 1,
+                       deterministic=torch.arange(8 * (samples + 1)) % (samples + 1) == 0,
+                       generator=torch.Generator().manual_seed(4))
+        out = search(bundle.embedder, agent, feats, proto, cfg, size, samples, torch.Generator().manual_seed(4),
+                     nearest=True)
+        assert out.boxes.shape == (cfg.steps + 1, 8, 4)
+        for i in range(8):  # the slow, obvious way: every box image i's episodes visit after step 1
+            rows = range(i * (samples + 1), (i + 1) * (samples + 1))
+            d = torch.stack([full.distances[1:, r] for r in rows], 1)  # [T, E]
+            t, j = divmod(int(d.argmin()), samples + 1)
+            assert torch.equal(out.boxes[-1, i], full.boxes[t + 1, rows[j]])
+            assert torch.allclose(out.distances[-1, i], d.min())
+            assert torch.equal(out.boxes[:t + 2, i], full.boxes[:t + 2, rows[j]])  # the path up to the stop
+            assert bool((out.boxes[t + 1:, i] == out.boxes[-1, i]).all())  # then it stays
+    plain = search(bundle.embedder, agent, feats, proto, cfg, size, 5, torch.Generator().manual_seed(4))
+    assert bool((out.distances[-1] <= plain.distances[-1] + 1e-5).all())
+
+
+@torch.no_grad()
 def test_best_of_n_search_keeps_the_nearest_final_box_and_is_repeatable():
     from models.rollout import search
 
