@@ -47,6 +47,7 @@ class LocalizeResponse(BaseModel):
     checkpoint_id: uuid.UUID
     bundle: str
     samples: int = Field(description="Extra sampled episodes per image (best-of-N search); 0 = greedy only")
+    nearest: bool = Field(description="The answer is the visited box nearest the exemplars, not the last one")
     results: list[LocalizationResult]
 
 

@@ -145,6 +145,11 @@ def localize(
         "episode whose final box is nearest the exemplars (lowest score). Repeatable (seeded); about N+1 "
         "times the agent's work, the backbone still runs once per image. Default: the server's setting "
         "(QLOC_LOCALIZE_SAMPLES, 0 = greedy only)."))] = None,
+    nearest: Annotated[bool | None, Query(description=(
+        "Answer with the box the episode visited that is nearest the exemplars (lowest score), not with its "
+        "last box: the agent may walk past the object, on classes it was not trained on above all. Costs one "
+        "head evaluation per step. With samples, over every visited box of every episode. Default: the "
+        "server's setting (QLOC_LOCALIZE_NEAREST, false)."))] = None,
 ) -> LocalizeResponse:
     """Localize the set's object in each image: one box per image, in the pixels as uploaded."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
@@ -153,14 +158,17 @@ def localize(
     ckpt = resolve_checkpoint(session, es, checkpoint)
     session.commit()  # end the read transaction before the slow part
     n_samples = settings.localize_samples if samples is None else samples
+    use_nearest = settings.localize_nearest if nearest is None else nearest
     images = read_images(files, settings)
     metrics.localize_batch.observe(len(images))
     loaded = get_bundle(bundles, es.bundle, explicit=False)
     agent_state = None if ckpt.kind == "base" else load_policy_cached(bundles, store, ckpt, loaded)
     results = loaded.localizer.localize([im.image for im in images], prototype_from_bytes(es.prototype),
-                                        agent_state, deterministic=True, trajectory=trajectory, samples=n_samples)
+                                        agent_state, deterministic=True, trajectory=trajectory, samples=n_samples,
+                                        nearest=use_nearest)
     return LocalizeResponse(
         exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=n_samples,
+        nearest=use_nearest,
         results=[LocalizationResult(filename=im.filename, width=im.width, height=im.height, box=list(r.box),
                                     score=r.score, trajectory=[list(b) for b in r.trajectory] if trajectory else None)
                  for im, r in zip(images, results, strict=True)])

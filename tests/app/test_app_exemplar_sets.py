@@ -123,3 +123,22 @@ def test_localize_best_of_n_search(client):
     for bad in (-1, 64, "many"):
         r = client.post(url, files=files(png_bytes()), params={"samples": bad})
         assert r.status_code == 422 and "samples" in r.text
+
+
+def test_localize_nearest_answers_with_the_nearest_visited_box(client):
+    set_id = create_set(client).json()["id"]
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    uploads = [png_bytes(seed=s) for s in range(6)]
+    last = client.post(url, files=files(*uploads), params={"trajectory": "true"}).json()
+    assert last["nearest"] is False  # the server's default: the episode's last box
+    r = client.post(url, files=files(*uploads), params={"nearest": "true", "trajectory": "true"})
+    assert r.status_code == 200, r.text
+    near = r.json()
+    assert near["nearest"] is True
+    for a, b in zip(last["results"], near["results"], strict=True):
+        assert b["score"] <= a["score"] + 1e-4  # the last box is one of the candidates
+        assert b["box"] in b["trajectory"][1:] and b["trajectory"][-1] == b["box"]
+        stop = b["trajectory"].index(b["box"])
+        assert b["trajectory"][:stop + 1] == a["trajectory"][:stop + 1]  # the same greedy path up to the answer
+    r = client.post(url, files=files(png_bytes()), params={"nearest": "maybe"})
+    assert r.status_code == 422 and "nearest" in r.text
