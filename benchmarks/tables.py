@@ -103,7 +103,7 @@ def photo_seed_table(metrics: dict) -> str:
     sd = {h: statistics.stdev(v) if len(v) > 1 else 0.0 for h, v in cols.items()}
     lines.append("| mean ± std | | " + " | ".join(
         f"{statistics.fmean(v):{'+' if '−' in h else ''}.1f} ± {sd[h]:.1f}" for h, v in cols.items()) + " |")
-    wins = {h: sum(x > 0 for x in v) for h, v in cols.items() if "−" in h}
+    wins = {h: sum(round(x, 1) > 0 for x in v) for h, v in cols.items() if "−" in h}  # +0.0 is a tie
     lines.append("| seeds > 0 | | | | | " + " | ".join(
         f"{wins[h]} of {len(cols[h])}" if h in wins else "" for h in head[5:]) + " |")
     return "\n".join(lines)
