@@ -110,15 +110,18 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
     state = load_policy(a.policy, bundle)[0] if a.policy else None
     loc = Localizer(bundle, dev)
     ex = cmnist(a.digit, "train", a.exemplars, a.background, a.seed + 1000)
-    test = cmnist(a.digit, "test", a.n_test, a.background, a.seed)
+    test = cmnist(a.digit, a.split, a.n_test, a.background, a.seed)
     proto = loc.prototype(exemplar_crops(ex))
     agent = bundle.new_agent(state)
-    out = {"digit": a.digit, "background": a.background, "n_test": a.n_test, "policy": a.policy or "base"}
+    out = {"digit": a.digit, "background": a.background, "split": a.split, "n_test": a.n_test,
+           "policy": a.policy or "base"}
     if a.samples and a.sampled:
         raise SystemExit("--samples (best-of-N search) and --sampled (one sampled episode) exclude each other")
-    out["samples"] = a.samples
+    if a.nearest and a.sampled:
+        raise SystemExit("--nearest is for the greedy policy; it excludes --sampled")
+    out["samples"], out["nearest"] = a.samples, a.nearest
     out["corloc"], _ = evaluate_corloc(bundle, agent, test, proto, deterministic=not a.sampled, seed=a.seed,
-                                       samples=a.samples)
+                                       samples=a.samples, nearest=a.nearest)
     acc = ordacc_all(bundle, test, ("proto", "inst"), seed=a.seed)
     out["ordacc_proto"], out["ordacc_inst"] = acc["proto"], acc["inst"]
     if a.figure:
@@ -282,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sampled", action="store_true", help="sample actions instead of the greedy policy")
     sp.add_argument("--samples", type=int, default=0,
                     help="best-of-(1 + N) search: the greedy episode + N sampled ones, nearest final box kept")
+    sp.add_argument("--nearest", action="store_true",
+                    help="answer with the visited box nearest the prototype instead of the last one")
+    sp.add_argument("--split", choices=("val", "test"), default="test",
+                    help="MNIST images to evaluate on: test (its test file) or val (a held-out part of its train file)")
     sp.add_argument("--figure", help="PNG of the agent's search paths on the first test images")
     sp.set_defaults(func=cmd_evaluate)
 

@@ -95,19 +95,20 @@ def exemplar_crops(data: LabeledImages) -> list[Tensor]:
 
 @torch.no_grad()
 def evaluate_corloc(bundle: Bundle, agent: Agent, data: LabeledImages, prototype: Tensor,
-                    deterministic: bool = True, seed: int = 0, batch: int = 256, samples: int = 0
-                    ) -> tuple[float, Tensor]:
+                    deterministic: bool = True, seed: int = 0, batch: int = 256, samples: int = 0,
+                    nearest: bool = False) -> tuple[float, Tensor]:
     """CorLoc (%) of ``agent`` on ``data`` with one shared ``prototype [D]`` -> (corloc, boxes ``[N, 4]``).
 
-    ``samples > 0``: the best-of-(1 + samples) search of ``Localizer.run`` (greedy episode included)."""
+    ``samples > 0``: the best-of-(1 + samples) search of ``Localizer.run`` (greedy episode included);
+    ``nearest``: the visited box nearest the prototype is the answer (``Localizer.run``)."""
     loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
     agent.eval()
-    if samples > 0:
+    if samples > 0 or nearest:
         gen = torch.Generator().manual_seed(seed)
     else:
         gen = None if deterministic else torch.Generator(device=loc.device).manual_seed(seed)
     boxes = torch.cat([loc.run(data.images[i:i + batch], prototype, agent, deterministic=deterministic,
-                               generator=gen, samples=samples).boxes[-1].cpu()
+                               generator=gen, samples=samples, nearest=nearest).boxes[-1].cpu()
                        for i in range(0, len(data.images), batch)])
     return corloc(boxes, data.boxes), boxes
 

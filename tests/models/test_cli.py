@@ -36,6 +36,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     r = run(capsys, "evaluate", "--bundle", bundle_path, "--policy", pol, "--digit", 2, "--n-test", 12,
             "--figure", fig)
     assert 0 <= r["corloc"] <= 100 and fig.stat().st_size > 1000
+    r = run(capsys, "evaluate", "--bundle", bundle_path, "--digit", 2, "--n-test", 12, "--split", "val", "--nearest")
+    assert r["split"] == "val" and r["nearest"] is True and 0 <= r["corloc"] <= 100
     out = tmp_path / "repro"
     r = run(capsys, "reproduce", "new-digits", "--seeds", 0, 1, "--digits", 2, "--epochs", 1, "--agent-iterations", 2,
             "--adapt-iterations", 2, "--unlabeled", 16, "--n-test", 12, "--finetune-iterations", 3, "--ablation",
