@@ -176,8 +176,8 @@ def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tenso
         return rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=True, rewards=False)
     b, e = feats.shape[0], samples + 1
     greedy = torch.arange(b * e, device=feats.device) % e == 0
-    ro = rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=greedy, generator=generator,
-                 rewards=nearest, episodes=e)
+    ro = rollout(embedder, agent, feats, prototypes, cfg, size, deterministic=greedy if samples else True,
+                 generator=generator, rewards=nearest, episodes=e)
     steps = ro.distances.shape[0] - 1
     image = torch.arange(b, device=feats.device)
     if nearest:  # over (step >= 1, episode), step-major: ties keep the earlier step, then the greedy episode
