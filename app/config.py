@@ -38,9 +38,9 @@ class Settings(BaseSettings):
     localize_samples: int = Field(0, ge=0, le=MAX_SAMPLES)
     """Default of localize's ``samples``: extra sampled episodes per image for the best-of-N search
     (0 = the greedy episode alone; 15 is the benchmarks' best of 16)."""
-    localize_nearest: bool = False
+    localize_nearest: bool | None = None
     """Default of localize's ``nearest``: answer with the visited box nearest the exemplars instead of the
-    episode's last box."""
+    episode's last box. Unset: each bundle's own default (``env.answer``: on for photo bundles)."""
 
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)

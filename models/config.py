@@ -63,12 +63,22 @@ class AgentConfig:
     embed_dim: int = 512
 
 
+ANSWERS = ("last", "nearest")
+
+
 @dataclass
 class EnvConfig:
     steps: int = 10
     alpha: float = 0.2
     min_side: float = 28.0
     resize: float = 0.2
+    answer: str = "last"
+    """What an episode answers by default at inference: its ``last`` box (the paper's), or the box it
+    visited ``nearest`` the prototype (``models.rollout.search``). Callers may override it per call."""
+
+    def __post_init__(self) -> None:
+        if self.answer not in ANSWERS:
+            raise ValueError(f"env answer must be one of {ANSWERS}, got {self.answer!r}")
 
 
 @dataclass

@@ -122,22 +122,29 @@ class Localizer:
     def agent(self, agent_state: dict[str, Tensor] | None = None) -> Agent:
         return self.bundle.new_agent(agent_state).to(self.device).eval()
 
+    @property
+    def default_nearest(self) -> bool:
+        """Whether a greedy episode answers with its nearest visited box unless told (the bundle's ``env.answer``)."""
+        return self.bundle.config.env.answer == "nearest"
+
     @torch.no_grad()
     def run(self, images01: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
             generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0,
-            nearest: bool = False) -> Rollout:
+            nearest: bool | None = None) -> Rollout:
         """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``.
 
         Only the final box is embedded (its distance is the score) unless ``rewards`` asks for every step's.
         ``samples > 0`` (greedy only) adds that many sampled episodes per image and keeps, per image, the
         episode whose final box is nearest the prototype; ``generator`` (default: seed 0) makes it repeatable.
         ``nearest`` (greedy only) answers with the visited box nearest the prototype instead of the last
-        one (``models.rollout.search``).
+        one (``models.rollout.search``); ``None``: the bundle's ``env.answer`` decides (greedy runs only).
         """
         images = normalize(images01.to(self.device), self.spec)
         feats = self.embedder.features(images)  # the one backbone pass of this episode
         s = float(self.spec.size)
         proto = prototype.to(self.device)
+        if nearest is None:
+            nearest = self.default_nearest and deterministic and not rewards
         if samples > 0 or nearest:
             if not deterministic or rewards:
                 raise ValueError("samples (best-of-N search) and nearest are for greedy inference without rewards")
@@ -150,11 +157,11 @@ class Localizer:
     def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
                  agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,
                  trajectory: bool = False, seed: int | None = None, samples: int = 0,
-                 nearest: bool = False) -> list[Localization]:
+                 nearest: bool | None = None) -> list[Localization]:
         """Localize each image (any size) -> one ``Localization`` per image, in upload order.
 
         ``samples``: extra sampled episodes per image for the best-of-N search; ``nearest``: answer with
-        the visited box nearest the prototype (see ``run``)."""
+        the visited box nearest the prototype (see ``run``; ``None``: the bundle's default)."""
         spec = self.spec
         tensors = [im if isinstance(im, Tensor) else pil_to_tensor(im, spec.channels, spec.fill) for im in images]
         batch, scales = resize_batch(tensors, self.spec.size)

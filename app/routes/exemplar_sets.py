@@ -149,7 +149,7 @@ def localize(
         "Answer with the box the episode visited that is nearest the exemplars (lowest score), not with its "
         "last box: the agent may walk past the object, on classes it was not trained on above all. Costs one "
         "head evaluation per step. With samples, over every visited box of every episode. Default: the "
-        "server's setting (QLOC_LOCALIZE_NEAREST, false)."))] = None,
+        "server's setting (QLOC_LOCALIZE_NEAREST) if set, else the bundle's own (on for photo bundles)."))] = None,
 ) -> LocalizeResponse:
     """Localize the set's object in each image: one box per image, in the pixels as uploaded."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
@@ -158,10 +158,11 @@ def localize(
     ckpt = resolve_checkpoint(session, es, checkpoint)
     session.commit()  # end the read transaction before the slow part
     n_samples = settings.localize_samples if samples is None else samples
-    use_nearest = settings.localize_nearest if nearest is None else nearest
     images = read_images(files, settings)
     metrics.localize_batch.observe(len(images))
     loaded = get_bundle(bundles, es.bundle, explicit=False)
+    use_nearest = next(v for v in (nearest, settings.localize_nearest, loaded.localizer.default_nearest)
+                       if v is not None)
     agent_state = None if ckpt.kind == "base" else load_policy_cached(bundles, store, ckpt, loaded)
     results = loaded.localizer.localize([im.image for im in images], prototype_from_bytes(es.prototype),
                                         agent_state, deterministic=True, trajectory=trajectory, samples=n_samples,

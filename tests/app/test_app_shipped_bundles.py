@@ -55,6 +55,7 @@ def test_photo_bundle_on_real_photos_of_any_size(shipped_client):
     r = shipped_client.post(f"/v1/exemplar-sets/{sid}/localize", params={"trajectory": "true"},
                             files=[("files", u) for u in uploads])
     assert r.status_code == 200, r.text
+    assert r.json()["nearest"] is True  # the photo bundle's own default answer
     results = r.json()["results"]
     assert [x["filename"] for x in results] == ["cat.png", "astronaut.jpg", "gray.png"]
     for res, (w, h) in zip(results, [(451, 300), (512, 512), (451, 300)], strict=True):

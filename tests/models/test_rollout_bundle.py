@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
@@ -163,6 +164,30 @@ def test_nearest_answer_is_the_visited_box_nearest_the_prototype():
             assert bool((out.boxes[t + 1:, i] == out.boxes[-1, i]).all())  # then it stays
     plain = search(bundle.embedder, agent, feats, proto, cfg, size, 5, torch.Generator().manual_seed(4))
     assert bool((out.distances[-1] <= plain.distances[-1] + 1e-5).all())
+
+
+@torch.no_grad()
+def test_the_bundle_sets_the_default_answer(tmp_path):
+    import dataclasses
+
+    from models.config import EnvConfig, ModelConfig
+
+    bundle, data, feats, proto = _setup(n=8)
+    assert bundle.config.env.answer == "last"  # the paper's, and what bundles saved before the field mean
+    old = bundle.config.to_dict()
+    del old["env"]["answer"]
+    assert ModelConfig.from_dict(old).env.answer == "last"
+    with pytest.raises(ValueError, match="answer"):
+        EnvConfig(answer="first")
+    bundle.config = dataclasses.replace(bundle.config, env=dataclasses.replace(bundle.config.env, answer="nearest"))
+    save_bundle(tmp_path / "b.pt", bundle)
+    loaded = load_bundle(tmp_path / "b.pt")
+    assert loaded.config.env.answer == "nearest"
+    loc = Localizer(loaded, "cpu")
+    agent = loc.agent()
+    default = loc.run(data.images, proto[0], agent)
+    assert torch.equal(default.boxes, loc.run(data.images, proto[0], agent, nearest=True).boxes)
+    assert not torch.equal(default.boxes, loc.run(data.images, proto[0], agent, nearest=False).boxes)
 
 
 @torch.no_grad()
