@@ -99,6 +99,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
     env = {}
     for name, value in settings.model_dump().items():
+        if value is None:  # unset: the subprocess keeps the field's default
+            continue
         if name == "api_keys":
             value = ",".join(value)
         elif isinstance(value, dict):

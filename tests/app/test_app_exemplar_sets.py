@@ -142,3 +142,21 @@ def test_localize_nearest_answers_with_the_nearest_visited_box(client):
         assert b["trajectory"][:stop + 1] == a["trajectory"][:stop + 1]  # the same greedy path up to the answer
     r = client.post(url, files=files(png_bytes()), params={"nearest": "maybe"})
     assert r.status_code == 422 and "nearest" in r.text
+
+
+def test_server_setting_overrides_the_bundles_default_answer(settings, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from app.config import Settings
+    from app.main import create_app
+
+    monkeypatch.setenv("QLOC_LOCALIZE_NEAREST", "true")
+    assert Settings().localize_nearest is True
+    monkeypatch.delenv("QLOC_LOCALIZE_NEAREST")
+    assert Settings().localize_nearest is None  # unset: each bundle decides
+    with TestClient(create_app(settings.model_copy(update={"localize_nearest": True}))) as c:
+        set_id = create_set(c).json()["id"]
+        r = c.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes()))
+        assert r.status_code == 200 and r.json()["nearest"] is True  # the cMNIST bundle's own default is last
+        r = c.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes()), params={"nearest": "false"})
+        assert r.json()["nearest"] is False  # the request has the last word
