@@ -468,10 +468,11 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
 
 @torch.no_grad()
 def measure_speed(bundle: Bundle, images01: Tensor, prototype: Tensor, batch_sizes: tuple[int, ...] = (1, 16),
-                  repeats: int = 5) -> dict[str, float]:
+                  repeats: int = 5, nearest: bool | None = None) -> dict[str, float]:
     """Images/s of a whole greedy localization (backbone once + ``steps`` RoI/head/agent steps) and of
     the backbone alone, measured alternately in the same process (median over ``repeats`` calls, after
-    one warm-up each; the CPU is shared, so medians resist the other jobs' bursts)."""
+    one warm-up each; the CPU is shared, so medians resist the other jobs' bursts). ``nearest``: the answer
+    rule (``None``: the bundle's default)."""
     loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
     agent = loc.agent()
     out: dict[str, float] = {"threads": torch.get_num_threads()}
@@ -482,7 +483,7 @@ def measure_speed(bundle: Bundle, images01: Tensor, prototype: Tensor, batch_siz
         full, backbone = [], []
         for r in range(repeats + 1):
             t0 = time.perf_counter()
-            loc.run(x, prototype, agent).boxes[-1].cpu()  # waits for the device, as a client would
+            loc.run(x, prototype, agent, nearest=nearest).boxes[-1].cpu()  # waits for the device, as a client would
             t1 = time.perf_counter()
             loc.embedder.features(normalize(x.to(loc.device), loc.spec)).cpu()
             t2 = time.perf_counter()
