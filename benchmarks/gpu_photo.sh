@@ -31,8 +31,8 @@ PY
 fi
 out=${1:?usage: gpu_photo.sh OUT_DIR [SEEDS...] | --pack}
 shift
-seeds=("${@:-0 1 2 3 4 5 6 7 8 9}")
-read -ra seeds <<< "${seeds[*]}"
+seeds=("$@")
+(( ${#seeds[@]} )) || seeds=(0 1 2 3 4 5 6 7 8 9)
 limit=${PHOTO_LIMIT_S:-460}                   # seconds per process
 read -ra args <<< "${PHOTO_ARGS:-}"          # extra photo-reproduce options (a tiny dry run here, say)
 read -ra variants <<< "${PHOTO_VARIANTS:-photo}"  # photo: the defaults; photo-r1: --agent-restarts 1

@@ -27,16 +27,16 @@ from models.train_agent import evaluate_corloc, exemplar_crops, features_of
 
 
 @torch.no_grad()
-def distances(bundle: Bundle, images: torch.Tensor, boxes: torch.Tensor, proto: torch.Tensor) -> torch.Tensor:
-    return (bundle.embedder.embed(features_of(bundle, images), boxes[:, None])[:, 0] - proto).norm(dim=-1)
+def distances(bundle: Bundle, feats: torch.Tensor, boxes: torch.Tensor, proto: torch.Tensor) -> torch.Tensor:
+    return (bundle.embedder.embed(feats, boxes[:, None])[:, 0] - proto).norm(dim=-1)
 
 
 @torch.no_grad()
-def refine(bundle: Bundle, images: torch.Tensor, boxes: torch.Tensor, proto: torch.Tensor,
+def refine(bundle: Bundle, feats: torch.Tensor, boxes: torch.Tensor, proto: torch.Tensor,
            rounds=((4, 2), (2, 1), (1, 1)), scales=(0.85, 1.0, 1.15)) -> torch.Tensor:
-    """Coarse-to-fine local search: shifts of ``step`` px up to ``radius`` steps and 3 scales around each
-    box, the candidate nearest the prototype kept, per round -> ``[N, 4]``."""
-    feats, s, ms = features_of(bundle, images), bundle.config.input.size, bundle.config.env.min_side
+    """Coarse-to-fine local search on the images' backbone ``feats``: shifts of ``step`` px up to ``radius``
+    steps and 3 scales around each box, the candidate nearest the prototype kept, per round -> ``[N, 4]``."""
+    s, ms = bundle.config.input.size, bundle.config.env.min_side
     for step, radius in rounds:
         d = torch.arange(-radius, radius + 1, dtype=torch.float32) * step
         dx, dy, sc = (t.flatten() for t in torch.meshgrid(d, d, torch.tensor(scales), indexing="ij"))
@@ -71,14 +71,15 @@ def main() -> None:
     agent = bundle.new_agent(res.agent_state)
     after, boxes = evaluate_corloc(bundle, agent, test, proto)
     miss = paired_iou(boxes, test.boxes) < 0.5
-    d_pred, d_gt = distances(bundle, test.images, boxes, proto), distances(bundle, test.images, test.boxes, proto)
+    feats = features_of(bundle, test.images)  # once, for every distance and refinement below
+    d_pred, d_gt = distances(bundle, feats, boxes, proto), distances(bundle, feats, test.boxes, proto)
     ranked = ranking(bundle, test.images, proto)
     out = {"seed": a.seed, "background": a.background, "iterations": a.iterations, "corloc_after": after,
            "misses_gt_nearer_pct": float((miss & (d_gt < d_pred)).float().mean() * 100),
            "misses_agent_nearer_pct": float((miss & (d_gt >= d_pred)).float().mean() * 100),
-           "after_refined": corloc(refine(bundle, test.images, boxes, proto), test.boxes),
+           "after_refined": corloc(refine(bundle, feats, boxes, proto), test.boxes),
            "ranking": corloc(ranked, test.boxes),
-           "ranking_refined": corloc(refine(bundle, test.images, ranked, proto), test.boxes)}
+           "ranking_refined": corloc(refine(bundle, feats, ranked, proto), test.boxes)}
     for n in (4, 16):
         out[f"after_best_of_{n}"] = evaluate_corloc(bundle, agent, test, proto, seed=0, samples=n - 1)[0]
     out["seconds"] = round(time.perf_counter() - t0, 1)

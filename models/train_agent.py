@@ -103,7 +103,7 @@ def evaluate_corloc(bundle: Bundle, agent: Agent, data: LabeledImages, prototype
     ``nearest``: the visited box nearest the prototype is the answer (``Localizer.run``)."""
     loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
     agent.eval()
-    if samples > 0 or nearest:
+    if samples > 0:
         gen = torch.Generator().manual_seed(seed)
     else:
         gen = None if deterministic else torch.Generator(device=loc.device).manual_seed(seed)
