@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     heartbeat_timeout: float = Field(60.0, gt=0)
     """A running job whose heartbeat is older than this is considered abandoned by a dead worker."""
     reaper_interval: float = Field(15.0, gt=0)
+    """Seconds between two rounds of each worker's reaper (abandoned running jobs, unsent queued ones)."""
+    enqueue_grace: float = Field(30.0, gt=0)
+    """Seconds a new job may stay ``queued`` with no confirmed send (``enqueued_at`` NULL) before the reaper
+    sends its task itself: the API died between committing the job and sending it. Longer than a send
+    takes, or the reaper and the API may both send (a duplicate, skipped by the worker)."""
+    requeue_after: float = Field(300.0, gt=0)
+    """Seconds after its last send that a job still ``queued`` is sent again (the broker lost the message).
+    Sent at most once per this bound; behind a long backlog this only adds duplicates, each skipped at once."""
     max_job_attempts: int = Field(3, ge=1)
     """A job abandoned this many times is marked failed instead of being requeued."""
     worker_concurrency: int = Field(1, ge=1)

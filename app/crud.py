@@ -119,11 +119,12 @@ def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> Exemplar
 def create_job(session: Session, *, job_id: uuid.UUID, exemplar_set: ExemplarSet, owner: str,
                idempotency_key: str | None, request_sha256: str, iterations: int, learning_rate: float, seed: int,
                activate: bool, images: list[NewBlob]) -> AdaptationJob:
+    """A ``queued`` job not yet sent (``enqueued_at`` NULL): commit it, send its task, then ``mark_enqueued``."""
     job = AdaptationJob(id=job_id, exemplar_set_id=exemplar_set.id, owner=owner, status="queued",
                         idempotency_key=idempotency_key, request_sha256=request_sha256, iterations=iterations,
                         learning_rate=learning_rate, seed=seed, activate=activate, num_images=len(images),
                         base_checkpoint_id=exemplar_set.active_checkpoint_id, progress_iteration=0,
-                        cancel_requested=False, attempts=0)
+                        cancel_requested=False, attempts=0, enqueued_at=None)
     session.add(job)
     session.flush()
     for im in images:
@@ -149,9 +150,18 @@ def list_jobs(session: Session, *, set_id: uuid.UUID, limit: int, offset: int) -
     return list(session.scalars(stmt.limit(limit).offset(offset))), count
 
 
-def fail_job(session: Session, *, job_id: uuid.UUID, error: str) -> None:
-    session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued")
-                    .values(status="failed", error=error, finished_at=utcnow()))
+def mark_enqueued(session: Session, *, job_id: uuid.UUID) -> None:
+    """Record that the job's task was sent (the outbox's confirmation), unless a reaper recorded a send first."""
+    session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.enqueued_at.is_(None))
+                    .values(enqueued_at=utcnow()))
+
+
+def fail_unsent_job(session: Session, *, job_id: uuid.UUID, error: str) -> bool:
+    """Fail a queued job whose task could not be sent -> False when a reaper has sent it meanwhile."""
+    res = session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued",
+                                                      AdaptationJob.enqueued_at.is_(None))
+                          .values(status="failed", error=error, finished_at=utcnow()))
+    return bool(res.rowcount)  # type: ignore[attr-defined]
 
 
 def request_cancel(session: Session, *, job_id: uuid.UUID) -> bool:

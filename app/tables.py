@@ -134,6 +134,10 @@ class AdaptationJob(Base):
     """Times a worker claimed the job; also the fencing token of the current run."""
     worker: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    """When the job's task message was last sent (the row is its own outbox). NULL: no send is known to
+    have happened since the job was (re)queued, and the reaper sends it; while ``queued``, a send older
+    than ``requeue_after`` is repeated (the broker may have lost it)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -170,6 +170,14 @@ def settings(tmp_path: Path, bundle_dir: Path) -> Settings:
     return s
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_settings(request: pytest.FixtureRequest, tmp_path: Path, bundle_dir: Path) -> Settings:
+    """``settings`` on SQLite, then on a fresh PostgreSQL database: a test of SQL behaviour runs on both."""
+    if request.param == "sqlite":
+        return request.getfixturevalue("settings")
+    return make_test_settings(tmp_path, bundle_dir, database_url=request.getfixturevalue("postgres_url"))
+
+
 @pytest.fixture
 def client(settings: Settings):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
@@ -271,6 +279,26 @@ class Stack:
         for p in sorted(self.log_dir.glob("*.log")):
             out.append(f"----- {p.name}\n{p.read_text(errors='replace')[-6000:]}")
         return "\n".join(out)
+
+
+def wait_for_job_row(database_url: str, job_id: uuid.UUID,
+                     states: tuple[str, ...] = ("succeeded", "failed", "canceled"), timeout: float = 120,
+                     stack: Stack | None = None) -> AdaptationJob:
+    """Poll the job's row (no API needed) until it is in one of ``states`` -> the row."""
+    engine = make_engine(database_url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with make_sessionmaker(engine)() as s:
+                job = s.get_one(AdaptationJob, job_id)
+            if job.status in states:
+                return job
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {job.status}, "
+                                     f"attempts {job.attempts}\n{stack.logs() if stack else ''}")
+            time.sleep(0.2)
+    finally:
+        engine.dispose()
 
 
 def wait_for_job(client: httpx.Client, job_id: str, states: tuple[str, ...] = ("succeeded", "failed", "canceled"),

@@ -232,10 +232,15 @@ class AdaptationRun:
         return status
 
 
-def fail_job(ctx: WorkerContext, job_id: uuid.UUID, attempt: int, error: str) -> None:
+def fail_job(ctx: WorkerContext, job_id: uuid.UUID, attempt: int, error: str) -> str:
+    """Mark the job failed if this run still owns it -> ``failed``, or ``lost`` (the new owner's job is left alone)."""
     with ctx.session_factory.begin() as s:
-        s.execute(update(AdaptationJob).where(_owned(job_id, attempt)).values(
+        res = s.execute(update(AdaptationJob).where(_owned(job_id, attempt)).values(
             status="failed", error=error[:2000], finished_at=utcnow()))
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        log.warning("job %s: not marked failed (%s): another run owns it now", job_id, error[:200])
+        return "lost"
+    return "failed"
 
 
 def run_adaptation_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) -> str:
@@ -249,8 +254,7 @@ def run_adaptation_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) ->
         log.info("job %s is not claimable (finished, canceled, or owned by a live worker): skipped", job_id)
         return "skipped"
     if attempt > ctx.settings.max_job_attempts:
-        fail_job(ctx, job_id, attempt, f"gave up after {attempt - 1} attempts (worker lost each time)")
-        return "failed"
+        return fail_job(ctx, job_id, attempt, f"gave up after {attempt - 1} attempts (worker lost each time)")
     run = AdaptationRun(ctx, job_id, attempt)
     try:
         with Heartbeat(ctx, job_id, attempt) as hb:
@@ -260,10 +264,8 @@ def run_adaptation_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) ->
         log.warning("job %s: lease lost, another run owns it now", job_id)
         return "lost"
     except SoftTimeLimitExceeded:
-        fail_job(ctx, job_id, attempt, f"time limit exceeded ({ctx.settings.job_soft_time_limit:g} s); "
-                                       "checkpoints written so far are kept")
-        return "failed"
+        return fail_job(ctx, job_id, attempt, f"time limit exceeded ({ctx.settings.job_soft_time_limit:g} s); "
+                                              "checkpoints written so far are kept")
     except Exception as e:
         log.exception("job %s failed", job_id)
-        fail_job(ctx, job_id, attempt, f"{type(e).__name__}: {e}")
-        return "failed"
+        return fail_job(ctx, job_id, attempt, f"{type(e).__name__}: {e}")

@@ -1,9 +1,22 @@
-"""The reaper: running jobs whose heartbeat stopped belong to a dead worker; requeue or fail them.
+"""The reaper: no job is left running without a worker, nor queued without a task message.
 
-A job abandoned fewer than ``max_job_attempts`` times goes back to ``queued`` and its task is sent
-again (the next run resumes from the job's latest checkpoint); after that it is marked ``failed``.
-Each change is a conditional update on the job's fencing token, so concurrent reapers (one per
-worker) cannot both act on the same job.
+Running jobs whose heartbeat stopped belong to a dead worker: a job abandoned fewer than
+``max_job_attempts`` times goes back to ``queued`` (the next run resumes from its latest checkpoint),
+after that it is marked ``failed``.
+
+Queued jobs are an outbox: ``enqueued_at`` records the last send of the job's task. The reaper sends
+
+- a job requeued above (it is written ``queued`` with ``enqueued_at`` NULL first, so a send that fails
+  is retried at the next round);
+- a job with ``enqueued_at`` NULL older than ``enqueue_grace`` (the API died between committing the job
+  and sending it, or an earlier send failed);
+- a job whose last send is older than ``requeue_after`` (the broker lost the message).
+
+Each change is a conditional update, so concurrent reapers (one per worker) never both act on a job:
+a requeue or failure is conditional on the job's fencing token, and a send is claimed first by stamping
+``enqueued_at`` where it still holds the value this reaper read; only the reaper whose stamp landed
+sends, and it clears its stamp again when the send fails. A reaper dying between its stamp and its
+send delays the job by ``requeue_after``. A duplicate message is harmless: ``claim_job`` is conditional.
 """
 
 from __future__ import annotations
@@ -14,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import and_, or_, select, update
 
 from app.tables import AdaptationJob, utcnow
 from worker.context import WorkerContext
@@ -23,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> tuple[list[uuid.UUID], list[uuid.UUID]]:
-    """-> (job ids put back in ``queued``: send their tasks; job ids marked ``failed``)."""
+    """-> (job ids put back in ``queued`` with ``enqueued_at`` NULL: send their tasks; job ids marked ``failed``)."""
     now = now or utcnow()
     stale = now - timedelta(seconds=ctx.settings.heartbeat_timeout)
     requeued, failed = [], []
@@ -41,7 +54,8 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
                 if res.rowcount:  # type: ignore[attr-defined]
                     failed.append(job_id)
             else:
-                res = s.execute(update(AdaptationJob).where(*same_run).values(status="queued", worker=None))
+                res = s.execute(update(AdaptationJob).where(*same_run).values(
+                    status="queued", worker=None, enqueued_at=None))
                 if res.rowcount:  # type: ignore[attr-defined]
                     requeued.append(job_id)
     for job_id in requeued:
@@ -51,8 +65,49 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
     return requeued, failed
 
 
+def jobs_to_send(ctx: WorkerContext, *, now: datetime | None = None) -> list[tuple[uuid.UUID, datetime | None]]:
+    """Queued jobs whose task must be sent -> (job id, its ``enqueued_at`` as read: the send's precondition).
+
+    Never confirmed sent and older than ``enqueue_grace``, or last sent longer than ``requeue_after`` ago.
+    """
+    now = now or utcnow()
+    unsent_before = now - timedelta(seconds=ctx.settings.enqueue_grace)
+    resend_before = now - timedelta(seconds=ctx.settings.requeue_after)
+    with ctx.session_factory() as s:
+        rows = s.execute(select(AdaptationJob.id, AdaptationJob.enqueued_at).where(
+            AdaptationJob.status == "queued",
+            or_(and_(AdaptationJob.enqueued_at.is_(None), AdaptationJob.created_at < unsent_before),
+                AdaptationJob.enqueued_at < resend_before))
+            .order_by(AdaptationJob.created_at)).all()
+    return [(job_id, enqueued_at) for job_id, enqueued_at in rows]
+
+
+def send_job(ctx: WorkerContext, job_id: uuid.UUID, send: Callable[[uuid.UUID], None], *,
+             read: datetime | None, now: datetime | None = None) -> bool:
+    """Send a queued job's task unless another reaper did since ``enqueued_at`` was ``read`` -> whether sent.
+
+    Stamp first (conditional on the value read: at most one reaper wins), then send; a failed send
+    clears the stamp (NULL: the next round retries) and raises.
+    """
+    now = now or utcnow()
+    unchanged = AdaptationJob.enqueued_at.is_(None) if read is None else AdaptationJob.enqueued_at == read
+    with ctx.session_factory.begin() as s:
+        res = s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued",
+                                                    unchanged).values(enqueued_at=now))
+        if res.rowcount != 1:  # type: ignore[attr-defined]
+            return False
+    try:
+        send(job_id)
+    except BaseException:
+        with ctx.session_factory.begin() as s:
+            s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.enqueued_at == now)
+                      .values(enqueued_at=None))
+        raise
+    return True
+
+
 class Reaper:
-    """Runs ``reap_abandoned_jobs`` every ``reaper_interval`` seconds in a thread; sends requeued jobs."""
+    """Runs a reaper round every ``reaper_interval`` seconds in a thread, sending tasks with ``send``."""
 
     def __init__(self, ctx: WorkerContext, send: Callable[[uuid.UUID], None]):
         self.ctx, self.send = ctx, send
@@ -65,16 +120,34 @@ class Reaper:
     def stop(self) -> None:
         self._stop.set()
 
-    def run_once(self) -> None:
-        requeued, _ = reap_abandoned_jobs(self.ctx)
-        for job_id in requeued:
-            self.send(job_id)
+    def run_once(self, *, now: datetime | None = None) -> list[uuid.UUID]:
+        """One round: requeue or fail abandoned jobs, then send every job due -> the job ids sent."""
+        now = now or utcnow()
+        requeued, _ = reap_abandoned_jobs(self.ctx, now=now)
+        due: dict[uuid.UUID, datetime | None] = dict.fromkeys(requeued)
+        due.update(jobs_to_send(self.ctx, now=now))
+        sent = []
+        for job_id, read in due.items():
+            try:
+                if send_job(self.ctx, job_id, self.send, read=read, now=now):
+                    sent.append(job_id)
+            except Exception:  # the broker (or database) is down: this job is sent again next round
+                log.exception("reaper: could not send job %s", job_id)
+        for job_id in sent:
+            if job_id in requeued:
+                continue
+            if due[job_id] is None:
+                log.warning("job %s: queued, its task never confirmed sent; sent it", job_id)
+            else:
+                log.warning("job %s: still queued %g s after its task was sent; sent it again", job_id,
+                            self.ctx.settings.requeue_after)
+        return sent
 
     def _loop(self) -> None:
         while True:
             try:
                 self.run_once()
-            except Exception:  # the database or broker is down: try again next round
+            except Exception:  # the database is down: try again next round
                 log.exception("reaper round failed")
             if self._stop.wait(self.ctx.settings.reaper_interval):
                 return

@@ -113,13 +113,25 @@ def create_adaptation(
         store.delete_tree(job_prefix(set_id, job_id))
         raise
 
+    # The job row is its own outbox: committed with enqueued_at NULL, sent, then stamped. Should this
+    # process die before the stamp, a worker's reaper sends the job after ``enqueue_grace``.
     try:
         queue.enqueue_adaptation(job_id)
     except Exception as e:
         log.exception("could not enqueue job %s", job_id)
-        crud.fail_job(session, job_id=job_id, error=f"could not enqueue the job: {type(e).__name__}")
+        failed = crud.fail_unsent_job(session, job_id=job_id, error=f"could not enqueue the job: {type(e).__name__}")
         session.commit()
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the job queue is unreachable; retry later") from e
+        if failed:  # the client learns now, rather than the job waiting for the broker to come back
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                                "the job queue is unreachable; retry later") from e
+        session.refresh(job)  # a reaper sent it meanwhile: it is enqueued after all
+    else:
+        try:
+            crud.mark_enqueued(session, job_id=job_id)
+            session.commit()
+        except Exception:  # sent but not stamped: the reaper sends it again, a harmless duplicate
+            session.rollback()
+            log.exception("job %s: sent, but its enqueued_at was not recorded", job_id)
     response.headers["Location"] = f"/v1/adaptations/{job_id}"
     return to_public(job)
 

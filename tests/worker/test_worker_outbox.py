@@ -1,0 +1,383 @@
+"""No job is stranded in ``queued``: the job row is the outbox of its task message.
+
+The API commits a job with ``enqueued_at`` NULL, sends its task, then stamps it; the reaper sends a
+job whose send was never confirmed (after ``enqueue_grace``), sends again one still queued long after
+its last send (``requeue_after``: the broker lost it), and requeues an abandoned running job with
+``enqueued_at`` NULL, so that a send that fails is retried at the next round.
+
+The fault cases run against a real Celery worker and broker and each ends with the job run once:
+the API dying between commit and send, the broker losing the message, the reaper's send failing.
+"""
+
+import threading
+import uuid
+from datetime import timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+from kombu import Connection
+from service_fixtures import (
+    REDIS_URL,
+    Stack,
+    files,
+    make_test_settings,
+    migrate,
+    png_bytes,
+    wait_for_job_row,
+)
+from sqlalchemy import select, update
+
+from app.main import create_app
+from app.queue import JobQueue, broker_transport_options
+from app.tables import AdaptationJob, Checkpoint, utcnow
+from worker import jobs
+from worker.context import WorkerContext
+from worker.reaper import Reaper, jobs_to_send, send_job
+
+
+class Killed(BaseException):
+    """Stands for the API process dying: nothing in the request's code catches it."""
+
+
+class Recorder:
+    """A reaper's ``send``: records the job ids; fails the first ``fail_first`` sends of each job."""
+
+    def __init__(self, then=None, fail_first=0):
+        self.then, self.fail_first = then, fail_first
+        self.sent: list[uuid.UUID] = []
+        self.failures: dict[uuid.UUID, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, job_id):
+        with self._lock:
+            if self.failures.get(job_id, 0) < self.fail_first:
+                self.failures[job_id] = self.failures.get(job_id, 0) + 1
+                raise ConnectionError("broker unreachable")
+            self.sent.append(job_id)
+        if self.then is not None:
+            self.then(job_id)
+
+
+@pytest.fixture
+def api(db_settings):
+    app = create_app(db_settings)
+    yield TestClient(app)  # no lifespan: a request that dies (Killed) takes only its own event loop down
+    app.state.engine.dispose()
+
+
+@pytest.fixture
+def ctx(db_settings):
+    c = WorkerContext.create(db_settings)
+    yield c
+    c.engine.dispose()
+
+
+def register(client):
+    r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9)))
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def post_job(client, set_id, iterations=4):
+    return client.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"iterations": str(iterations), "seed": "3"},
+                       files=files(*[png_bytes(84, 84, seed=i) for i in range(3)]))
+
+
+def create_unsent_job(client, set_id, monkeypatch, iterations=4):
+    """A job created the way the API does, the API dying right after its commit -> the job id."""
+    def die(self, job_id):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(JobQueue, "enqueue_adaptation", die)
+        with pytest.raises(Killed):
+            post_job(client, set_id, iterations)
+    (job,) = [j for j in client.get(f"/v1/exemplar-sets/{set_id}/adaptations").json()["data"]
+              if j["params"]["iterations"] == iterations and j["status"] == "queued"]
+    return uuid.UUID(job["id"])
+
+
+def row(ctx, job_id):
+    with ctx.session_factory() as s:
+        return s.get_one(AdaptationJob, job_id)
+
+
+def set_row(ctx, job_id, **values):
+    with ctx.session_factory.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(**values))
+
+
+def checkpoint_iterations(database_url, job_id):
+    from app.db import make_engine, make_sessionmaker
+
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return list(s.scalars(select(Checkpoint.iteration).where(Checkpoint.job_id == job_id)
+                                  .order_by(Checkpoint.iteration)))
+    finally:
+        engine.dispose()
+
+
+def broker(settings):
+    return Connection(settings.broker_url, transport_options=broker_transport_options(settings))
+
+
+def messages_waiting(settings):
+    with broker(settings) as conn:
+        return conn.default_channel.queue_declare(queue=settings.queue, durable=True, auto_delete=False).message_count
+
+
+def later(seconds):
+    return utcnow() + timedelta(seconds=seconds)
+
+
+# --- the outbox in SQL (SQLite and PostgreSQL)
+
+
+def test_the_api_stamps_the_job_once_its_task_is_sent(api, ctx, db_settings):
+    before = utcnow()
+    r = post_job(api, register(api))
+    assert r.status_code == 202
+    job = row(ctx, uuid.UUID(r.json()["id"]))
+    assert job.status == "queued" and before <= job.enqueued_at <= utcnow()
+    assert messages_waiting(db_settings) == 1
+    # sent and confirmed: nothing to send until requeue_after has passed
+    assert jobs_to_send(ctx, now=later(db_settings.requeue_after - 1)) == []
+    assert jobs_to_send(ctx, now=later(db_settings.requeue_after + 1)) == [(job.id, job.enqueued_at)]
+
+
+def test_a_job_never_sent_is_sent_by_the_reaper_after_the_grace(api, ctx, db_settings, monkeypatch):
+    job_id = create_unsent_job(api, register(api), monkeypatch)
+    assert row(ctx, job_id).enqueued_at is None and messages_waiting(db_settings) == 0
+    send = Recorder()
+    reaper = Reaper(ctx, send)
+    assert reaper.run_once() == [] and send.sent == []  # within the grace: the API may still send it
+    t1 = later(db_settings.enqueue_grace + 1)
+    assert reaper.run_once(now=t1) == [job_id] and send.sent == [job_id]
+    assert row(ctx, job_id).enqueued_at == t1
+    # at most once per requeue_after
+    assert reaper.run_once(now=t1 + timedelta(seconds=db_settings.requeue_after - 1)) == []
+    t2 = t1 + timedelta(seconds=db_settings.requeue_after + 1)
+    assert reaper.run_once(now=t2) == [job_id] and send.sent == [job_id, job_id]
+    assert row(ctx, job_id).enqueued_at == t2
+    # only queued jobs: once a worker has it (or it is canceled), never again
+    t3 = t2 + timedelta(seconds=db_settings.requeue_after + 1)
+    set_row(ctx, job_id, status="running", heartbeat_at=t3)
+    assert reaper.run_once(now=t3) == []
+    set_row(ctx, job_id, status="canceled")
+    assert reaper.run_once(now=t2 + timedelta(days=1)) == [] and send.sent == [job_id, job_id]
+
+
+def test_an_abandoned_job_is_requeued_and_sent_in_the_same_round(api, ctx, db_settings):
+    job_id = uuid.UUID(post_job(api, register(api)).json()["id"])  # sent a moment ago
+    assert jobs.claim_job(ctx, job_id, worker="dead") == 1
+    set_row(ctx, job_id, heartbeat_at=utcnow() - timedelta(hours=1))
+    send = Recorder()
+    t = utcnow()
+    assert Reaper(ctx, send).run_once(now=t) == [job_id]  # not left waiting for requeue_after
+    job = row(ctx, job_id)
+    assert (job.status, job.worker, job.enqueued_at, job.attempts) == ("queued", None, t, 1)
+
+
+def test_a_failed_send_of_the_reaper_is_retried_at_the_next_round(api, ctx, db_settings, monkeypatch):
+    set_id = register(api)
+    unsent = create_unsent_job(api, set_id, monkeypatch)
+    stale = uuid.UUID(post_job(api, set_id).json()["id"])
+    abandoned = uuid.UUID(post_job(api, set_id).json()["id"])
+    assert jobs.claim_job(ctx, abandoned, worker="dead") == 1
+    t = later(db_settings.requeue_after + db_settings.heartbeat_timeout + 1)
+    send = Recorder(fail_first=1)
+    reaper = Reaper(ctx, send)
+
+    assert reaper.run_once(now=t) == []  # each send raised
+    assert send.failures == {unsent: 1, stale: 1, abandoned: 1} and send.sent == []
+    for job_id in (unsent, stale, abandoned):
+        job = row(ctx, job_id)
+        assert job.status == "queued" and job.enqueued_at is None, job_id  # not sent: due at the next round
+    assert row(ctx, abandoned).attempts == 1 and row(ctx, abandoned).worker is None
+
+    t2 = t + timedelta(seconds=1)
+    assert sorted(reaper.run_once(now=t2)) == sorted([unsent, stale, abandoned])
+    assert sorted(send.sent) == sorted([unsent, stale, abandoned])
+    assert all(row(ctx, j).enqueued_at == t2 for j in (unsent, stale, abandoned))
+    assert reaper.run_once(now=t2 + timedelta(seconds=1)) == []
+
+
+def test_concurrent_reapers_send_each_job_once(api, ctx, db_settings, monkeypatch):
+    set_id = register(api)
+    due = [create_unsent_job(api, set_id, monkeypatch, iterations=i) for i in (2, 3)]
+    due.append(uuid.UUID(post_job(api, set_id).json()["id"]))
+    due.append(uuid.UUID(post_job(api, set_id).json()["id"]))
+    assert jobs.claim_job(ctx, due[-1], worker="dead") == 1
+    t = later(db_settings.requeue_after + db_settings.heartbeat_timeout + 1)
+    send = Recorder()
+    ctxs = [WorkerContext.create(db_settings) for _ in range(4)]
+    barrier = threading.Barrier(len(ctxs))
+
+    def round_(c):
+        barrier.wait()
+        Reaper(c, send).run_once(now=t)
+
+    try:
+        threads = [threading.Thread(target=round_, args=(c,)) for c in ctxs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    finally:
+        for c in ctxs:
+            c.engine.dispose()
+    assert sorted(send.sent) == sorted(due)  # each exactly once, whichever reaper sent it
+
+
+def test_a_send_lost_to_another_reaper_is_not_repeated(api, ctx, db_settings, monkeypatch):
+    job_id = create_unsent_job(api, register(api), monkeypatch)
+    t = later(db_settings.enqueue_grace + 1)
+    (read,) = jobs_to_send(ctx, now=t)
+    first, second = Recorder(), Recorder()
+    assert send_job(ctx, job_id, first, read=read[1], now=t)
+    assert not send_job(ctx, job_id, second, read=read[1], now=t + timedelta(seconds=1))  # read is stale now
+    assert first.sent == [job_id] and second.sent == []
+
+
+def test_the_api_answers_503_and_fails_the_job_only_if_nobody_sent_it(api, ctx, db_settings, monkeypatch):
+    set_id = register(api)
+
+    def broker_down(self, job_id):
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(JobQueue, "enqueue_adaptation", broker_down)
+    r = post_job(api, set_id)
+    assert r.status_code == 503
+    (job,) = api.get(f"/v1/exemplar-sets/{set_id}/adaptations").json()["data"]
+    assert job["status"] == "failed" and "could not enqueue" in job["error"]
+
+    # a reaper sent the job while the API's own send was failing: the job is enqueued after all
+    def reaper_wins(self, job_id):
+        assert send_job(ctx, job_id, Recorder(), read=None)
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(JobQueue, "enqueue_adaptation", reaper_wins)
+    r = post_job(api, set_id, iterations=3)
+    assert r.status_code == 202 and r.json()["status"] == "queued"
+    assert row(ctx, uuid.UUID(r.json()["id"])).enqueued_at is not None
+
+
+# --- against a real worker and broker: each fault ends with the job run once
+
+
+def delivery_settings(tmp_path, bundle_dir, **overrides):
+    s = make_test_settings(tmp_path, bundle_dir, **{"enqueue_grace": 1.0, "requeue_after": 2.0,
+                                                    "reaper_interval": 0.3, **overrides})
+    migrate(s.database_url)
+    return s
+
+
+def assert_ran_once(settings, job_id, stack, attempts=1, iterations=4):
+    job = wait_for_job_row(settings.database_url, job_id, timeout=60, stack=stack)
+    assert job.status == "succeeded", (job.error, stack.logs())
+    assert job.attempts == attempts and job.progress_iteration == iterations
+    # every checkpoint_every=2 iterations, once: as for a single run
+    assert checkpoint_iterations(settings.database_url, job_id) == list(range(2, iterations + 1, 2))
+    return job
+
+
+@pytest.mark.slow
+def test_the_api_dies_between_commit_and_send(tmp_path, bundle_dir, monkeypatch):
+    settings = delivery_settings(tmp_path, bundle_dir)
+    app = create_app(settings)
+    try:
+        job_id = create_unsent_job(TestClient(app), register(TestClient(app)), monkeypatch)
+    finally:
+        app.state.engine.dispose()
+    assert messages_waiting(settings) == 0
+    stack = Stack(settings, tmp_path)
+    stack.start_worker()  # its reaper sends the job once the grace is over
+    try:
+        job = assert_ran_once(settings, job_id, stack)
+    finally:
+        stack.stop()
+    assert job.enqueued_at is not None
+    assert f"job {job_id}: queued, its task never confirmed sent; sent it" in stack.logs()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["embedded", "postgres_redis"])
+def test_the_broker_loses_the_message(backend, tmp_path, bundle_dir, request):
+    overrides = {}
+    if backend == "postgres_redis":
+        overrides = dict(database_url=request.getfixturevalue("postgres_url"), broker_url=REDIS_URL,
+                         broker_transport_options={"global_keyprefix": request.getfixturevalue("redis_prefix")},
+                         queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
+    settings = delivery_settings(tmp_path, bundle_dir, **overrides)
+    app = create_app(settings)
+    try:
+        client = TestClient(app)
+        r = post_job(client, register(client))
+        assert r.status_code == 202
+    finally:
+        app.state.engine.dispose()
+    job_id = uuid.UUID(r.json()["id"])
+    with broker(settings) as conn:
+        assert conn.default_channel.queue_purge(settings.queue) == 1  # the message is gone
+    assert messages_waiting(settings) == 0
+    stack = Stack(settings, tmp_path)
+    stack.start_worker()  # its reaper sends the job again once requeue_after has passed
+    try:
+        assert_ran_once(settings, job_id, stack)
+    finally:
+        stack.stop()
+    assert f"job {job_id}: still queued" in stack.logs()
+
+
+@pytest.mark.slow
+def test_the_reapers_send_fails_once(tmp_path, bundle_dir, monkeypatch):
+    """A job never sent and an abandoned one requeued: the reaper's first send of each fails."""
+    # The worker's own reaper stays out of it (long bounds); this test's reaper runs at times of its choosing.
+    settings = delivery_settings(tmp_path, bundle_dir, enqueue_grace=600.0, requeue_after=600.0,
+                                 heartbeat_timeout=600.0)
+    app = create_app(settings)
+    ctx = WorkerContext.create(settings)
+    stack = Stack(settings, tmp_path)
+    try:
+        client = TestClient(app)
+        set_id = register(client)
+        unsent = create_unsent_job(client, set_id, monkeypatch)
+        abandoned = uuid.UUID(post_job(client, set_id).json()["id"])
+        with broker(settings) as conn:
+            conn.default_channel.queue_purge(settings.queue)  # its first run gets it from here, not the broker
+
+        class Crash(BaseException):
+            pass
+
+        def crash_after_the_first_checkpoint(self, state):
+            jobs.AdaptationRun.save_checkpoint(self, int(state["iteration"]), state)
+            raise Crash
+
+        with monkeypatch.context() as m:
+            m.setattr(jobs.AdaptationRun, "on_checkpoint", crash_after_the_first_checkpoint)
+            with pytest.raises(Crash):
+                jobs.run_adaptation_job(ctx, abandoned, worker="dies")
+        assert row(ctx, abandoned).status == "running" and row(ctx, abandoned).attempts == 1
+
+        queue = JobQueue(settings)
+        send = Recorder(then=queue.enqueue_adaptation, fail_first=1)
+        reaper = Reaper(ctx, send)
+        t = utcnow() + timedelta(seconds=settings.heartbeat_timeout + settings.enqueue_grace + 1)
+        assert reaper.run_once(now=t) == []
+        assert send.failures == {unsent: 1, abandoned: 1} and messages_waiting(settings) == 0
+        for job_id in (unsent, abandoned):
+            job = row(ctx, job_id)
+            assert job.status == "queued" and job.enqueued_at is None
+
+        stack.start_worker()
+        assert sorted(reaper.run_once(now=t + timedelta(seconds=1))) == sorted([unsent, abandoned])
+        assert_ran_once(settings, unsent, stack)
+        resumed = assert_ran_once(settings, abandoned, stack, attempts=2)  # the crashed run, then this one
+        assert resumed.worker != "dies"
+        assert f"job {abandoned} resumes from checkpoint" in stack.logs()
+    finally:
+        stack.stop()
+        ctx.engine.dispose()
+        app.state.engine.dispose()
