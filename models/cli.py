@@ -1,4 +1,4 @@
-"""The ``qloc`` command line: train-embedding, train-agent, adapt, evaluate, reproduce, fetch-photos.
+"""The ``qloc`` command line: train-embedding, train-agent, adapt, evaluate, localize, reproduce, fetch-photos.
 
 Every command takes ``--seed`` and ``--device`` (auto|cpu|cuda), prints JSON metrics and writes them
 (and its PNG figures) next to its output.
@@ -131,6 +131,29 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
                      title=f"digit {a.digit}, {a.background}: CorLoc {out['corloc']:.1f}")
         out["figure"] = a.figure
     return out
+
+
+def cmd_localize(a: argparse.Namespace) -> dict:
+    """The service's answer without the service: the same preprocessing, prototype and search."""
+    from PIL import Image
+
+    dev = resolve_device(a.device)
+    bundle = load_bundle(a.bundle, dev)
+    state = load_policy(a.policy, bundle)[0] if a.policy else None
+    loc = Localizer(bundle, dev)
+
+    def read(path: str) -> Image.Image:
+        with Image.open(path) as im:
+            im.load()
+            return im
+
+    proto = loc.prototype([read(p) for p in a.exemplars])
+    nearest = {"auto": None, "yes": True, "no": False}[a.nearest]
+    found = loc.localize([read(p) for p in a.images], proto, state, samples=a.samples, nearest=nearest)
+    return {"bundle": bundle.name, "policy": a.policy or "base", "samples": a.samples,
+            "nearest": loc.default_nearest if nearest is None else nearest,
+            "results": [{"file": str(p), "box": list(r.box), "score": r.score}
+                        for p, r in zip(a.images, found, strict=True)]}
 
 
 def _summary(rows: list[dict], group: str) -> dict:
@@ -292,6 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--figure", help="PNG of the agent's search paths on the first test images")
     sp.set_defaults(func=cmd_evaluate)
 
+    sp = sub.add_parser("localize", help="boxes for image files, as the service answers them (no service needed)")
+    common(sp, digit=None)
+    sp.add_argument("--bundle", required=True)
+    sp.add_argument("--policy", help="an adapted policy checkpoint (default: the bundle's base policy)")
+    sp.add_argument("--exemplars", nargs="+", required=True, help="exemplar crop files (PNG/JPEG)")
+    sp.add_argument("--images", nargs="+", required=True, help="images to search")
+    sp.add_argument("--samples", type=int, default=0, help="best-of-(1 + N) search, as localize?samples=N")
+    sp.add_argument("--nearest", choices=("auto", "yes", "no"), default="auto",
+                    help="answer with the visited box nearest the prototype (auto: the bundle's default)")
+    sp.set_defaults(func=cmd_localize)
+
     sp = sub.add_parser("reproduce", help="the paper's cMNIST tables, mean and std over seeds")
     common(sp, digit=None)
     sp.add_argument("experiment", choices=("new-digits", "backgrounds"))
@@ -330,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         _seed_all(args.seed)
     try:
         result = args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input (OSError: unreadable or missing files)
         print(f"qloc {args.command}: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(result, indent=2)

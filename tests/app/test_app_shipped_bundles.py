@@ -66,6 +66,94 @@ def test_photo_bundle_on_real_photos_of_any_size(shipped_client):
         assert len(res["trajectory"]) == 11
 
 
+def _iou(box, gt) -> float:
+    import torch
+
+    return float(paired_iou(torch.tensor(box, dtype=torch.float32), torch.tensor(gt, dtype=torch.float32)))
+
+
+# Hand-labeled boxes (x1, y1, x2, y2) on skimage's photos, read off a drawn 50-px grid.
+ASTRONAUT_HEAD = (150, 15, 300, 160)  # Eileen Collins' head and hair, 512 x 512
+CAMERAMAN_PERSON = (0, 65, 340, 512)  # the man with his camera (not the tripod's legs), 512 x 512
+
+
+def test_photo_bundle_on_real_photos_with_known_boxes(shipped_client):
+    """The shipped photo bundle, queried with a cat's face from another photo (chelsea), on two real photos
+    with hand-labeled boxes.
+
+    Best-of-16 search finds the astronaut's head and the cameraman (IoU >= 0.5): a bundle that answers
+    the whole image, or a constant box, fails. The greedy default does NOT succeed on either today (the
+    whole astronaut image; a box around the cameraman's upper body): pinned here as what it does, the
+    real-photo floor belongs to the photo issue, which must move these two assertions, not delete them.
+    """
+    from skimage import data
+
+    cat = data.chelsea()
+    r = shipped_client.post("/v1/exemplar-sets", data={"bundle": "photo-mammals", "name": "mammal"},
+                            files=[("files", ("face.png", _png(cat[40:250, 110:330]), "image/png"))])
+    assert r.status_code == 201, r.text
+    url = f"/v1/exemplar-sets/{r.json()['id']}/localize"
+    uploads = [("files", ("astronaut.png", _png(data.astronaut()), "image/png")),
+               ("files", ("camera.png", _png(data.camera()), "image/png"))]
+    # one image per request: the sampled episodes draw from one seeded stream per request
+    best = [shipped_client.post(url, params={"samples": 15}, files=[u]) for u in uploads]
+    assert all(b.status_code == 200 for b in best), [b.text for b in best]
+    astronaut, camera = (b.json()["results"][0]["box"] for b in best)
+    assert _iou(astronaut, ASTRONAUT_HEAD) >= 0.5
+    assert _iou(camera, CAMERAMAN_PERSON) >= 0.5
+
+    greedy = shipped_client.post(url, files=uploads).json()["results"]
+    assert greedy[0]["box"] == [0.0, 0.0, 512.0, 512.0]  # today's failure: the whole image
+    assert 0.3 <= _iou(greedy[1]["box"], CAMERAMAN_PERSON) < 0.5
+
+
+def test_api_boxes_match_the_cli(shipped_client, tmp_path, capsys):
+    """The same files through the API and through ``qloc localize`` give the same boxes, and they are right."""
+    import json
+
+    import torch
+
+    from models.cli import main
+    from models.experiments import cmnist
+    from models.train_agent import exemplar_crops
+
+    def png(t):
+        return _png((t[0].numpy() * 255).round().astype(np.uint8))
+
+    crops = [png(c) for c in exemplar_crops(cmnist(4, "train", 5, seed=1000))]
+    test = cmnist(4, "test", 16, seed=3)
+    images = [png(im) for im in test.images]
+    paths = []
+    for name, blob in [*((f"crop{i}.png", c) for i, c in enumerate(crops)),
+                       *((f"img{i}.png", b) for i, b in enumerate(images))]:
+        (tmp_path / name).write_bytes(blob)
+        paths.append(str(tmp_path / name))
+    r = shipped_client.post("/v1/exemplar-sets", files=[("files", (f"c{i}.png", c, "image/png"))
+                                                        for i, c in enumerate(crops)])
+    sid = r.json()["id"]
+    for samples in (0, 3):
+        api = [shipped_client.post(f"/v1/exemplar-sets/{sid}/localize", params={"samples": samples},
+                                   files=[("files", (f"{i}.png", b, "image/png")) for i, b in enumerate(half)])
+               for half in (images[:8], images[8:])]  # at most 8 files per request
+        assert all(a.status_code == 200 for a in api), [a.text for a in api]
+        api_results = [x for a in api for x in a.json()["results"]]
+        api_boxes = [x["box"] for x in api_results]
+        cli_results = []
+        for half in (paths[5:13], paths[13:]):  # the same batches as the API's (sampling is seeded per batch)
+            assert main(["localize", "--bundle", str(SHIPPED / "mnist-digit4.pt"), "--device", "cpu",
+                         "--samples", str(samples), "--exemplars", *paths[:5], "--images", *half]) == 0
+            cli = json.loads(capsys.readouterr().out)
+            assert cli["samples"] == samples and cli["nearest"] is False
+            cli_results += cli["results"]
+        cli_boxes = [x["box"] for x in cli_results]
+        assert torch.allclose(torch.tensor(api_boxes), torch.tensor(cli_boxes), atol=1e-3)
+        assert [x["score"] for x in api_results] == pytest.approx([x["score"] for x in cli_results],
+                                                                            rel=1e-5)
+        hits = (paired_iou(torch.tensor(api_boxes), test.boxes) >= 0.5).float().mean().item()
+        assert hits >= 0.8, hits  # ~0.97 on 500 such images (BENCHMARKS.md)
+        assert len({tuple(b) for b in api_boxes}) > 8  # one answer per image, not a constant
+
+
 def test_default_bundle_localizes_cmnist(shipped_client):
     from models.experiments import cmnist
     from models.train_agent import exemplar_crops
