@@ -1,0 +1,134 @@
+"""Mutation testing of the core with mutmut: one isolated workspace per module, a kill-rate table.
+
+Run it through ``scripts/mutation`` (which bootstraps ``.venv``). For each module it copies the tree
+into ``var/mutation/<module>/``, writes a ``[tool.mutmut]`` section that mutates that one file and
+selects that module's fast tests, runs ``mutmut run``, and collects the counts and the surviving
+mutants into ``var/mutation/summary.json`` and a Markdown table (TESTING.md quotes it).
+
+A timeout counts as killed (the mutant made a test hang or crawl: the suite did not pass), and is
+also reported on its own. ``no tests`` means no selected test reaches the mutated function: it
+counts against the kill rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CORE_TESTS = ["tests/models/test_core_behaviour.py", "tests/models/test_boxes_actions.py",
+              "tests/models/test_reinforce_metrics.py"]
+MODEL_TESTS = ["tests/models/test_rollout_inference_behaviour.py", "tests/models/test_adapt_behaviour.py",
+               "tests/models/test_rollout_bundle.py", "tests/models/test_adapt.py"]
+WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_leases.py",
+                "tests/worker/test_worker_outbox.py"]
+
+MODULES: dict[str, tuple[str, list[str]]] = {
+    "boxes": ("models/boxes.py", CORE_TESTS),
+    "actions": ("models/actions.py", CORE_TESTS),
+    "ordinal": ("models/ordinal.py", CORE_TESTS),
+    "reinforce": ("models/reinforce.py", CORE_TESTS),
+    "rollout": ("models/rollout.py", MODEL_TESTS),
+    "inference": ("models/inference.py", MODEL_TESTS),
+    "adapt": ("models/adapt.py", MODEL_TESTS),
+    "jobs": ("worker/jobs.py", WORKER_TESTS),
+}
+
+COPY_EXCLUDES = {".git", ".venv", "var", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+
+def toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def prepare(name: str, workdir: Path) -> None:
+    source, tests = MODULES[name]
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    shutil.copytree(ROOT, workdir, ignore=lambda d, names: [n for n in names if n in COPY_EXCLUDES])
+    tests = [t for t in tests if (ROOT / t).exists()]
+    package = source.split("/")[0]
+    others = [p for p in ("app", "models", "worker") if p != package]
+    config = f"""
+
+[tool.mutmut]
+source_paths = ["{package}"]
+only_mutate = ["{source}"]
+also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini"])}
+pytest_add_cli_args_test_selection = {toml_list(tests)}
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x", "-p", "no:randomly"]
+timeout_constant = 20.0
+"""
+    with open(workdir / "pyproject.toml", "a", encoding="utf-8") as f:
+        f.write(config)
+
+
+def run_module(name: str, workdir: Path, children: int) -> dict:
+    prepare(name, workdir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    mutmut = [sys.executable, "-m", "mutmut"]
+    t0 = time.monotonic()
+    with open(workdir / "mutmut-run.log", "w", encoding="utf-8") as log:
+        subprocess.run([*mutmut, "run", "--max-children", str(children)], cwd=workdir, env=env,
+                       stdout=log, stderr=subprocess.STDOUT, check=False)
+    seconds = time.monotonic() - t0
+    subprocess.run([*mutmut, "export-cicd-stats"], cwd=workdir, env=env, capture_output=True, check=False)
+    stats_file = workdir / "mutants" / "mutmut-cicd-stats.json"
+    if not stats_file.exists():
+        raise SystemExit(f"{name}: mutmut produced no stats; see {workdir / 'mutmut-run.log'}")
+    stats = json.loads(stats_file.read_text())
+    listing = subprocess.run([*mutmut, "results"], cwd=workdir, env=env, capture_output=True, text=True,
+                             check=False).stdout
+    survivors = [line.split(":")[0].strip() for line in listing.splitlines()
+                 if line.strip().endswith(("survived", "no tests"))]
+    killed = stats["killed"] + stats["timeout"] + stats.get("segfault", 0)
+    total = stats["total"] - stats.get("skipped", 0)
+    return {"module": MODULES[name][0], "total": total, "killed": killed, "timeout": stats["timeout"],
+            "survived": stats["survived"], "no_tests": stats["no_tests"], "suspicious": stats["suspicious"],
+            "kill_rate": round(100.0 * killed / max(total, 1), 1), "seconds": round(seconds),
+            "survivors": survivors}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| module | mutants | killed (timeouts) | survived | no tests | kill rate |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        rows.append(f"| `{r['module']}` | {r['total']} | {r['killed']} ({r['timeout']}) | {r['survived']} | "
+                    f"{r['no_tests']} | {r['kill_rate']:.1f} % |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("modules", nargs="*", metavar="MODULE", help=f"of {', '.join(MODULES)} (default: all)")
+    p.add_argument("--out", type=Path, default=ROOT / "var" / "mutation")
+    p.add_argument("--children", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
+    p.add_argument("--floor", type=float, default=85.0, help="exit 1 when a module's kill rate is below this")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.modules) - set(MODULES))
+    if unknown:
+        p.error(f"unknown modules {unknown}; choose from {list(MODULES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.modules or list(MODULES):
+        r = run_module(name, args.out / name, args.children)
+        print(f"{r['module']}: {r['kill_rate']:.1f} % killed of {r['total']} ({r['seconds']} s)", flush=True)
+        results.append(r)
+        (args.out / f"{name}.json").write_text(json.dumps(r, indent=2))
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    for r in results:
+        for s in r["survivors"]:
+            print(f"  surviving: {s}")
+    return 0 if all(r["kill_rate"] >= args.floor for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
