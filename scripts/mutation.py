@@ -7,7 +7,7 @@ mutants into ``var/mutation/summary.json`` and a Markdown table (TESTING.md quot
 
 A timeout counts as killed (the mutant made a test hang or crawl: the suite did not pass), and is
 also reported on its own. ``no tests`` means no selected test reaches the mutated function: it
-counts against the kill rate.
+counts against the kill rate. Logging calls are not mutated: their text is not behaviour we pin.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ MODEL_TESTS = ["tests/models/test_rollout_inference_behaviour.py", "tests/models
                "tests/models/test_rollout_bundle.py", "tests/models/test_adapt.py"]
 WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_leases.py",
                 "tests/worker/test_worker_outbox.py"]
+
+# Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
+# seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
+EXTRA_ARGS = {"jobs": ["-m", "not slow"]}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
     "boxes": ("models/boxes.py", CORE_TESTS),
@@ -63,8 +67,9 @@ source_paths = ["{package}"]
 only_mutate = ["{source}"]
 also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini"])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
-pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x", "-p", "no:randomly"]
+pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-q", "-x", *EXTRA_ARGS.get(name, [])])}
 timeout_constant = 20.0
+do_not_mutate_patterns = ['^\\s*log\\.(debug|info|warning|error|exception)\\(']
 """
     with open(workdir / "pyproject.toml", "a", encoding="utf-8") as f:
         f.write(config)
@@ -88,12 +93,18 @@ def run_module(name: str, workdir: Path, children: int) -> dict:
                              check=False).stdout
     survivors = [line.split(":")[0].strip() for line in listing.splitlines()
                  if line.strip().endswith(("survived", "no tests"))]
+    diffs = {}
+    for name_ in survivors:
+        shown = subprocess.run([*mutmut, "show", name_], cwd=workdir, env=env, capture_output=True, text=True,
+                               check=False).stdout
+        diffs[name_] = [line for line in shown.splitlines() if line.startswith(("-", "+"))
+                        and not line.startswith(("---", "+++"))]
     killed = stats["killed"] + stats["timeout"] + stats.get("segfault", 0)
     total = stats["total"] - stats.get("skipped", 0)
     return {"module": MODULES[name][0], "total": total, "killed": killed, "timeout": stats["timeout"],
             "survived": stats["survived"], "no_tests": stats["no_tests"], "suspicious": stats["suspicious"],
             "kill_rate": round(100.0 * killed / max(total, 1), 1), "seconds": round(seconds),
-            "survivors": survivors}
+            "survivors": diffs}
 
 
 def table(results: list[dict]) -> str:
@@ -125,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     for r in results:
-        for s in r["survivors"]:
-            print(f"  surviving: {s}")
+        for name, diff in r["survivors"].items():
+            print(f"  surviving: {name}: {' | '.join(diff)}")
     return 0 if all(r["kill_rate"] >= args.floor for r in results) else 1
 
 
