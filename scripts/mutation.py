@@ -28,7 +28,7 @@ CORE_TESTS = ["tests/models/test_core_behaviour.py", "tests/models/test_boxes_ac
 MODEL_TESTS = ["tests/models/test_rollout_inference_behaviour.py", "tests/models/test_adapt_behaviour.py",
                "tests/models/test_rollout_bundle.py", "tests/models/test_adapt.py"]
 WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_leases.py",
-                "tests/worker/test_worker_outbox.py"]
+                "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_records.py"]
 
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.

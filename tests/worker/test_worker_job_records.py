@@ -2,14 +2,15 @@
 
 import uuid
 
+import pytest
 from sqlalchemy import select
 from test_worker_jobs import new_job
 
 from app.inference import read_checkpoint
-from app.tables import Checkpoint
+from app.tables import AdaptationJob, Checkpoint
 from worker import jobs
 from worker.context import WorkerContext
-from worker.jobs import run_adaptation_job
+from worker.jobs import AdaptationRun, run_adaptation_job
 
 
 def _ctx(settings):
@@ -72,5 +73,47 @@ def test_a_failed_job_keeps_the_first_2000_characters_of_its_error(client, setti
         polled = client.get(f"/v1/adaptations/{job['id']}").json()
         assert polled["status"] == "failed"
         assert polled["error"] == ("ValueError: " + "x" * 5000)[:2000]
+    finally:
+        ctx.engine.dispose()
+
+
+def _job_row(ctx, job_id):
+    with ctx.session_factory() as s:
+        return s.get_one(AdaptationJob, job_id)
+
+
+def test_progress_rows_between_checkpoints_and_at_the_end(client, settings, monkeypatch):
+    """Progress is synced at most every ``progress_every_s`` and always at the last iteration; each sync
+    and each checkpoint writes the run's progress, reward, heartbeat (and checkpoint) to its own job row."""
+    monkeypatch.setattr(AdaptationRun, "progress_every_s", 1e9)  # the timer never fires in this test
+    synced, saved = [], []
+    real_sync, real_save = AdaptationRun._sync, AdaptationRun.save_checkpoint
+
+    def sync(self):
+        before = _job_row(ctx, self.job_id).heartbeat_at
+        real_sync(self)
+        row = _job_row(ctx, self.job_id)
+        synced.append(self.iteration)
+        assert row.progress_iteration == self.iteration and row.mean_reward == pytest.approx(self.mean_reward)
+        assert row.heartbeat_at > before
+
+    def save(self, iteration, state):
+        before = _job_row(ctx, self.job_id).heartbeat_at
+        real_save(self, iteration, state)
+        row = _job_row(ctx, self.job_id)
+        saved.append(iteration)
+        assert row.checkpoint_id == self.last_checkpoint_id and row.progress_iteration == iteration
+        assert row.mean_reward == pytest.approx(self.mean_reward) and row.heartbeat_at > before
+        other_row = _job_row(ctx, other)
+        assert (other_row.checkpoint_id, other_row.progress_iteration, other_row.mean_reward) == (None, 0, None)
+
+    monkeypatch.setattr(AdaptationRun, "_sync", sync)
+    monkeypatch.setattr(AdaptationRun, "save_checkpoint", save)
+    ctx = _ctx(settings)
+    try:
+        job = new_job(client)
+        other = uuid.UUID(new_job(client)["id"])  # queued beside it: its row must not move
+        assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+        assert synced == [5] and saved == [2, 4, 5]
     finally:
         ctx.engine.dispose()
