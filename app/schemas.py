@@ -4,12 +4,35 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Box = Annotated[list[float], Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in uploaded pixels")]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "canceled"]
+
+
+class ErrorDetail(BaseModel):
+    """Every error the API answers: a JSON object with a human-readable ``detail``."""
+
+    detail: str
+
+
+class ValidationIssue(BaseModel):
+    """One item of a request validation error (FastAPI's format)."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+    input: Any = None
+    ctx: dict[str, Any] | None = None
+
+
+class ValidationErrorDetail(BaseModel):
+    """422: the request's fields did not validate (a list of issues), or a value was refused by the service
+    (a message: an unknown bundle, more iterations than the server allows, no file)."""
+
+    detail: list[ValidationIssue] | str
 
 
 class Page(BaseModel):

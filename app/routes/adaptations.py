@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app import crud
 from app.deps import CallerDep, QueueDep, SessionDep, SettingsDep, StoreDep
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.uploads import check_file_count, decode_all, read_raw
 from app.schemas import AdaptationJobPublic, AdaptationJobsPublic, JobParams, Progress
 from app.storage import job_image_key, job_prefix
@@ -20,7 +21,7 @@ from app.tables import AdaptationJob
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["adaptations"])
+router = APIRouter(prefix="/v1", tags=["adaptations"], responses=UNAUTHORIZED)
 
 JOB_NOT_FOUND = "adaptation job not found"
 
@@ -52,11 +53,10 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
 
 @router.post("/exemplar-sets/{set_id}/adaptations", status_code=status.HTTP_202_ACCEPTED,
              response_model=AdaptationJobPublic,
-             responses={400: {"description": "Not a readable PNG/JPEG image"}, 404: {"description": "Unknown set"},
-                        409: {"description": "Idempotency-Key reused with another request"},
-                        413: {"description": "Too many files, or a file / image too large"},
-                        415: {"description": "Not a PNG or JPEG"},
-                        503: {"description": "The job queue is unreachable"}})
+             responses={**UPLOAD_ERRORS, 404: error("Unknown exemplar set"),
+                        409: error("Idempotency-Key reused with another request"),
+                        422: invalid("Invalid fields, no file, or more iterations than the server allows"),
+                        503: error("The job queue is unreachable")})
 def create_adaptation(
     set_id: uuid.UUID, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
     queue: QueueDep, caller: CallerDep,
@@ -137,7 +137,7 @@ def create_adaptation(
 
 
 @router.get("/exemplar-sets/{set_id}/adaptations", response_model=AdaptationJobsPublic,
-            responses={404: {"description": "Unknown set"}})
+            responses={404: error("Unknown exemplar set")})
 def list_adaptations(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
                      offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> AdaptationJobsPublic:
@@ -147,7 +147,7 @@ def list_adaptations(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
     return AdaptationJobsPublic(data=[to_public(j) for j in jobs], count=count, limit=limit, offset=offset)
 
 
-@router.get("/adaptations/{job_id}", response_model=AdaptationJobPublic, responses={404: {"description": "Unknown"}})
+@router.get("/adaptations/{job_id}", response_model=AdaptationJobPublic, responses={404: error("Unknown job")})
 def read_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> AdaptationJobPublic:
     job = crud.get_job(session, job_id=job_id, owner=caller.scope)
     if job is None:
@@ -156,7 +156,7 @@ def read_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep) -
 
 
 @router.post("/adaptations/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=AdaptationJobPublic,
-             responses={404: {"description": "Unknown job"}, 409: {"description": "The job has already finished"}})
+             responses={404: error("Unknown job"), 409: error("The job has already finished")})
 def cancel_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> AdaptationJobPublic:
     """Cancel a job: a queued one at once, a running one between two iterations."""
     job = crud.get_job(session, job_id=job_id, owner=caller.scope)

@@ -9,11 +9,12 @@ from fastapi import APIRouter, HTTPException, Query, status
 
 from app import crud
 from app.deps import CallerDep, SessionDep
+from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
 from app.schemas import CheckpointPublic, CheckpointsPublic, ExemplarSetPublic
 from app.tables import Checkpoint
 
-router = APIRouter(prefix="/v1", tags=["checkpoints"])
+router = APIRouter(prefix="/v1", tags=["checkpoints"], responses=UNAUTHORIZED)
 
 NOT_FOUND = "checkpoint not found"
 
@@ -26,7 +27,7 @@ def to_public(ckpt: Checkpoint, active_id: uuid.UUID | None) -> CheckpointPublic
 
 
 @router.get("/exemplar-sets/{set_id}/checkpoints", response_model=CheckpointsPublic,
-            responses={404: {"description": "Unknown set"}})
+            responses={404: error("Unknown exemplar set")})
 def list_checkpoints(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
                      offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> CheckpointsPublic:
@@ -40,7 +41,7 @@ def list_checkpoints(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
 
 
 @router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointPublic,
-            responses={404: {"description": "Unknown checkpoint"}})
+            responses={404: error("Unknown checkpoint")})
 def read_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> CheckpointPublic:
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
@@ -50,7 +51,7 @@ def read_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: Calle
 
 
 @router.post("/checkpoints/{checkpoint_id}/activate", response_model=ExemplarSetPublic,
-             responses={404: {"description": "Unknown checkpoint"}})
+             responses={404: error("Unknown checkpoint")})
 def activate_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
     """Make the checkpoint its set's active policy; activating an older one rolls back."""
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)

@@ -22,6 +22,7 @@ from app.inference import (
     prototype_to_bytes,
     read_checkpoint,
 )
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.uploads import read_images
 from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
 from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
@@ -29,11 +30,9 @@ from app.tables import Checkpoint, ExemplarSet
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"])
+router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"], responses=UNAUTHORIZED)
 
-ERRORS = {400: {"description": "Not a readable PNG/JPEG image"}, 404: {"description": "Unknown id"},
-          413: {"description": "Too many files, or a file / image too large"},
-          415: {"description": "Not a PNG or JPEG"}}
+UNKNOWN = {404: error("Unknown exemplar set")}
 NOT_FOUND = "exemplar set not found"
 
 
@@ -53,7 +52,9 @@ def get_bundle(bundles: BundleRegistry, name: str, *, explicit: bool) -> LoadedB
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"bundle {name!r} cannot be loaded") from e
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses=ERRORS)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
+    **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, or an unknown bundle"),
+    503: error("The default bundle is unavailable, or the bundle cannot be loaded")})
 def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep,
@@ -91,7 +92,7 @@ def list_exemplar_sets(session: SessionDep, caller: CallerDep, limit: Annotated[
     return ExemplarSetsPublic(data=[to_public(s) for s in sets], count=count, limit=limit, offset=offset)
 
 
-@router.get("/{set_id}", response_model=ExemplarSetPublic, responses={404: ERRORS[404]})
+@router.get("/{set_id}", response_model=ExemplarSetPublic, responses=UNKNOWN)
 def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
@@ -100,7 +101,7 @@ def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep)
 
 
 @router.delete("/{set_id}", status_code=status.HTTP_204_NO_CONTENT,
-               responses={404: ERRORS[404], 409: {"description": "The set has queued or running jobs"}})
+               responses={**UNKNOWN, 409: error("The set has queued or running jobs")})
 def delete_exemplar_set(set_id: uuid.UUID, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
     """Delete the set with its exemplars, jobs and checkpoints (rows, then files)."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
@@ -132,8 +133,9 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpo
     return ckpt
 
 
-@router.post("/{set_id}/localize", response_model=LocalizeResponse, response_model_exclude_none=True,
-             responses=ERRORS)
+@router.post("/{set_id}/localize", response_model=LocalizeResponse, response_model_exclude_none=True, responses={
+    **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
+    422: invalid("Invalid fields, or no file"), 503: error("The set's bundle or checkpoint cannot be loaded")})
 def localize(
     set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep, metrics: MetricsDep,

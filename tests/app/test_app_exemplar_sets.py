@@ -1,8 +1,14 @@
 """Exemplar sets and localization through the API, in process (SQLite, real files, real bundle format)."""
 
+import io
 import uuid
 
+import pytest
+from PIL import Image
 from service_fixtures import TEST_BUNDLES, files, jpeg_bytes, png_bytes, row_counts, stored_files
+
+from models.bundle import load_bundle
+from models.inference import Localizer, pil_to_tensor, resize_batch
 
 
 def create_set(client, *blobs, **data):
@@ -47,23 +53,90 @@ def test_bundle_form_field_chooses_the_bundle(client):
     assert r.status_code == 422
 
 
-def test_localize_boxes_in_uploaded_pixels_in_upload_order(client):
-    set_id = create_set(client).json()["id"]
-    sizes = [(84, 84), (200, 120), (31, 77)]
-    uploads = [png_bytes(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
-    uploads.append(jpeg_bytes(150, 100))  # RGB JPEG, converted to the bundle's grayscale input
-    sizes.append((150, 100))
-    r = client.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(*uploads))
+def decoded(blob):
+    return Image.open(io.BytesIO(blob))
+
+
+def library_answer(settings, exemplars, uploads, **kwargs):
+    """The library's own answer, without the service: the set's bundle file loaded afresh, the prototype of
+    the same exemplar files, ``Localizer.localize`` on the same decoded uploads -> (localizer, prototype,
+    ``Localization`` per upload)."""
+    loc = Localizer(load_bundle(settings.bundle_dir / f"{TEST_BUNDLES[0]}.pt", "cpu"), "cpu")
+    prototype = loc.prototype([decoded(b) for b in exemplars])
+    return loc, prototype, loc.localize([decoded(b) for b in uploads], prototype, **kwargs)
+
+
+def input_frame_boxes(loc, prototype, uploads, nearest):
+    """Each upload's final box in the bundle's input frame (size x size), from ``Localizer.run``."""
+    batch, _ = resize_batch([pil_to_tensor(decoded(b), 1) for b in uploads], loc.spec.size)
+    return loc.run(batch, prototype, loc.agent(), nearest=nearest).boxes[-1].tolist()
+
+
+def assert_same_answer(api, lib):
+    assert api["box"] == pytest.approx(list(lib.box), rel=1e-5, abs=1e-3), (api, lib)
+    assert api["score"] == pytest.approx(lib.score, rel=1e-4, abs=1e-6), (api, lib)
+
+
+SCENES = [png_bytes(84, 84, seed=0), png_bytes(200, 120, seed=1), png_bytes(31, 77, seed=2),
+          jpeg_bytes(150, 100)]  # RGB JPEG, converted to the bundle's grayscale input
+SCENE_SIZES = [(84, 84), (200, 120), (31, 77), (150, 100)]
+
+
+@pytest.mark.parametrize("nearest", [False, True])
+def test_localize_boxes_in_uploaded_pixels_in_upload_order(client, settings, nearest):
+    exemplars = [png_bytes(28, 28), png_bytes(30, 24, "RGB", seed=1)]
+    set_id = create_set(client, *exemplars).json()["id"]
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    r = client.post(url, files=files(*SCENES), params={"nearest": str(nearest).lower()})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["exemplar_set_id"] == set_id and body["bundle"] == TEST_BUNDLES[0]
+    assert body["exemplar_set_id"] == set_id and body["bundle"] == TEST_BUNDLES[0] and body["nearest"] is nearest
     assert [res["filename"] for res in body["results"]] == [f"img{i}.png" for i in range(4)]
-    for res, (w, h) in zip(body["results"], sizes, strict=True):
+
+    # The library's answer on the same images, bundle file and exemplars, image by image.
+    loc, prototype, lib = library_answer(settings, exemplars, SCENES, nearest=nearest)
+    size = loc.spec.size
+    frame = input_frame_boxes(loc, prototype, SCENES, nearest)
+    for res, want, in_frame, (w, h) in zip(body["results"], lib, frame, SCENE_SIZES, strict=True):
         assert (res["width"], res["height"]) == (w, h)
-        x1, y1, x2, y2 = res["box"]
-        assert 0 <= x1 < x2 <= w + 1e-3 and 0 <= y1 < y2 <= h + 1e-3
         assert "trajectory" not in res
-        assert res["score"] >= 0
+        assert_same_answer(res, want)
+        # Uploaded pixels: x scaled by w / size, y by h / size, from the box in the bundle's input frame.
+        x1, y1, x2, y2 = in_frame
+        sx, sy = w / size, h / size
+        assert res["box"] == pytest.approx([x1 * sx, y1 * sy, x2 * sx, y2 * sy], rel=1e-5, abs=1e-3)
+        assert 0 <= res["box"][0] < res["box"][2] <= w + 1e-3 and 0 <= res["box"][1] < res["box"][3] <= h + 1e-3
+    if nearest:  # the answer depends on the image: a constant box cannot pass
+        assert len({tuple(round(v, 3) for v in b) for b in frame}) >= 2, frame
+
+    # Reordered uploads: the answers are permuted the same way (each result follows its own image).
+    order = [2, 0, 3, 1]
+    again = client.post(url, files=files(*[SCENES[i] for i in order]),
+                        params={"nearest": str(nearest).lower()}).json()["results"]
+    for res, i in zip(again, order, strict=True):
+        assert (res["width"], res["height"]) == SCENE_SIZES[i]
+        assert_same_answer(res, lib[i])
+
+
+def test_localize_is_deterministic(client, settings):
+    """One image's box does not depend on the request, its batch or its place in it: the library's answer
+    for that image alone, every time; and two images that differ get different boxes."""
+    exemplars = [png_bytes(28, 28)]
+    set_id = create_set(client, *exemplars).json()["id"]
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    a, b, c = png_bytes(seed=1), png_bytes(seed=0), png_bytes(90, 60, seed=4)
+    for nearest in ("false", "true"):
+        alone = {name: library_answer(settings, exemplars, [blob], nearest=nearest == "true")[2][0]
+                 for name, blob in (("a", a), ("b", b), ("c", c))}
+        if nearest == "true":
+            assert alone["a"].box != alone["b"].box  # same size, different content: a constant box fails
+        assert alone["a"].box != alone["c"].box  # different sizes
+        for batch in (["a", "b", "c"], ["b"], ["c", "a"], ["a", "b", "c"], ["b", "c", "a", "a"]):
+            blobs = {"a": a, "b": b, "c": c}
+            r = client.post(url, files=files(*[blobs[n] for n in batch]), params={"nearest": nearest})
+            assert r.status_code == 200, r.text
+            for name, res in zip(batch, r.json()["results"], strict=True):
+                assert_same_answer(res, alone[name])
 
 
 def test_localize_trajectory_and_checkpoint_choice(client):
@@ -81,14 +154,6 @@ def test_localize_trajectory_and_checkpoint_choice(client):
     assert client.post(url, files=files(png_bytes()), params={"checkpoint": "latest"}).status_code == 422
     other = create_set(client).json()["active_checkpoint_id"]  # another set's checkpoint
     assert client.post(url, files=files(png_bytes()), params={"checkpoint": other}).status_code == 404
-
-
-def test_localize_is_deterministic(client):
-    set_id = create_set(client).json()["id"]
-    url = f"/v1/exemplar-sets/{set_id}/localize"
-    a = client.post(url, files=files(png_bytes(seed=3), png_bytes(seed=4))).json()["results"]
-    b = client.post(url, files=files(png_bytes(seed=3))).json()["results"]
-    assert a[0]["box"] == b[0]["box"]
 
 
 def test_health_ready_metrics(client):

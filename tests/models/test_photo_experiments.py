@@ -7,6 +7,7 @@ The fixture is made here (RGBA discs and squares on noise backgrounds), so the t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +15,15 @@ import torch
 from PIL import Image
 
 from models import photo_experiments as pe
+from models.baselines import finetune
 from models.bundle import load_bundle, new_bundle
 from models.cli import main
+from models.inference import Localizer
 from models.metrics import corloc, spearman
 from models.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
+from models.train_agent import exemplar_crops
+
+SHIPPED_PHOTO_BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "photo-mammals.pt"
 
 SIZE = 32
 EMBED = 32
@@ -79,6 +85,60 @@ def tiny_networks(monkeypatch):
     monkeypatch.setattr(pe, "photo_model_config", cfg)
 
 
+def corloc_by_definition(pred: torch.Tensor, gt: torch.Tensor) -> float:
+    """% of images whose box has IoU >= 0.5 with the ground truth, written out here (not ``models.metrics``)."""
+    lt, rb = torch.maximum(pred[:, :2], gt[:, :2]), torch.minimum(pred[:, 2:], gt[:, 2:])
+    inter = (rb - lt).clamp(min=0).prod(1)
+    area_p, area_g = (pred[:, 2:] - pred[:, :2]).prod(1), (gt[:, 2:] - gt[:, :2]).prod(1)
+    hits = inter / (area_p + area_g - inter) >= 0.5
+    return 100.0 * int(hits.sum()) / len(gt)
+
+
+def recomputed_transfer_metrics(bundle, manifest, ts: pe.PhotoTransferSetup, seed: int, m: dict, art: dict) -> dict:
+    """Every CorLoc ``photo_transfer`` reported, recomputed from the boxes it names: the artifacts' trajectories,
+    and the episodes, searches and baselines run again on the same images and prototype; also checks the
+    artifacts against the served path (``Localizer``). -> {metric: recomputed value}."""
+    test, proto = art["test"], art["prototype"]
+    gt, k, n_best = test.boxes, m["ranking_images"], ts.search_samples + 1
+    base, adapted = bundle.new_agent(), bundle.new_agent(art["agent_state"])
+    ex = pe.photo_set(bundle, manifest, ts.class_name, "train", ts.exemplars, seed + 1000, crops=True)
+    loc = Localizer(bundle, "cpu")
+    # The prototype and the greedy episodes are the served ones (Localizer, from the images and crops).
+    assert torch.allclose(loc.prototype(exemplar_crops(ex.labeled())), proto, atol=1e-5)
+    for agent, traj in ((base, art["trajectory_before"]), (adapted, art["trajectory_after"])):
+        assert torch.allclose(loc.run(test.images, proto, agent, nearest=False).boxes, traj, atol=1e-3)
+        assert torch.equal(pe.localize(bundle, agent, test.feats, proto), traj)
+    before, after = art["trajectory_before"][-1], art["trajectory_after"][-1]
+    best_before = pe.localize(bundle, base, test.feats, proto, samples=ts.search_samples, seed=seed)[-1]
+    best_after = pe.localize(bundle, adapted, test.feats, proto, samples=ts.search_samples, seed=seed)[-1]
+    cfg = bundle.config
+    cands = pe.photo_candidates(cfg.input.size, cfg.env.min_side, sides=7, stride=cfg.input.size // 10)
+    assert m["ranking_candidates"] == len(cands) and k == min(ts.ranking_images, len(test))
+    ft = finetune(bundle, ex.labeled(), proto, ts.finetune_iterations, ts.finetune, seed=seed)
+    nearest = {tag: pe.localize(bundle, agent, test.feats, proto, nearest=True)[-1]
+               for tag, agent in (("before", base), ("after", adapted))}
+    return {
+        "corloc_before": corloc_by_definition(before, gt),
+        "corloc_after": corloc_by_definition(after, gt),
+        "corloc_before_nearest": corloc_by_definition(nearest["before"], gt),
+        "corloc_after_nearest": corloc_by_definition(nearest["after"], gt),
+        f"corloc_before_best{n_best}": corloc_by_definition(best_before, gt),
+        f"corloc_after_best{n_best}": corloc_by_definition(best_after, gt),
+        f"corloc_after_best{n_best}_ranking_subset": corloc_by_definition(best_after[:k], gt[:k]),
+        "corloc_ranking": corloc_by_definition(pe.ranking_boxes(bundle, test.feats[:k], proto, cands), gt[:k]),
+        "corloc_after_ranking_subset": corloc_by_definition(after[:k], gt[:k]),
+        "corloc_finetune": corloc_by_definition(
+            pe.localize(bundle, bundle.new_agent(ft), test.feats, proto)[-1], gt),
+        **pe.ranking_metrics(bundle, test, proto, seed=seed),
+    }
+
+
+def assert_reported_as_recomputed(m: dict, again: dict) -> None:
+    assert {k for k in m if k.startswith("corloc")} == {k for k in again if k.startswith("corloc")}
+    for key, value in again.items():
+        assert m[key] == pytest.approx(value, abs=1e-4), key
+
+
 def _tiny_setup() -> pe.PhotoTrainSetup:
     s = pe.PhotoTrainSetup(size=SIZE, n_train=10, n_val=6)
     s.embedding.epochs, s.embedding.batch_size, s.embedding.eval_every = 2, 10, 1
@@ -124,9 +184,37 @@ def test_pipeline_smoke(manifest):
     assert -1 <= m["spearman"] <= 1 and m["adapt_seconds"] > 0
     steps = bundle.config.env.steps
     assert art["trajectory_after"].shape == (steps + 1, 6, 4)
-    summary = pe.summarize([m, {**m, "seed": 1}], "mammals")
-    assert summary["birds"]["corloc_after"]["n"] == 2 and "mean_new_classes" in summary
-    assert summary["birds"]["corloc_after_best16"]["n"] == 2
+    assert_reported_as_recomputed(m, recomputed_transfer_metrics(bundle, manifest, ts, 0, m, art))
+    # the validation CorLoc in the provenance is the kept agent's, recomputed
+    val = pe.photo_set(bundle, manifest, "mammals", "val", setup.n_val, 0)
+    val_ex = pe.photo_set(bundle, manifest, "mammals", "val", setup.exemplars, 500, crops=True)
+    traj = pe.localize(bundle, bundle.new_agent(), val.feats, pe.prototype_of(bundle, val_ex))
+    assert prov["agent"]["val/corloc"] == pytest.approx(corloc_by_definition(traj[-1], val.boxes), abs=1e-4)
+    other = {**m, "seed": 1, "corloc_after": m["corloc_after"] + 30.0}
+    summary = pe.summarize([m, other], "mammals")
+    assert summary["birds"]["corloc_after"] == {"mean": round(m["corloc_after"] + 15.0, 3), "std": 21.213, "n": 2}
+    assert summary["mean_new_classes"]["corloc_after"]["mean"] == round(m["corloc_after"] + 15.0, 3)
+    assert summary["birds"]["corloc_after_best16"] == {"mean": round(m["corloc_after_best16"], 3), "std": 0.0, "n": 2}
+
+
+def test_reported_corloc_is_recomputed_from_its_boxes_on_the_shipped_bundle(manifest):
+    """``photo_transfer`` with the trained photo bundle on the fixture photos, where CorLoc is far from 0:
+    every reported value equals its recomputation from the definition, so a scaled value fails, and so does
+    one taken from other boxes (this draw gives each pair of related metrics different values)."""
+    bundle = load_bundle(SHIPPED_PHOTO_BUNDLE)
+    ts = pe.PhotoTransferSetup("mammals", unlabeled=4, test=10, ranking_images=2, finetune_iterations=3,
+                               search_samples=7)
+    ts.adapt.iterations, ts.adapt.batch_size = 1, 4
+    m, art = pe.photo_transfer(bundle, manifest, ts, seed=0)
+    again = recomputed_transfer_metrics(bundle, manifest, ts, 0, m, art)
+    assert_reported_as_recomputed(m, again)
+    zero = [k for k, v in again.items() if k.startswith("corloc") and v == 0]
+    assert zero == ["corloc_after_best8_ranking_subset"], zero  # the others have hits: scaling them shows
+    related = [("before", "after"), ("before", "before_nearest"), ("after", "after_nearest"),
+               ("before", "before_best8"), ("after", "after_best8"), ("before_best8", "after_best8"),
+               ("before_nearest", "after_nearest"), ("before", "finetune"), ("ranking", "after_ranking_subset"),
+               ("after_ranking_subset", "after_best8_ranking_subset")]
+    assert all(again[f"corloc_{a}"] != again[f"corloc_{b}"] for a, b in related), again
 
 
 def test_stage2_restarts_keep_the_best_on_validation(manifest):
@@ -218,7 +306,20 @@ def test_cli_photo_train_and_reproduce(manifest, tmp_path, monkeypatch):
     assert main(["photo-reproduce", "--seeds", "0", "--classes", "fish", "--out", str(again), "--reuse", str(run),
                  "--cache", manifest["root"], "--size", str(SIZE), "--adapt-iterations", "1", "--unlabeled", "4",
                  "--n-test", "4", "--ranking-images", "1", "--finetune-iterations", "1", "--speed-repeats", "1"]) == 0
-    info = json.loads((again / "metrics.json").read_text())["train"]["0"]
+    reused = json.loads((again / "metrics.json").read_text())
+    info = reused["train"]["0"]
     assert info["reused"].endswith("seed0/bundle.pt") and info["val/corloc"] == metrics["train"]["0"]["val/corloc"]
+    # The reported numbers are the bundle's: greedy and nearest-box CorLoc of the saved bundle on the same
+    # test images and exemplars, recomputed; the summary's means are the rows' values (one seed).
+    bundle = load_bundle(run / "seed0" / "bundle.pt")
+    test = pe.photo_set(bundle, manifest, "fish", "test", 4, 0)
+    proto = pe.prototype_of(bundle, pe.photo_set(bundle, manifest, "fish", "train", 5, 1000, crops=True))
+    row = reused["rows"][0]
+    for key, nearest in (("corloc_before", False), ("corloc_before_nearest", True)):
+        boxes = pe.localize(bundle, bundle.new_agent(), test.feats, proto, nearest=nearest)[-1]
+        assert row[key] == pytest.approx(corloc_by_definition(boxes, test.boxes), abs=1e-4), key
+    for result in (metrics, reused):
+        for key, stats in result["summary"]["fish"].items():
+            assert stats == {"mean": round(result["rows"][0][key], 3), "std": 0.0, "n": 1}, key
     assert not (again / "seed0" / "bundle.pt").exists()
     assert list(run.glob("seed0/paths_fish_*.png"))

@@ -1,0 +1,26 @@
+"""The error responses the routes declare in the OpenAPI spec: every error is a JSON ``{"detail": ...}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.schemas import ErrorDetail, ValidationErrorDetail
+
+
+def error(description: str) -> dict[str, Any]:
+    """An error response with a message: ``{"detail": "..."}``."""
+    return {"model": ErrorDetail, "description": description}
+
+
+def invalid(description: str) -> dict[str, Any]:
+    """422 from a route that also refuses values itself: FastAPI's list of issues, or a message."""
+    return {"model": ValidationErrorDetail, "description": description}
+
+
+UNAUTHORIZED = {401: error("Missing or invalid API key (only when the server has API keys)")}
+
+UPLOAD_ERRORS = {
+    400: error("Not a readable PNG/JPEG image"),
+    413: error("Too many files, a file or image too large, or the request body too large"),
+    415: error("Not a PNG or JPEG"),
+}
