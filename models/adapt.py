@@ -7,6 +7,7 @@ checkpoint hooks let a worker report progress, save, resume after a crash and ho
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -76,7 +77,7 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
 
     def state() -> dict[str, Any]:
         return {"iteration": it, "agent": {k: v.detach().cpu().clone() for k, v in agent.state_dict().items()},
-                "optimizer": opt.state_dict(), "rng": gen.get_state()}
+                "optimizer": copy.deepcopy(opt.state_dict()), "rng": gen.get_state()}  # a snapshot, not a view
 
     stopped = False
     while it < cfg.iterations:

@@ -36,7 +36,7 @@ def pil_to_tensor(img: Image.Image, channels: int, fill: tuple[float, ...] = (0.
     Transparent pixels are composited onto ``fill`` (per channel in [0, 1], or one value for all).
     """
     mode = {1: "L", 3: "RGB"}[channels]
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:  # alpha, or a palette / colour key
         img = img.convert("RGBA")
         rgb = [fill[min(i, len(fill) - 1)] for i in range(3)]
         bg = Image.new("RGBA", img.size, tuple(round(255 * v) for v in rgb) + (255,))

@@ -212,6 +212,15 @@ def test_checkpoints_every_k_iterations_and_at_the_end(tiny):
     assert [c["iteration"] for c in rare] == [3]
 
 
+def test_a_checkpoint_state_is_a_snapshot(tiny):
+    """A caller may keep the states ``on_checkpoint`` hands over: later iterations do not change them."""
+    bundle, x, proto = tiny
+    kept = []
+    adapt(bundle, proto, x, AdaptConfig(**CFG), on_checkpoint=kept.append, device="cpu")
+    steps = [int(next(iter(c["optimizer"]["state"].values()))["step"]) for c in kept]
+    assert steps == [2, 4, 5]
+
+
 def test_the_default_device_is_auto():
     bundle = tiny_bundle()  # its own bundle: "auto" may move it to a GPU
     res = adapt(bundle, prototype(bundle, images()), images(), AdaptConfig(iterations=1, batch_size=2))

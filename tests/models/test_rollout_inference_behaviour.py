@@ -5,6 +5,7 @@ value the serving path relies on (rewards, box layout, prototypes, preprocessing
 """
 
 import dataclasses
+import io
 
 import numpy as np
 import pytest
@@ -857,3 +858,19 @@ def test_every_tensor_stays_on_the_features_device():
             assert loc.run(x, protos[0], loc.agent(), nearest=nearest).boxes.device == meta
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
+
+
+@pytest.mark.parametrize("mode,key,pixel", [("RGB", (0, 0, 0), [10, 20, 30]), ("L", 0, 77)])
+def test_pil_to_tensor_honours_a_colour_key(mode, key, pixel):
+    """A PNG whose transparency is a colour key (tRNS on an RGB or grayscale image, no alpha band): the
+    keyed pixels are put on the fill, as an alpha PNG's transparent ones are."""
+    arr = np.zeros((2, 2, 3) if mode == "RGB" else (2, 2), dtype=np.uint8)
+    arr[0, 0] = pixel
+    buf = io.BytesIO()
+    Image.fromarray(arr, mode).save(buf, "PNG", transparency=key)
+    img = Image.open(io.BytesIO(buf.getvalue()))
+    assert "transparency" in img.info and img.mode == mode
+    t = pil_to_tensor(img, 3, (1.0, 0.5, 0.0))
+    assert torch.allclose(t[:, 1, 1], torch.tensor([1.0, 128 / 255, 0.0]))  # keyed: the fill
+    kept = torch.tensor(pixel if mode == "RGB" else [pixel] * 3, dtype=torch.float32) / 255
+    assert torch.allclose(t[:, 0, 0], kept)  # not keyed: its own colour
