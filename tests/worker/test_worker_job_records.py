@@ -3,7 +3,9 @@
 import uuid
 
 import pytest
-from sqlalchemy import select
+import torch
+from celery.exceptions import SoftTimeLimitExceeded
+from sqlalchemy import select, update
 from test_worker_jobs import new_job
 
 from app.inference import read_checkpoint
@@ -115,5 +117,105 @@ def test_progress_rows_between_checkpoints_and_at_the_end(client, settings, monk
         other = uuid.UUID(new_job(client)["id"])  # queued beside it: its row must not move
         assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
         assert synced == [5] and saved == [2, 4, 5]
+    finally:
+        ctx.engine.dispose()
+
+
+def test_a_job_adapts_what_it_was_asked_with_from_its_base_checkpoint(client, settings, monkeypatch):
+    """``adapt`` gets the job's parameters and the set's adapted policy it starts from; a redelivered job
+    whose last checkpoint is already final does not adapt again and reports that checkpoint's reward."""
+    calls = []
+    real_adapt = jobs.adapt
+
+    def spy(bundle, prototype, images01, cfg, **kwargs):
+        calls.append((cfg, kwargs["agent_state"], len(images01)))
+        return real_adapt(bundle, prototype, images01, cfg, **kwargs)
+
+    monkeypatch.setattr(jobs, "adapt", spy)
+    ctx = _ctx(settings.model_copy(update={"adapt_batch_size": 3}))
+    try:
+        first = new_job(client)
+        assert run_adaptation_job(ctx, uuid.UUID(first["id"]), worker="w-first") == "succeeded"
+        cfg, start, n = calls[-1]
+        assert (cfg.iterations, cfg.seed, cfg.checkpoint_every, cfg.batch_size, n) == (5, 3, 2, 3, 4)
+        assert cfg.lr == pytest.approx(settings.default_learning_rate) and start is None  # the bundle's policy
+        assert _job_row(ctx, uuid.UUID(first["id"])).worker == "w-first"
+
+        second = new_job(client, first["exemplar_set_id"], iterations="2", learning_rate="0.02")
+        second_id = uuid.UUID(second["id"])
+        assert run_adaptation_job(ctx, second_id, worker="w") == "succeeded"
+        cfg, start, n = calls[-1]
+        assert (cfg.iterations, cfg.lr, cfg.batch_size) == (2, pytest.approx(0.02), 3)
+        with ctx.session_factory() as s:
+            base = s.get_one(Checkpoint, uuid.UUID(second["params"]["base_checkpoint_id"]))
+        want, _ = read_checkpoint(ctx.store, blob=base.blob, sha256=base.sha256,
+                                  bundle=ctx.bundles.get(settings.default_bundle).bundle)
+        assert start is not None and set(start) == set(want)
+        assert all(torch.equal(start[k], want[k]) for k in want)  # the first job's final policy
+
+        # redelivered after its last checkpoint but before its outcome was written
+        last = _job_row(ctx, second_id)
+        with ctx.session_factory.begin() as s:
+            s.execute(update(AdaptationJob).where(AdaptationJob.id == second_id)
+                      .values(status="queued", mean_reward=None, finished_at=None))
+        before = len(calls)
+        assert run_adaptation_job(ctx, second_id, worker="w") == "succeeded"
+        assert len(calls) == before  # nothing left to adapt
+        row = _job_row(ctx, second_id)
+        assert row.checkpoint_id == last.checkpoint_id and row.progress_iteration == 2
+        with ctx.session_factory() as s:
+            final = s.get_one(Checkpoint, last.checkpoint_id)
+        assert row.mean_reward == pytest.approx(final.metrics["mean_reward"])
+    finally:
+        ctx.engine.dispose()
+
+
+def test_a_canceled_run_and_a_timed_out_one_say_why(client, settings, monkeypatch):
+    ctx = _ctx(settings)
+    try:
+        monkeypatch.setattr(AdaptationRun, "should_stop", lambda self: True)
+        job = new_job(client)
+        assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "canceled"
+        assert client.get(f"/v1/adaptations/{job['id']}").json()["error"] == "canceled on request"
+        monkeypatch.undo()
+
+        def late(*args, **kwargs):
+            raise SoftTimeLimitExceeded()
+
+        monkeypatch.setattr(jobs, "adapt", late)
+        job = new_job(client)
+        assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "failed"
+        assert client.get(f"/v1/adaptations/{job['id']}").json()["error"] == (
+            f"time limit exceeded ({settings.job_soft_time_limit:g} s); checkpoints written so far are kept")
+    finally:
+        ctx.engine.dispose()
+
+
+def test_a_run_writes_nothing_once_its_job_was_failed_under_it(client, settings, monkeypatch):
+    """The reaper may fail a job whose heartbeat looked stale while its run still works (same attempt): the
+    run must then not record an outcome, and its progress must not land on another running job."""
+    real_adapt = jobs.adapt
+    ctx = _ctx(settings)
+
+    def failed_meanwhile(*args, **kwargs):
+        result = real_adapt(*args, **kwargs)
+        with ctx.session_factory.begin() as s:
+            s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(status="failed"))
+        return result
+
+    monkeypatch.setattr(jobs, "adapt", failed_meanwhile)
+    try:
+        other = uuid.UUID(new_job(client)["id"])
+        assert jobs.claim_job(ctx, other, worker="other") == 1  # running, attempt 1, like the run below
+        with ctx.session_factory.begin() as s:
+            s.execute(update(AdaptationJob).where(AdaptationJob.id == other).values(progress_iteration=3,
+                                                                                     mean_reward=1.5))
+        other_before = _job_row(ctx, other)
+        job_id = uuid.UUID(new_job(client)["id"])
+        assert run_adaptation_job(ctx, job_id, worker="test") == "lost"
+        assert _job_row(ctx, job_id).status == "failed"
+        other_row = _job_row(ctx, other)
+        assert (other_row.status, other_row.progress_iteration, other_row.mean_reward) == ("running", 3, 1.5)
+        assert other_row.heartbeat_at == other_before.heartbeat_at
     finally:
         ctx.engine.dispose()
