@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,3 +312,28 @@ def wait_for_job(client: httpx.Client, job_id: str, states: tuple[str, ...] = ("
             return job
         time.sleep(0.25)
     raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {job}\n{stack.logs() if stack else ''}")
+
+
+def at_once(settings: Settings, n: int, fn: Callable[[Any, int], Any]) -> list[Any]:
+    """``fn(ctx, i)`` for ``n`` worker contexts (one engine each: ``n`` workers), started together behind a
+    barrier in ``n`` threads -> their results, in order of ``i``. The engines are disposed after."""
+    from worker.context import WorkerContext
+
+    ctxs = [WorkerContext.create(settings) for _ in range(n)]
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = fn(ctxs[i], i)
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    finally:
+        for c in ctxs:
+            c.engine.dispose()
+    return results

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from service_fixtures import files, png_bytes
+from service_fixtures import at_once, files, png_bytes
 from sqlalchemy import event, inspect, select, update
 
 from app.main import create_app
@@ -169,16 +169,20 @@ def test_the_heartbeat_alone_notices_a_stolen_lease_and_stops_the_run(client, ma
     assert_lost_with_nothing_written(ctx, job_id, set_id, theft, outcome)
 
 
+def steal_then_sync_at_the_next_check(theft):
+    """A hook for ``AdaptSpy``: steal the lease, then let the run sync at its next cancel check."""
+    def hook(run):
+        theft()
+        run.progress_every_s = 0.0
+    return hook
+
+
 def test_the_progress_sync_alone_notices_a_stolen_lease_and_stops_the_run(client, quiet_ctx, make_ctx, monkeypatch):
     ctx = make_ctx(heartbeat_interval=60.0, heartbeat_timeout=120.0, checkpoint_every=1000)
     job_id, set_id = new_job(client)
     spy, theft = AdaptSpy(monkeypatch), Theft(ctx, job_id)
 
-    def steal_then_sync_at_the_next_check(run):
-        theft()
-        run.progress_every_s = 0.0
-
-    spy.hooks[2] = steal_then_sync_at_the_next_check
+    spy.hooks[2] = steal_then_sync_at_the_next_check(theft)
     outcome = run_adaptation_job(ctx, job_id, worker="w")
     assert spy.iterations == [1, 2]
     assert_lost_with_nothing_written(ctx, job_id, set_id, theft, outcome)
@@ -199,11 +203,7 @@ def test_a_run_that_knows_it_lost_its_lease_issues_no_more_writes(client, quiet_
                 ("UPDATE", "INSERT", "DELETE")):
             writes.append(statement)
 
-    def steal_then_sync_at_the_next_check(run):
-        theft()
-        run.progress_every_s = 0.0
-
-    spy.hooks[2] = steal_then_sync_at_the_next_check
+    spy.hooks[2] = steal_then_sync_at_the_next_check(theft)
     outcome = run_adaptation_job(ctx, job_id, worker="w")
     assert spy.iterations == [1, 2]
     assert len(writes) == 1, writes  # the sync's own conditional update, which found the lease gone
@@ -377,23 +377,7 @@ def test_claim_job(db_client, db_ctx):
 
     # many workers at once: one claim wins
     contested, _ = new_job(db_client, str(set_id))
-    ctxs = [WorkerContext.create(db_ctx.settings) for _ in range(6)]
-    barrier = threading.Barrier(len(ctxs))
-    results: list[int | None] = []
-
-    def claim(c, i):
-        barrier.wait()
-        results.append(claim_job(c, contested, worker=f"w{i}"))
-
-    try:
-        threads = [threading.Thread(target=claim, args=(c, i)) for i, c in enumerate(ctxs)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-    finally:
-        for c in ctxs:
-            c.engine.dispose()
+    results = at_once(db_ctx.settings, 6, lambda c, i: claim_job(c, contested, worker=f"w{i}"))
     assert sorted(results, key=lambda r: r or 0) == [None] * 5 + [1]
     assert snapshot(db_ctx, contested)["attempts"] == 1
 
@@ -413,26 +397,9 @@ def test_reap_abandoned_jobs(db_client, db_ctx):
     set_row(db_ctx, queued, heartbeat_at=now - timedelta(hours=1))
 
     # concurrent reapers (one per worker): each job requeued once, by one of them
-    ctxs = [WorkerContext.create(db_ctx.settings) for _ in range(4)]
-    barrier = threading.Barrier(len(ctxs))
-    requeued: list[uuid.UUID] = []
-    failed: list[uuid.UUID] = []
-
-    def reap(c):
-        barrier.wait()
-        r, f = reap_abandoned_jobs(c, now=now)
-        requeued.extend(r)
-        failed.extend(f)
-
-    try:
-        threads = [threading.Thread(target=reap, args=(c,)) for c in ctxs]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-    finally:
-        for c in ctxs:
-            c.engine.dispose()
+    rounds = at_once(db_ctx.settings, 4, lambda c, i: reap_abandoned_jobs(c, now=now))
+    requeued = [j for r, _ in rounds for j in r]
+    failed = [j for _, f in rounds for j in f]
     assert sorted(requeued) == sorted(stale) and failed == []
     for job_id in stale:
         assert snapshot(db_ctx, job_id)["status"] == "queued"

@@ -19,6 +19,7 @@ from kombu import Connection
 from service_fixtures import (
     REDIS_URL,
     Stack,
+    at_once,
     files,
     make_test_settings,
     migrate,
@@ -212,22 +213,7 @@ def test_concurrent_reapers_send_each_job_once(api, ctx, db_settings, monkeypatc
     assert jobs.claim_job(ctx, due[-1], worker="dead") == 1
     t = later(db_settings.requeue_after + db_settings.heartbeat_timeout + 1)
     send = Recorder()
-    ctxs = [WorkerContext.create(db_settings) for _ in range(4)]
-    barrier = threading.Barrier(len(ctxs))
-
-    def round_(c):
-        barrier.wait()
-        Reaper(c, send).run_once(now=t)
-
-    try:
-        threads = [threading.Thread(target=round_, args=(c,)) for c in ctxs]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-    finally:
-        for c in ctxs:
-            c.engine.dispose()
+    at_once(db_settings, 4, lambda c, i: Reaper(c, send).run_once(now=t))
     assert sorted(send.sent) == sorted(due)  # each exactly once, whichever reaper sent it
 
 
