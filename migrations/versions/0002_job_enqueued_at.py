@@ -2,7 +2,7 @@
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2026-12-02
+Create Date: 2026-11-26
 
 NULL means no send of the job's task message is known to have happened; the reaper sends such a
 ``queued`` job once it is older than ``enqueue_grace``, and sends a ``queued`` job again once its last
