@@ -15,7 +15,7 @@ if [[ ${1:-} == --pack ]]; then
   .venv/bin/python - <<'PY'
 import json, shutil
 from pathlib import Path
-src, dst = Path("var/photos"), Path("var/gpu/photos")
+src, dst = Path("data/photos"), Path("var/gpu/photos")
 m = json.loads((src / "manifest.json").read_text())
 items = [it for v in m["objects"].values() for it in v] + m["backgrounds"]
 for it in items:

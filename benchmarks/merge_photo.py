@@ -3,7 +3,7 @@
     python benchmarks/merge_photo.py OUT.json runs/photo-s0/metrics.json runs/photo-s1/metrics.json ...
 
 Rows are keyed by (seed, class), so a row seen twice counts once; the summary is recomputed over all
-seeds with ``models.photo_experiments.summarize``. Per-seed training info is kept; speed numbers are
+seeds with ``models.experiments.photos.summarize``. Per-seed training info is kept; speed numbers are
 kept per input (each process measured its own).
 """
 
@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from models.photo_experiments import summarize
+from models.experiments.photos import summarize
 
 
 def main(out: str, inputs: list[str]) -> dict:

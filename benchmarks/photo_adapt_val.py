@@ -20,9 +20,10 @@ import torch
 
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle
-from models.metrics import corloc
-from models.photo_experiments import PHOTO_CLASSES, PhotoTransferSetup, localize, photo_set, prototype_of
-from models.photos import DEFAULT_CACHE, generate, load_manifest
+from models.core.metrics import corloc
+from models.data import photo_cache_dir
+from models.data.photos import generate, load_manifest
+from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, localize, photo_set, prototype_of
 
 
 def variant(base: AdaptConfig, overrides: list[str]) -> AdaptConfig:
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("--n-val", type=int, default=48)
     p.add_argument("--train-class", default="mammals")
     p.add_argument("--classes", nargs="+", default=list(PHOTO_CLASSES))
-    p.add_argument("--cache", default=str(DEFAULT_CACHE))
+    p.add_argument("--cache", default=str(photo_cache_dir()))
     a = p.parse_args()
     torch.set_num_threads(1)
     manifest, b, s = load_manifest(a.cache), load_bundle(a.bundle, "cpu"), a.seed

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/photo_speed.py [--bundle bundles/photo-mammals.pt] [--repeats 10]
 
 Images: 16 generated mammals test photos (224 px); prototype: 5 exemplar crops from the train split.
-One JSON object: ``models.photo_experiments.measure_speed`` for each answer rule, measured in turn.
+One JSON object: ``models.experiments.photos.measure_speed`` for each answer rule, measured in turn.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import json
 import torch
 
 from models.bundle import load_bundle
-from models.photo_experiments import measure_speed, photo_set, prototype_of
-from models.photos import DEFAULT_CACHE, generate, load_manifest
+from models.data import photo_cache_dir
+from models.data.photos import generate, load_manifest
+from models.experiments.photos import measure_speed, photo_set, prototype_of
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     p.add_argument("--bundle", default="bundles/photo-mammals.pt")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cache", default=str(DEFAULT_CACHE))
+    p.add_argument("--cache", default=str(photo_cache_dir()))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     manifest, b = load_manifest(a.cache), load_bundle(a.bundle, "cpu")

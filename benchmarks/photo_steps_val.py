@@ -16,15 +16,15 @@ import torch
 
 from models.adapt import adapt
 from models.bundle import load_bundle
-from models.metrics import corloc
-from models.photo_experiments import PHOTO_CLASSES, PhotoTransferSetup, localize, photo_set, prototype_of
-from models.photos import generate, load_manifest
+from models.core.metrics import corloc
+from models.data.photos import generate, load_manifest
+from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, localize, photo_set, prototype_of
 
 
 def main(seed: int) -> None:
     torch.set_num_threads(1)
     b = load_bundle(f"runs/photo3-s{seed}/seed{seed}/bundle.pt", "cpu")
-    manifest = load_manifest("var/photos")
+    manifest = load_manifest()
     for c in PHOTO_CLASSES[1:]:
         ex = photo_set(b, manifest, c, "train", 5, seed + 1000, crops=True)
         unl = generate(manifest, c, "train", 64, seed=seed + 2000, size=224)

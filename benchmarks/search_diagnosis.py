@@ -17,13 +17,15 @@ import time
 import torch
 
 from models.adapt import AdaptConfig, adapt
-from models.baselines import ranking
-from models.boxes import paired_iou
 from models.bundle import Bundle, load_bundle
-from models.experiments import TrainSetup, cmnist, train_bundle
+from models.core.boxes import paired_iou
+from models.core.metrics import corloc
+from models.data.types import exemplar_crops
+from models.evaluate import evaluate_corloc
+from models.experiments.baselines import ranking
+from models.experiments.cmnist import TrainSetup, cmnist, train_bundle
 from models.inference import Localizer
-from models.metrics import corloc
-from models.train_agent import evaluate_corloc, exemplar_crops, features_of
+from models.policy import features_of
 
 
 @torch.no_grad()

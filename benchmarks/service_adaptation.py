@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _client import client, multipart, to_png  # noqa: E402
 
-from models.experiments import cmnist  # noqa: E402
-from models.train_agent import exemplar_crops  # noqa: E402
+from models.data.types import exemplar_crops  # noqa: E402
+from models.experiments.cmnist import cmnist  # noqa: E402
 
 
 def via_service(a: argparse.Namespace) -> dict:

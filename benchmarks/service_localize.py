@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _client import client, multipart, percentiles, to_png  # noqa: E402
 
-from models.experiments import cmnist  # noqa: E402
-from models.metrics import corloc  # noqa: E402
-from models.train_agent import exemplar_crops  # noqa: E402
+from models.core.metrics import corloc  # noqa: E402
+from models.data.types import exemplar_crops  # noqa: E402
+from models.experiments.cmnist import cmnist  # noqa: E402
 
 
 def latency(c, url: str, images: list[bytes], batch: int, requests: int, warmup: int = 2) -> dict:

@@ -20,9 +20,10 @@ import torch
 
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle
-from models.experiments import cmnist
+from models.data.types import exemplar_crops
+from models.evaluate import evaluate_corloc
+from models.experiments.cmnist import cmnist
 from models.inference import Localizer, normalize, resolve_device
-from models.train_agent import evaluate_corloc, exemplar_crops
 
 
 def median_rate(fn, n_images: int, repeats: int) -> float:

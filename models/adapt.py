@@ -17,7 +17,7 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.inference import resolve_device
-from models.train_agent import PolicyConfig, features_of, policy_step
+from models.policy import PolicyConfig, features_of, policy_step
 
 
 @dataclass

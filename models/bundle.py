@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.agent import Agent
 from models.config import ModelConfig
-from models.embedding import RoIEmbedder
+from models.nets.agent import Agent
+from models.nets.embedding import RoIEmbedder
 
 FORMAT_VERSION = 1
 

@@ -25,7 +25,7 @@ class InputSpec:
 
 @dataclass
 class EncoderConfig:
-    """A backbone from ``models.encoder.BACKBONES``; ``options`` are passed to its builder."""
+    """A backbone from ``models.backbones.BACKBONES``; ``options`` are passed to its builder."""
 
     kind: str = "mnist_conv"
     in_channels: int = 1
@@ -108,14 +108,6 @@ class ModelConfig:
             vals = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
             parts[name] = kind(**vals)
         return cls(**parts)
-
-
-def mnist_config(**agent_overrides: Any) -> ModelConfig:
-    """The cMNIST networks of PAPER.md."""
-    cfg = ModelConfig()
-    for k, v in agent_overrides.items():
-        setattr(cfg.agent, k, v)
-    return cfg
 
 
 def _plain(x: Any) -> Any:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from models.agent import Agent
 from models.bundle import Bundle
 from models.config import InputSpec
+from models.nets.agent import Agent
 from models.rollout import Rollout, rollout, search
 
 

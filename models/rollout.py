@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 from torch.distributions import Categorical
 
-from models.actions import apply_actions
-from models.agent import Agent
-from models.boxes import full_image_boxes, paired_iou
 from models.config import EnvConfig
-from models.embedding import RoIEmbedder
+from models.core.actions import apply_actions
+from models.core.boxes import full_image_boxes, paired_iou
+from models.nets.agent import Agent
+from models.nets.embedding import RoIEmbedder
 
 REWARDS = ("embedding", "iou", "iou_sign")
 

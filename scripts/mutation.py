@@ -35,17 +35,17 @@ WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_le
 EXTRA_ARGS = {"jobs": ["-m", "not slow"]}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "boxes": ("models/boxes.py", CORE_TESTS),
-    "actions": ("models/actions.py", CORE_TESTS),
-    "ordinal": ("models/ordinal.py", CORE_TESTS),
-    "reinforce": ("models/reinforce.py", CORE_TESTS),
+    "boxes": ("models/core/boxes.py", CORE_TESTS),
+    "actions": ("models/core/actions.py", CORE_TESTS),
+    "ordinal": ("models/core/ordinal.py", CORE_TESTS),
+    "reinforce": ("models/core/reinforce.py", CORE_TESTS),
     "rollout": ("models/rollout.py", MODEL_TESTS),
     "inference": ("models/inference.py", MODEL_TESTS),
     "adapt": ("models/adapt.py", MODEL_TESTS),
     "jobs": ("worker/jobs.py", WORKER_TESTS),
 }
 
-COPY_EXCLUDES = {".git", ".venv", "var", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
 
 
 def toml_list(items: list[str]) -> str:

@@ -74,7 +74,7 @@ def files(*blobs: bytes, content_type: str = "image/png", field: str = "files") 
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random-weight bundles in the real format, so tests do not depend on the trained one."""
     from models.bundle import new_bundle, save_bundle
-    from models.config import mnist_config
+    from models.presets import mnist_config
 
     d = tmp_path_factory.mktemp("bundles")
     for seed, name in enumerate(TEST_BUNDLES):

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from service_fixtures import make_test_settings, migrate
 
-from models.boxes import paired_iou
+from models.core.boxes import paired_iou
 
 SHIPPED = Path(__file__).resolve().parents[2] / "bundles"
 
@@ -114,8 +114,8 @@ def test_api_boxes_match_the_cli(shipped_client, tmp_path, capsys):
     import torch
 
     from models.cli import main
-    from models.experiments import cmnist
-    from models.train_agent import exemplar_crops
+    from models.data.types import exemplar_crops
+    from models.experiments.cmnist import cmnist
 
     def png(t):
         return _png((t[0].numpy() * 255).round().astype(np.uint8))
@@ -155,8 +155,8 @@ def test_api_boxes_match_the_cli(shipped_client, tmp_path, capsys):
 
 
 def test_default_bundle_localizes_cmnist(shipped_client):
-    from models.experiments import cmnist
-    from models.train_agent import exemplar_crops
+    from models.data.types import exemplar_crops
+    from models.experiments.cmnist import cmnist
 
     ex = cmnist(4, "train", 5, seed=1000)
     test = cmnist(4, "test", 40, seed=0)

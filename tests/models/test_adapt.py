@@ -4,9 +4,9 @@ import torch
 
 from models.adapt import AdaptConfig, adapt
 from models.bundle import new_bundle
-from models.cmnist import CMnistSpec, generate
-from models.config import mnist_config
+from models.data.cmnist import CMnistSpec, generate
 from models.inference import normalize
+from models.presets import mnist_config
 from models.rollout import rollout
 
 

@@ -13,8 +13,8 @@ import torch
 from models.adapt import AdaptConfig, AdaptResult, adapt
 from models.bundle import new_bundle
 from models.config import AgentConfig, EnvConfig, HeadConfig, InputSpec, ModelConfig
+from models.core.reinforce import reinforce_loss
 from models.inference import Localizer, normalize, resolve_device
-from models.reinforce import reinforce_loss
 from models.rollout import rollout
 
 S = 32

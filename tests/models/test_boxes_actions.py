@@ -3,8 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.actions import MNIST_ACTIONS, PHOTO_ACTIONS, apply_actions
-from models.boxes import check_boxes, clip_boxes, paired_iou, pairwise_iou, square_candidates
+from models.core.actions import MNIST_ACTIONS, PHOTO_ACTIONS, apply_actions
+from models.core.boxes import check_boxes, clip_boxes, paired_iou, pairwise_iou, square_candidates
 
 
 def slow_iou(a, b):

@@ -10,9 +10,9 @@ import torch
 
 from models.bundle import load_bundle, load_policy
 from models.cli import main
-from models.experiments import cmnist
+from models.data.types import exemplar_crops
+from models.experiments.cmnist import cmnist
 from models.inference import Localizer
-from models.train_agent import exemplar_crops
 
 SHIPPED = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
 

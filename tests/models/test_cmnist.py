@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.cmnist import BACKGROUNDS, CMnistSpec, _source_indices, generate, generate_pair, load_mnist
+from models.data.cmnist import BACKGROUNDS, CMnistSpec, _source_indices, generate, generate_pair, load_mnist
 
 
 def test_mnist_files_load():
@@ -53,7 +53,7 @@ def test_offsets_give_disjoint_digits():
 def test_selective_two_digits():
     first, second = generate_pair((3, 4), n=6, seed=0)
     assert torch.equal(first.images, second.images)
-    from models.boxes import paired_iou
+    from models.core.boxes import paired_iou
 
     assert bool((paired_iou(first.boxes, second.boxes) == 0).all())
     assert first.labels.tolist() == [3] * 6 and second.labels.tolist() == [4] * 6

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from models.actions import ACTION_NAMES, MNIST_ACTIONS, PHOTO_ACTIONS, apply_actions
-from models.boxes import (
+from models.core.actions import ACTION_NAMES, MNIST_ACTIONS, PHOTO_ACTIONS, apply_actions
+from models.core.boxes import (
     box_area,
     check_boxes,
     clip_boxes,
@@ -22,7 +22,7 @@ from models.boxes import (
     pairwise_iou,
     square_candidates,
 )
-from models.ordinal import (
+from models.core.ordinal import (
     ANCHORS,
     BoxPairs,
     anchors_for,
@@ -31,7 +31,7 @@ from models.ordinal import (
     sample_pairs,
     triplet_loss,
 )
-from models.reinforce import PolicyLoss, discounted_returns, reinforce_loss
+from models.core.reinforce import PolicyLoss, discounted_returns, reinforce_loss
 
 W, H = 100, 80  # a non-square image
 

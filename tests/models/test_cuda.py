@@ -13,9 +13,10 @@ import torch
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle
 from models.cli import main as cli_main
-from models.experiments import TrainSetup, cmnist, train_bundle
+from models.data.types import exemplar_crops
+from models.evaluate import evaluate_corloc
+from models.experiments.cmnist import TrainSetup, cmnist, train_bundle
 from models.inference import Localizer, resolve_device
-from models.train_agent import evaluate_corloc, exemplar_crops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -4,11 +4,13 @@ import pytest
 import torch
 
 from models.bundle import new_bundle
-from models.config import mnist_config
-from models.experiments import cmnist
+from models.data.types import exemplar_crops
+from models.evaluate import evaluate_corloc, evaluate_ordacc
+from models.experiments.cmnist import cmnist
 from models.inference import Localizer
-from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
-from models.train_embedding import EmbeddingTrainConfig, evaluate_ordacc, train_embedding
+from models.presets import mnist_config
+from models.train.agent import AgentTrainConfig, train_agent
+from models.train.embedding import EmbeddingTrainConfig, train_embedding
 
 pytestmark = pytest.mark.slow
 

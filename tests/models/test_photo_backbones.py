@@ -11,18 +11,18 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from models.bundle import load_bundle, new_bundle, save_bundle
-from models.config import EncoderConfig, ModelConfig
-from models.embedding import RoIEmbedder
-from models.encoder import build_backbone
-from models.photo_backbones import (
+from models.backbones import build_backbone
+from models.backbones.imagenet import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     MOBILENET_PACKAGE,
     mobilenet_v2_imagenet,
     mobilenet_weights_path,
-    photo_config,
 )
+from models.bundle import load_bundle, new_bundle, save_bundle
+from models.config import EncoderConfig, ModelConfig
+from models.nets.embedding import RoIEmbedder
+from models.presets import photo_config
 
 IMAGENET_CATS = range(281, 286)  # tabby, tiger cat, Persian, Siamese, Egyptian cat
 

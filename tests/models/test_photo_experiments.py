@@ -1,7 +1,7 @@
 """The photo protocol: a smoke run of stages 1-3 and both CLI commands on a tiny fixture manifest.
 
 The fixture is made here (RGBA discs and squares on noise backgrounds), so the tests need neither
-``var/photos`` nor the ImageNet weights (the backbone is built with ``pretrained=False``).
+``data/photos`` nor the ImageNet weights (the backbone is built with ``pretrained=False``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from models import photo_experiments as pe
-from models.baselines import finetune
 from models.bundle import load_bundle, new_bundle
 from models.cli import main
+from models.core.metrics import corloc, spearman
+from models.data.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
+from models.data.types import exemplar_crops
+from models.experiments import photos as pe
+from models.experiments.baselines import finetune
 from models.inference import Localizer
-from models.metrics import corloc, spearman
-from models.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
-from models.train_agent import exemplar_crops
 
 SHIPPED_PHOTO_BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "photo-mammals.pt"
 
@@ -39,7 +39,7 @@ def _cutout(rng, side: int, color, disc: bool) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> dict:
-    """A manifest in the format of ``models.photos`` with 3 classes and noise backgrounds, every split filled."""
+    """A manifest in the format of ``models.data.photos`` with 3 classes and noise backgrounds, every split filled."""
     root = tmp_path_factory.mktemp("photos")
     rng = np.random.default_rng(0)
     objects: dict[str, list] = {}
@@ -86,7 +86,7 @@ def tiny_networks(monkeypatch):
 
 
 def corloc_by_definition(pred: torch.Tensor, gt: torch.Tensor) -> float:
-    """% of images whose box has IoU >= 0.5 with the ground truth, written out here (not ``models.metrics``)."""
+    """% of images whose box has IoU >= 0.5 with the ground truth, written out here (not ``models.core.metrics``)."""
     lt, rb = torch.maximum(pred[:, :2], gt[:, :2]), torch.minimum(pred[:, 2:], gt[:, 2:])
     inter = (rb - lt).clamp(min=0).prod(1)
     area_p, area_g = (pred[:, 2:] - pred[:, :2]).prod(1), (gt[:, 2:] - gt[:, :2]).prod(1)
@@ -255,7 +255,7 @@ def test_pipeline_on_cuda(manifest):
 
 def test_ranking_metrics_agree_with_a_reference_loop(manifest):
     """Vectorized OrdAcc / Spearman == per-image reference on the same sampled pairs."""
-    from models.ordinal import sample_pairs
+    from models.core.ordinal import sample_pairs
 
     bundle = new_bundle("x", pe.photo_model_config(pe.PhotoTrainSetup(size=SIZE)), seed=1)
     data = pe.photo_set(bundle, manifest, "fish", "test", 4, seed=3, crops=True)

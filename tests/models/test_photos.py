@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from models import photos
-from models.photos import PasteParams, crops, fetch, fetch_main, generate, load_manifest, mask_box
+from models.data import photo_cache_dir, photos
+from models.data.photos import PasteParams, crops, fetch, fetch_main, generate, load_manifest, mask_box
 
-REAL_CACHE = photos.DEFAULT_CACHE
+REAL_CACHE = photo_cache_dir()
 STAMPS = "usr/share/tuxpaint/stamps"
 SCRATCH_BG = "usr/share/scratch/Media/Backgrounds"
 MATE_BG = "usr/share/backgrounds/mate/nature"

@@ -4,9 +4,9 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from models.metrics import corloc, spearman
-from models.ordinal import group_prototypes, ordinal_accuracy, sample_pairs, triplet_loss
-from models.reinforce import discounted_returns, reinforce_loss
+from models.core.metrics import corloc, spearman
+from models.core.ordinal import group_prototypes, ordinal_accuracy, sample_pairs, triplet_loss
+from models.core.reinforce import discounted_returns, reinforce_loss
 
 
 def test_discounted_returns_known_answer():
@@ -81,7 +81,7 @@ def test_spearman_matches_scipy():
 
 
 def test_pair_sampling_orders_by_iou_and_spans_bins():
-    from models.boxes import paired_iou, square_candidates
+    from models.core.boxes import paired_iou, square_candidates
 
     cands = square_candidates(84, 28, 76, 4, 4)
     gt = torch.tensor([[10.0, 20, 38, 48], [50, 50, 78, 78]])

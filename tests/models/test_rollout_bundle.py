@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
-from models.cmnist import CMnistSpec, generate
-from models.config import mnist_config
+from models.data.cmnist import CMnistSpec, generate
 from models.inference import Localizer, normalize
+from models.presets import mnist_config
 from models.rollout import BoxEnv, rollout
 
 
@@ -38,7 +38,7 @@ def test_env_iou_rewards():
     env = BoxEnv(bundle.embedder, feats, proto, bundle.config.env, (84, 84), reward="iou", gt_boxes=data.boxes)
     _, _, dist = env.observe()
     a = torch.full((len(feats),), 4)  # shrink to the centre
-    from models.boxes import paired_iou
+    from models.core.boxes import paired_iou
 
     before = paired_iou(env.boxes, data.boxes)
     *_, r = env.step(a, dist)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from models.actions import apply_actions
-from models.boxes import paired_iou
 from models.bundle import new_bundle
 from models.config import AgentConfig, EnvConfig, HeadConfig, InputSpec, ModelConfig
+from models.core.actions import apply_actions
+from models.core.boxes import paired_iou
 from models.inference import (
     Localization,
     Localizer,

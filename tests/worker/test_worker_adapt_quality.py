@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from service_fixtures import make_test_settings, migrate
 
-from models.boxes import paired_iou
+from models.core.boxes import paired_iou
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
@@ -40,8 +40,8 @@ def test_adaptation_job_lifts_corloc_on_a_new_background(tmp_path):
     from fastapi.testclient import TestClient
 
     from app.main import create_app
-    from models.experiments import cmnist
-    from models.train_agent import exemplar_crops
+    from models.data.types import exemplar_crops
+    from models.experiments.cmnist import cmnist
 
     s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=256,
                            adapt_batch_size=32, checkpoint_every=25, default_iterations=100, max_iterations=100)

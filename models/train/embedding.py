@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
-from models.boxes import square_candidates
 from models.bundle import Bundle
-from models.encoder import MnistDecoder
+from models.core.ordinal import anchors_for, sample_pairs, triplet_loss
+from models.data.types import LabeledImages
+from models.evaluate import candidate_boxes, evaluate_ordacc
 from models.inference import normalize
-from models.ordinal import anchors_for, ordinal_accuracy, sample_pairs, triplet_loss
+from models.nets.decoder import MnistDecoder
 
 
 @dataclass
@@ -38,57 +38,6 @@ class EmbeddingTrainConfig:
     """0 turns the autoencoder off (frozen photo backbones train the head with the triplet loss only)."""
     eval_every: int = 10
     seed: int = 0
-
-
-@dataclass
-class LabeledImages:
-    """``images`` ``[N, C, S, S]`` in [0, 1] at the bundle's input size; ``boxes`` ``[N, 4]``."""
-
-    images: Tensor
-    boxes: Tensor
-
-
-def candidate_boxes(bundle: Bundle) -> Tensor:
-    """Dense square candidates for pair sampling: sides from the minimum box side to ~0.9 x image."""
-    size = bundle.config.input.size
-    lo = int(bundle.config.env.min_side)
-    step = max(2, size // 21)
-    return square_candidates(size, lo, int(size * 0.9), side_step=step, stride=step)
-
-
-@torch.no_grad()
-def evaluate_ordacc(bundle: Bundle, data: LabeledImages, anchor: str = "proto", group_size: int = 5,
-                    pairs: int = 32, seed: int = 0, batch: int = 100) -> float:
-    """OrdAcc (%) on ``data``: ``inst`` anchors on each image's own ground truth, ``proto`` on the
-    prototype of a *different* group of ``group_size`` images (as at test time)."""
-    return ordacc_all(bundle, data, (anchor,), group_size, pairs, seed, batch)[anchor]
-
-
-@torch.no_grad()
-def ordacc_all(bundle: Bundle, data: LabeledImages, anchors: tuple[str, ...] = ("proto", "inst"),
-               group_size: int = 5, pairs: int = 32, seed: int = 0, batch: int = 100) -> dict[str, float]:
-    """OrdAcc (%) for several anchors from one pass over ``data`` -> ``{anchor: ordacc}``."""
-    emb = bundle.embedder.eval()
-    gen = torch.Generator().manual_seed(seed)
-    dev = next(emb.parameters()).device
-    cands = candidate_boxes(bundle)
-    gts, poss, negs = [], [], []
-    for i in range(0, len(data.images), batch):
-        x = normalize(data.images[i:i + batch].to(dev), bundle.config.input)
-        gt = data.boxes[i:i + batch]
-        p = sample_pairs(gt, cands, pairs, generator=gen)
-        out = emb.embed(emb.features(x), torch.cat([gt[:, None], p.pos, p.neg], 1).to(dev))  # [b, 1+2P, D]
-        gts.append(out[:, 0])
-        poss.append(out[:, 1:1 + pairs])
-        negs.append(out[:, 1 + pairs:])
-    gt_emb, pos, neg = torch.cat(gts), torch.cat(poss), torch.cat(negs)
-    result = {}
-    for anchor in anchors:
-        if anchor not in ("proto", "inst"):
-            raise ValueError(f"OrdAcc anchor must be 'proto' or 'inst', got {anchor!r}")
-        a = gt_emb if anchor == "inst" else anchors_for("shuffle_proto", gt_emb, group_size, gen)
-        result[anchor] = float(ordinal_accuracy(a, pos, neg))
-    return result
 
 
 def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig,

@@ -38,15 +38,13 @@ import hashlib
 import importlib.resources
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torchvision
 from torch import Tensor, nn
 
-from models.actions import PHOTO_ACTIONS
-from models.config import AgentConfig, EncoderConfig, EnvConfig, HeadConfig, InputSpec, ModelConfig, RoIConfig
-from models.encoder import build_backbone, register_backbone
+from models.backbones import register_backbone
+from models.config import EncoderConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -145,7 +143,7 @@ def build_mobilenet_v2(cfg: EncoderConfig) -> nn.Module:
     else:
         net = torchvision.models.mobilenet_v2(weights=None)
     body = net.features[:MOBILENET_STRIDE16_BLOCKS]
-    return _frozen(FrozenBackbone(body, out_channels=96, stride=16), cfg)
+    return FrozenBackbone(body, out_channels=96, stride=16)
 
 
 @register_backbone("torchvision")
@@ -176,7 +174,7 @@ def build_torchvision(cfg: EncoderConfig) -> nn.Module:
     if out.dim() != 4:
         raise ValueError(f"layer {layer!r} of {arch} gives shape {tuple(out.shape)}, not a feature map [B, C, H, W]")
     stride = round(probe / out.shape[-1])
-    return _frozen(FrozenBackbone(_Select(body), out_channels=out.shape[1], stride=stride), cfg)
+    return FrozenBackbone(_Select(body), out_channels=out.shape[1], stride=stride)
 
 
 class _Select(nn.Module):
@@ -190,40 +188,3 @@ class _Select(nn.Module):
         return self.extractor(x)["out"]
 
 
-def _frozen(net: FrozenBackbone, cfg: EncoderConfig) -> FrozenBackbone:
-    if cfg.frozen:
-        for p in net.parameters():
-            p.requires_grad_(False)
-    return net
-
-
-def photo_config(size: int = 224, kind: str = "mobilenet_v2", options: dict[str, Any] | None = None,
-                 exemplar_size: int | None = None, min_side: float | None = None) -> ModelConfig:
-    """The photo networks of PAPER.md: frozen ImageNet backbone (stride 16), RoIAlign 7x7 at 1/16,
-    head ``C*49 -> 1024 -> 1024``, agent over the 14 photo actions, minimum box side 40 px at 224.
-
-    ``size`` is the square network input side (a multiple of 16). ``exemplar_size`` defaults to
-    ``0.43 * size`` (96 at 224), the mean long side of the objects ``models.photos.generate`` pastes.
-    For ``kind != "mobilenet_v2"`` the backbone is built once to read its channels and stride.
-    """
-    if size % 16:
-        raise ValueError(f"photo input size must be a multiple of 16, got {size}")
-    options = dict(options or {})
-    enc = EncoderConfig(kind=kind, in_channels=3, frozen=True, options=options)
-    if kind == "mobilenet_v2":
-        channels, stride = 96, 16
-    else:
-        probe = build_backbone(enc)
-        channels, stride = probe.out_channels, probe.stride
-    scale = size / 224
-    return ModelConfig(
-        input=InputSpec(channels=3, size=size, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                        exemplar_size=exemplar_size or round(96 * scale), fill=IMAGENET_MEAN),
-        encoder=enc,
-        roi=RoIConfig(output_size=7, spatial_scale=1.0 / stride, sampling_ratio=2),
-        head=HeadConfig(in_features=channels * 49, hidden=1024, out_features=1024, dropout=0.5),
-        agent=AgentConfig(in_channels=channels, roi_size=7, n_actions=PHOTO_ACTIONS, embed_dim=1024),
-        # "nearest": chosen on the photo val splits, where the agent walks past objects of new classes
-        env=EnvConfig(steps=10, alpha=0.2, min_side=min_side if min_side is not None else 40.0 * scale,
-                      resize=0.2, answer="nearest"),
-    )

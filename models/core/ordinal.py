@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from models.boxes import paired_iou
+from models.core.boxes import paired_iou
 
 ANCHORS = ("self", "proto", "shuffle_proto")
 

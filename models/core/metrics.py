@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.boxes import paired_iou
+from models.core.boxes import paired_iou
 
 
 def corloc(pred: Tensor, gt: Tensor, threshold: float = 0.5) -> float:

@@ -1,7 +1,7 @@
 """The photo protocol, in the paper's cross-class style: train stages 1-2 on one class of the offline
-photos (``models.photos``), then localize every other class before and after test-time adaptation.
+photos (``models.data.photos``), then localize every other class before and after test-time adaptation.
 
-Data discipline (splits are by *source file*, see ``models.photos``): stage 1-2 training images come
+Data discipline (splits are by *source file*, see ``models.data.photos``): stage 1-2 training images come
 from the training class's ``train`` split, model selection from its ``val`` split (never test). For a
 target class, the 5 exemplar crops and the unlabeled adaptation images are drawn from that class's
 ``train`` split (two different draws), the test images from its ``test`` split, so no object photo and
@@ -33,19 +33,21 @@ import torch
 from torch import Tensor
 
 from models.adapt import AdaptConfig, adapt
-from models.agent import Agent
-from models.baselines import finetune
-from models.boxes import clip_boxes
 from models.bundle import Bundle, new_bundle
 from models.config import ModelConfig
+from models.core.boxes import clip_boxes
+from models.core.metrics import corloc, spearman
+from models.core.ordinal import anchors_for, group_prototypes, sample_pairs, triplet_loss
+from models.core.reinforce import reinforce_loss
+from models.data.photos import generate
+from models.data.types import LabeledImages, exemplar_crops
+from models.experiments.baselines import finetune
 from models.inference import Localizer, exemplar_canvas, normalize
-from models.metrics import corloc, spearman
-from models.ordinal import anchors_for, group_prototypes, sample_pairs, triplet_loss
-from models.photos import generate
-from models.reinforce import reinforce_loss
+from models.nets.agent import Agent
+from models.policy import PolicyConfig, features_of
 from models.rollout import rollout, search
-from models.train_agent import AgentTrainConfig, PolicyConfig, exemplar_crops, features_of
-from models.train_embedding import EmbeddingTrainConfig, LabeledImages
+from models.train.agent import AgentTrainConfig
+from models.train.embedding import EmbeddingTrainConfig
 
 PHOTO_CLASSES = ("mammals", "birds", "fish", "fruit", "vegetables", "flowers")
 """The classes with enough source photos in every split for the benchmark (insects and trees are too few)."""
@@ -347,7 +349,7 @@ class PhotoTrainSetup:
 
 
 def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
-    from models.photo_backbones import photo_config
+    from models.presets import photo_config
 
     cfg = photo_config(size=setup.size)
     cfg.agent.use_prototype = setup.use_prototype
@@ -385,7 +387,7 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     s2, bundle.agent_state = runs[chosen]
     t3 = time.perf_counter()
     bundle.provenance = {
-        "data": f"offline photos (models.photos), class {c}: {setup.n_train} generated training images from the "
+        "data": f"offline photos (models.data.photos), class {c}: {setup.n_train} generated training images from the "
                 f"train split, validation {setup.n_val} + {setup.exemplars} exemplars from the val split",
         "seed": seed, "setup": _plain_setup(setup),
         "embedding": {k: v for k, v in s1.items() if k != "history"},
@@ -527,10 +529,10 @@ def summarize(rows: list[dict], train_class: str) -> dict:
 
 def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     """The options of ``qloc photo-train`` / ``qloc photo-reproduce`` (defaults = the benchmark's)."""
-    from models.photos import DEFAULT_CACHE
+    from models.data import photo_cache_dir
 
     d = PhotoTrainSetup()
-    sp.add_argument("--cache", default=str(DEFAULT_CACHE), help="photo cache holding manifest.json (fetch-photos)")
+    sp.add_argument("--cache", default=str(photo_cache_dir()), help="photo cache holding manifest.json (fetch-photos)")
     sp.add_argument("--feature-cache", help="keep backbone features here between runs (tuning only)")
     sp.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (on a shared 2-core VM one thread ran ~10x faster than two)")
@@ -645,8 +647,8 @@ def _printer(prefix: str) -> Callable[[str, dict], None]:
 def photo_train_command(a: Any) -> dict:
     """``qloc photo-train``: stages 1-2 on one class -> the bundle (float16) and a JSON beside it."""
     from models.bundle import save_bundle
+    from models.data.photos import load_manifest
     from models.inference import resolve_device
-    from models.photos import load_manifest
     from models.plots import training_curves
 
     manifest = load_manifest(a.cache)
@@ -677,8 +679,8 @@ def photo_reproduce_command(a: Any) -> dict:
     """``qloc photo-reproduce``: for each seed train on one class, transfer to every class; metrics.json,
     search-path PNGs and the speed numbers under ``--out``."""
     from models.bundle import load_bundle, save_bundle
+    from models.data.photos import load_manifest
     from models.inference import resolve_device
-    from models.photos import load_manifest
     from models.plots import search_paths, training_curves
 
     manifest = load_manifest(a.cache)

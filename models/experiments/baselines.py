@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.boxes import square_candidates
 from models.bundle import Bundle
-from models.train_agent import PolicyConfig, features_of, policy_step
-from models.train_embedding import LabeledImages
+from models.core.boxes import square_candidates
+from models.data.types import LabeledImages
+from models.policy import PolicyConfig, features_of, policy_step
 
 
 def ranking_candidates(bundle: Bundle, per_side: int = 14) -> Tensor:

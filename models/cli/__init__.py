@@ -18,13 +18,15 @@ from tqdm import tqdm
 
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
-from models.cmnist import BACKGROUNDS
-from models.config import mnist_config
-from models.experiments import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
+from models.data.cmnist import BACKGROUNDS
+from models.data.types import exemplar_crops
+from models.evaluate import evaluate_corloc, ordacc_all
+from models.experiments.cmnist import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
 from models.inference import Localizer, resolve_device
 from models.plots import search_paths, training_curves
-from models.train_agent import AgentTrainConfig, evaluate_corloc, exemplar_crops, train_agent
-from models.train_embedding import EmbeddingTrainConfig, ordacc_all, train_embedding
+from models.presets import mnist_config
+from models.train.agent import AgentTrainConfig, train_agent
+from models.train.embedding import EmbeddingTrainConfig, train_embedding
 
 
 def _seed_all(seed: int) -> None:
@@ -239,7 +241,7 @@ def _retrain_agent(bundle, setup: TrainSetup, seed: int, reward: str):
 
 
 def cmd_fetch_photos(a: argparse.Namespace) -> dict:
-    from models.photos import fetch_main
+    from models.data.photos import fetch_main
 
     code = fetch_main(a.rest)
     if code:
@@ -248,8 +250,8 @@ def cmd_fetch_photos(a: argparse.Namespace) -> dict:
 
 
 def cmd_photo(a: argparse.Namespace) -> dict:
-    """photo-train / photo-reproduce: the photo protocol of ``models.photo_experiments``."""
-    from models import photo_experiments as pe
+    """photo-train / photo-reproduce: the photo protocol of ``models.experiments.photos``."""
+    from models.experiments import photos as pe
 
     torch.set_num_threads(a.threads)
     return pe.photo_train_command(a) if a.command == "photo-train" else pe.photo_reproduce_command(a)
@@ -344,10 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_reproduce)
 
     sp = sub.add_parser("fetch-photos", help="download the offline photo data (Debian packages) into a cache")
-    sp.add_argument("rest", nargs=argparse.REMAINDER, help="options of models.photos (e.g. --cache DIR)")
+    sp.add_argument("rest", nargs=argparse.REMAINDER, help="options of models.data.photos (e.g. --cache DIR)")
     sp.set_defaults(func=cmd_fetch_photos)
 
-    from models.photo_experiments import add_photo_arguments
+    from models.experiments.photos import add_photo_arguments
 
     for name, text in (("photo-train", "stages 1-2 on one class of the offline photos -> a photo bundle"),
                        ("photo-reproduce", "the cross-class photo benchmark, mean and std over seeds")):

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 from torchvision.ops import roi_align
 
+from models.backbones import build_backbone
 from models.config import HeadConfig, ModelConfig, RoIConfig
-from models.encoder import build_backbone
 
 
 class ProjectionHead(nn.Module):

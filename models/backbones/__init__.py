@@ -1,0 +1,46 @@
+"""Pluggable image encoders (backbones). A backbone maps ``[B, C, H, W]`` to a feature map
+``[B, out_channels, H / stride, W / stride]`` and exposes ``out_channels`` and ``stride``.
+
+Register a new one with ``@register_backbone("name")`` in a module of this package (it is found on
+first use: every module here is imported once) or in any module imported before the bundle is
+built. Its builder takes an ``EncoderConfig`` and returns the network; ``build_backbone`` is the one
+place that freezes it (``EncoderConfig.frozen``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+
+from torch import nn
+
+from models.config import EncoderConfig
+
+BACKBONES: dict[str, Callable[[EncoderConfig], nn.Module]] = {}
+
+
+def register_backbone(name: str):
+    def deco(fn: Callable[[EncoderConfig], nn.Module]):
+        BACKBONES[name] = fn
+        return fn
+    return deco
+
+
+def build_backbone(cfg: EncoderConfig) -> nn.Module:
+    """The backbone ``cfg.kind`` built from ``cfg``; with ``cfg.frozen`` no parameter needs a gradient."""
+    if cfg.kind not in BACKBONES:
+        discover()
+    if cfg.kind not in BACKBONES:
+        raise ValueError(f"unknown backbone {cfg.kind!r}; known: {sorted(BACKBONES)}")
+    net = BACKBONES[cfg.kind](cfg)
+    if cfg.frozen:
+        net.requires_grad_(False)
+    return net
+
+
+def discover() -> list[str]:
+    """Import every module of this package, so their ``@register_backbone`` builders are known -> the names."""
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+    return sorted(BACKBONES)
