@@ -21,11 +21,10 @@ from models.bundle import Bundle, load_bundle
 from models.core.boxes import paired_iou
 from models.core.metrics import corloc
 from models.data.types import exemplar_crops
-from models.evaluate import evaluate_corloc
-from models.experiments.baselines import ranking
+from models.evaluate import evaluate_corloc, ranking
 from models.experiments.cmnist import TrainSetup, cmnist, train_bundle
+from models.features import features_of
 from models.inference import Localizer
-from models.policy import features_of
 
 
 @torch.no_grad()
@@ -75,7 +74,7 @@ def main() -> None:
     miss = paired_iou(boxes, test.boxes) < 0.5
     feats = features_of(bundle, test.images)  # once, for every distance and refinement below
     d_pred, d_gt = distances(bundle, feats, boxes, proto), distances(bundle, feats, test.boxes, proto)
-    ranked = ranking(bundle, test.images, proto)
+    ranked = ranking(bundle, test, proto)
     out = {"seed": a.seed, "background": a.background, "iterations": a.iterations, "corloc_after": after,
            "misses_gt_nearer_pct": float((miss & (d_gt < d_pred)).float().mean() * 100),
            "misses_agent_nearer_pct": float((miss & (d_gt >= d_pred)).float().mean() * 100),

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from models.bundle import Bundle
+from models.features import features_of
 from models.inference import resolve_device
-from models.policy import PolicyConfig, features_of, policy_step
+from models.policy import PolicyConfig, policy_step
 
 
 @dataclass

@@ -2,8 +2,14 @@
 
 Bundle: ``{"format": "qloc-bundle", "format_version", "name", "config", "embedder", "agent",
 "decoder"?, "provenance"}``. Policy checkpoint: ``{"format": "qloc-policy", "format_version",
-"bundle", "agent", "meta"}`` -- the agent only, plus the name of the bundle it belongs to.
+"bundle", "bundle_sha256"?, "prototype_dim"?, "agent", "meta"}`` -- the agent only, plus the name of
+the bundle it belongs to and, when the writer knew them, the sha256 of that bundle's file and the
+dimension of its prototypes (files written before these two existed lack them, and still load).
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
+
+A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
+decode (``Bundle.sha256``), and reading a policy with its bundle refuses one written for another
+bundle of the same name (another file) or for prototypes of another dimension (``PolicyMismatch``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ class Bundle:
     agent_state: dict[str, Tensor]
     provenance: dict[str, Any] = field(default_factory=dict)
     decoder_state: dict[str, Tensor] | None = None
+    sha256: str | None = None
+    """Of the file it was loaded from (``None``: made in memory). It names that file's content, not
+    what the object holds after a caller changes its weights."""
+
+    @property
+    def prototype_dim(self) -> int:
+        """Dimension of the embeddings the bundle makes, hence of an exemplar set's prototype."""
+        return int(self.config.head.out_features)
 
     def new_agent(self, state: dict[str, Tensor] | None = None) -> Agent:
         """An ``Agent`` on the embedder's device, loaded with ``state`` (default: the base policy)."""
@@ -101,23 +115,27 @@ def save_bundle(path: str | os.PathLike, bundle: Bundle, half: bool = False) -> 
     return atomic_write(path, _to_bytes(obj))
 
 
-def _load(path: str | os.PathLike, kind: str) -> dict:
+def _decode(data: bytes, kind: str, source: str) -> dict:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or foreign file
-        raise ValueError(f"{path} is not a readable {kind} file: {e}") from e
+        raise ValueError(f"{source} is not a readable {kind} file: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != kind:
-        raise ValueError(f"{path} is not a {kind} file")
+        raise ValueError(f"{source} is not a {kind} file")
     if obj.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path} has {kind} format {obj['format_version']}; this qloc reads <= {FORMAT_VERSION}")
+        raise ValueError(f"{source} has {kind} format {obj['format_version']}; this qloc reads <= {FORMAT_VERSION}")
     return obj
 
 
 def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
     """Load a bundle saved by ``save_bundle``; the embedder comes back in eval mode on ``device``."""
-    obj = _load(path, "qloc-bundle")
+    return bundle_from_bytes(Path(path).read_bytes(), device, source=str(path))
+
+
+def bundle_from_bytes(data: bytes, device: str | torch.device = "cpu", *, source: str = "bundle") -> Bundle:
+    """A bundle from the bytes of its file, its ``sha256`` theirs: one read is both what is loaded and
+    what is hashed, so no file replaced in between can give a hash of other weights."""
+    obj = _decode(data, "qloc-bundle", source)
     config = ModelConfig.from_dict(obj["config"])
     # The state dict below holds every weight: don't read a pretrained file only to overwrite it.
     build_cfg = ModelConfig.from_dict(obj["config"])
@@ -128,26 +146,63 @@ def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
     embedder.to(device).eval()
     for p in embedder.parameters():
         p.requires_grad_(False)
-    return Bundle(obj["name"], config, embedder, obj["agent"], obj.get("provenance", {}), obj.get("decoder"))
+    return Bundle(obj["name"], config, embedder, obj["agent"], obj.get("provenance", {}), obj.get("decoder"),
+                  sha256=hashlib.sha256(data).hexdigest())
+
+
+class PolicyMismatch(ValueError):  # noqa: N818 -- a refusal, like ValueError
+    """A policy file written for another bundle: another name, another file of that name (sha256), or
+    prototypes of another dimension."""
 
 
 def save_policy(path: str | os.PathLike, agent_state: dict[str, Tensor], *, bundle_name: str,
-                meta: dict[str, Any] | None = None) -> str:
-    """Save an adapted agent (only) atomically -> sha256 hex of the file."""
-    obj = {"format": "qloc-policy", "format_version": FORMAT_VERSION, "bundle": bundle_name,
-           "agent": _cpu(agent_state), "meta": meta or {}}
-    return atomic_write(path, _to_bytes(obj))
+                meta: dict[str, Any] | None = None, bundle_sha256: str | None = None,
+                prototype_dim: int | None = None) -> str:
+    """Save an adapted agent (only) atomically -> sha256 hex of the file. ``bundle_sha256`` (the sha256 of
+    the bundle's file) and ``prototype_dim`` are recorded when given, and checked when the policy is read."""
+    return atomic_write(path, policy_to_bytes(agent_state, bundle_name=bundle_name, meta=meta,
+                                              bundle_sha256=bundle_sha256, prototype_dim=prototype_dim))
 
 
 def load_policy(path: str | os.PathLike, bundle: Bundle | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """-> (agent state dict, meta). With ``bundle``, refuses a policy made for another bundle."""
-    obj = _load(path, "qloc-policy")
-    if bundle is not None and obj["bundle"] != bundle.name:
-        raise ValueError(f"{path} is a policy for bundle {obj['bundle']!r}, not {bundle.name!r}")
-    return obj["agent"], obj.get("meta", {})
+    return policy_from_bytes(Path(path).read_bytes(), bundle, source=str(path))
 
 
-def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: dict[str, Any] | None = None) -> bytes:
+def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: dict[str, Any] | None = None,
+                    bundle_sha256: str | None = None, prototype_dim: int | None = None) -> bytes:
     """The exact bytes ``save_policy`` writes (for callers with their own blob storage)."""
-    return _to_bytes({"format": "qloc-policy", "format_version": FORMAT_VERSION, "bundle": bundle_name,
-                      "agent": _cpu(agent_state), "meta": meta or {}})
+    obj: dict[str, Any] = {"format": "qloc-policy", "format_version": FORMAT_VERSION, "bundle": bundle_name}
+    if bundle_sha256 is not None:
+        obj["bundle_sha256"] = str(bundle_sha256)
+    if prototype_dim is not None:
+        obj["prototype_dim"] = int(prototype_dim)
+    obj.update({"agent": _cpu(agent_state), "meta": meta or {}})
+    return _to_bytes(obj)
+
+
+def _short(sha256: str) -> str:
+    return sha256[:12]
+
+
+def policy_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str = "policy"
+                      ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """-> (agent state dict, meta) of a policy file's bytes. With ``bundle``, raises ``PolicyMismatch``
+    for a policy of another bundle name, of another file under that name (when the policy and the
+    bundle both know their bundle's sha256), or of another prototype dimension (when recorded)."""
+    obj = _decode(data, "qloc-policy", source)
+    if bundle is not None:
+        if obj["bundle"] != bundle.name:
+            raise PolicyMismatch(f"{source} is a policy for bundle {obj['bundle']!r}, not {bundle.name!r}")
+        want = obj.get("bundle_sha256")
+        if want is not None and bundle.sha256 is not None and want != bundle.sha256:
+            raise PolicyMismatch(
+                f"{source} is a policy for bundle {bundle.name!r} sha256 {_short(want)}, but the bundle "
+                f"{bundle.name!r} loaded is sha256 {_short(bundle.sha256)}: the bundle file was replaced since "
+                "the policy was written")
+        dim = obj.get("prototype_dim")
+        if dim is not None and int(dim) != bundle.prototype_dim:
+            raise PolicyMismatch(
+                f"{source} is a policy for prototypes of dimension {int(dim)}, but bundle {bundle.name!r} "
+                f"makes prototypes of dimension {bundle.prototype_dim}")
+    return obj["agent"], obj.get("meta", {})

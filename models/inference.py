@@ -65,6 +65,17 @@ def resize_batch(images: list[Tensor], size: int) -> tuple[Tensor, Tensor]:
     return torch.stack(out), torch.tensor(scales, dtype=torch.float32)
 
 
+def preprocess(images: list[Image.Image | Tensor], spec: InputSpec) -> tuple[Tensor, Tensor]:
+    """Uploads -> the network's input: (batch ``[B, C, S, S]`` in [0, 1], scales ``[B, 2]`` = (w_i / S, h_i / S)).
+
+    The one preprocessing of images to localize or adapt on: a PIL image (any mode, any size) is converted
+    to ``spec.channels`` with its transparent pixels on ``spec.fill``, then resized to ``S = spec.size``;
+    a tensor ``[C, h, w]`` in [0, 1] is taken as already converted and only resized.
+    """
+    tensors = [im if isinstance(im, Tensor) else pil_to_tensor(im, spec.channels, spec.fill) for im in images]
+    return resize_batch(tensors, spec.size)
+
+
 def exemplar_canvas(crops: list[Tensor], spec: InputSpec) -> tuple[Tensor, Tensor]:
     """Crops ``[C, h, w]`` in [0, 1] -> (canvases ``[N, C, S, S]``, boxes ``[N, 4]`` of the pasted crops).
 
@@ -139,8 +150,15 @@ class Localizer:
         ``nearest`` (greedy only) answers with the visited box nearest the prototype instead of the last
         one (``models.rollout.search``); ``None``: the bundle's ``env.answer`` decides (greedy runs only).
         """
-        images = normalize(images01.to(self.device), self.spec)
-        feats = self.embedder.features(images)  # the one backbone pass of this episode
+        feats = self.embedder.features(normalize(images01.to(self.device), self.spec))  # the one backbone pass
+        return self.run_features(feats, prototype, agent, deterministic=deterministic, generator=generator,
+                                 rewards=rewards, samples=samples, nearest=nearest)
+
+    @torch.no_grad()
+    def run_features(self, feats: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
+                     generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0,
+                     nearest: bool | None = None) -> Rollout:
+        """``run`` on backbone features ``feats [B, C', h, w]`` already computed (a frozen backbone's, cached)."""
         s = float(self.spec.size)
         proto = prototype.to(self.device)
         if nearest is None:
@@ -162,9 +180,7 @@ class Localizer:
 
         ``samples``: extra sampled episodes per image for the best-of-N search; ``nearest``: answer with
         the visited box nearest the prototype (see ``run``; ``None``: the bundle's default)."""
-        spec = self.spec
-        tensors = [im if isinstance(im, Tensor) else pil_to_tensor(im, spec.channels, spec.fill) for im in images]
-        batch, scales = resize_batch(tensors, self.spec.size)
+        batch, scales = preprocess(images, self.spec)
         gen = None
         if not deterministic:
             gen = torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)
@@ -176,7 +192,7 @@ class Localizer:
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         scores = ro.distances[-1].cpu()
         out = []
-        for i in range(len(tensors)):
+        for i in range(len(images)):
             traj = [tuple(map(float, b)) for b in boxes[:, i]] if trajectory else None
             out.append(Localization(tuple(map(float, boxes[-1, i])), float(scores[i]), traj))
         return out

@@ -9,7 +9,6 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.core.reinforce import reinforce_loss
-from models.inference import normalize
 from models.nets.agent import Agent
 from models.rollout import rollout
 
@@ -58,11 +57,4 @@ def policy_step(bundle: Bundle, agent: Agent, opt: torch.optim.Optimizer, feats:
             "charts/return": float(out.mean_return), "charts/final_distance": float(ro.distances[-1].mean()),
             **stats}
 
-
-@torch.no_grad()
-def features_of(bundle: Bundle, images01: Tensor, batch: int = 256) -> Tensor:
-    """Backbone features of ``images01 [N, C, S, S]`` -> ``[N, C', h, w]`` on the embedder's device."""
-    dev = next(bundle.embedder.parameters()).device
-    return torch.cat([bundle.embedder.features(normalize(images01[i:i + batch].to(dev), bundle.config.input))
-                      for i in range(0, len(images01), batch)])
 

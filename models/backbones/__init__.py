@@ -18,6 +18,8 @@ from torch import nn
 from models.config import EncoderConfig
 
 BACKBONES: dict[str, Callable[[EncoderConfig], nn.Module]] = {}
+DECODERS: dict[str, Callable[[EncoderConfig], nn.Module]] = {}
+"""Optional per backbone: a network mapping its feature map back to the image (stage 1's reconstruction loss)."""
 
 
 def register_backbone(name: str):
@@ -25,6 +27,24 @@ def register_backbone(name: str):
         BACKBONES[name] = fn
         return fn
     return deco
+
+
+def register_decoder(name: str):
+    """Register the decoder of backbone ``name``: its builder takes the backbone's ``EncoderConfig``."""
+    def deco(fn: Callable[[EncoderConfig], nn.Module]):
+        DECODERS[name] = fn
+        return fn
+    return deco
+
+
+def build_decoder(cfg: EncoderConfig) -> nn.Module:
+    """The decoder registered for backbone ``cfg.kind``: ``[B, C', h, w] -> [B, C, H, W]`` in (0, 1)."""
+    if cfg.kind not in DECODERS:
+        discover()
+    if cfg.kind not in DECODERS:
+        raise ValueError(f"backbone {cfg.kind!r} has no decoder for the reconstruction loss (set recon_weight=0); "
+                         f"backbones with one: {sorted(DECODERS)}")
+    return DECODERS[cfg.kind](cfg)
 
 
 def build_backbone(cfg: EncoderConfig) -> nn.Module:

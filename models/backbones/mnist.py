@@ -1,10 +1,12 @@
-"""The cMNIST backbone of PAPER.md: three small convolutions at stride 2."""
+"""The cMNIST backbone of PAPER.md (three small convolutions at stride 2) and its mirror decoder, which
+stage 1's reconstruction loss uses."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from models.backbones import register_backbone
+from models.backbones import register_backbone, register_decoder
 from models.config import EncoderConfig
 
 
@@ -30,3 +32,23 @@ class MnistEncoder(nn.Module):
 def _mnist(cfg: EncoderConfig) -> nn.Module:
     return MnistEncoder(cfg.in_channels)
 
+
+class MnistDecoder(nn.Module):
+    """Mirror of ``MnistEncoder``: ``[B, 64, 42, 42] -> [B, 1, 84, 84]`` in (0, 1)."""
+
+    def __init__(self, out_channels: int = 1):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.ReLU(),
+            nn.ConvTranspose2d(64, 32, 3, padding=1), nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(32, 10, 3, padding=1), nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(10, out_channels, 3, stride=2, padding=1, output_padding=1),
+        )
+
+    def forward(self, f: Tensor) -> Tensor:
+        return torch.sigmoid(self.net(f))
+
+
+@register_decoder("mnist_conv")
+def _mnist_decoder(cfg: EncoderConfig) -> nn.Module:
+    return MnistDecoder(cfg.in_channels)

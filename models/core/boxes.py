@@ -51,22 +51,43 @@ def check_boxes(boxes: Tensor, width: float | None = None, height: float | None 
     return boxes
 
 
-def square_candidates(
-    size: int, min_side: int, max_side: int, side_step: int = 4, stride: int = 4
-) -> Tensor:
-    """Dense square candidate boxes on a ``size x size`` image -> ``Tensor[K, 4]``.
+def candidate_boxes(size: int, min_side: float, max_side: float | None = None, *, side_step: float | None = None,
+                    sides: int | None = None, stride: int | None = None, max_aspect: float = 1.0,
+                    min_fraction: float = 0.5) -> Tensor:
+    """Dense candidate boxes on a ``size x size`` image -> ``Tensor[K, 4]`` (the one recipe: stage 1's box
+    pairs, OrdAcc and the ranking baseline all draw from it, with their own parameters).
 
-    Squares of side ``min_side..max_side`` (step ``side_step``) whose top-left corners lie on a
-    ``stride`` grid, clipped to the image; duplicates after clipping are removed.
+    Widths and heights run from ``min_side`` to ``max_side`` (default ``size``), either every ``side_step``
+    pixels or in ``sides`` geometric steps; pairs whose aspect ratio exceeds ``max_aspect`` are dropped
+    (``1.0``: squares only). Top-left corners lie on a ``stride`` grid (default ``max(4, size // 16)``).
+    Boxes are clipped to the image, those with a side under ``min_fraction * min_side`` after clipping are
+    dropped, and the rest rounded to whole pixels and deduplicated.
     """
-    sides = torch.arange(min_side, max_side + 1, side_step, dtype=torch.float32)
+    if (side_step is None) == (sides is None):
+        raise ValueError("give exactly one of side_step (linear sides) and sides (geometric steps)")
+    hi = float(size if max_side is None else max_side)
+    if sides is not None:
+        s = torch.logspace(torch.log10(torch.tensor(float(min_side))), torch.log10(torch.tensor(hi)), sides)
+    else:
+        s = torch.arange(min_side, hi + 1, side_step, dtype=torch.float32)
+    w, h = torch.meshgrid(s, s, indexing="ij")
+    keep = (w / h <= max_aspect) & (h / w <= max_aspect)
+    w, h = w[keep], h[keep]  # [S']
+    stride = stride or max(4, size // 16)
     starts = torch.arange(0, size, stride, dtype=torch.float32)
-    s, y, x = torch.meshgrid(sides, starts, starts, indexing="ij")
-    boxes = torch.stack([x, y, x + s, y + s], dim=-1).reshape(-1, 4)
-    boxes = clip_boxes(boxes, size, size)
+    y, x = torch.meshgrid(starts, starts, indexing="ij")
+    x, y = x.reshape(1, -1), y.reshape(1, -1)  # [1, G]
+    boxes = torch.stack([x.expand(len(w), -1), y.expand(len(w), -1), x + w[:, None], y + h[:, None]], -1)
+    boxes = clip_boxes(boxes.reshape(-1, 4), size, size)  # [S' * G, 4]
     wh = boxes[:, 2:] - boxes[:, :2]
-    boxes = boxes[(wh >= min_side * 0.5).all(dim=1)]
-    return torch.unique(boxes, dim=0)
+    boxes = boxes[(wh >= min_side * min_fraction).all(dim=1)]
+    return torch.unique(boxes.round(), dim=0)
+
+
+def square_candidates(size: int, min_side: int, max_side: int, side_step: int = 4, stride: int = 4) -> Tensor:
+    """Squares of side ``min_side..max_side`` (step ``side_step``) on a ``stride`` grid: ``candidate_boxes``
+    with whole-pixel sides -> ``Tensor[K, 4]``."""
+    return candidate_boxes(size, min_side, max_side, side_step=side_step, stride=stride)
 
 
 def full_image_boxes(n: int, width: float, height: float, device=None) -> Tensor:

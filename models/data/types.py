@@ -1,18 +1,38 @@
-"""What the data modules hand to training and experiments."""
+"""What the data modules hand to training, metrics and experiments."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
 
 @dataclass
 class LabeledImages:
-    """``images`` ``[N, C, S, S]`` in [0, 1] at the bundle's input size; ``boxes`` ``[N, 4]``."""
+    """Images with their boxes, and optionally their backbone features.
+
+    ``images [N, C, S, S]`` in [0, 1] at the bundle's input size; ``boxes [N, 4]``. A frozen backbone's
+    features may be computed once and carried along (``models.features.with_features``): ``feats
+    [N, C', h, w]``, and for each ground-truth crop pasted as an exemplar canvas, ``crop_feats
+    [N, C', h, w]`` and the pasted box ``crop_boxes [N, 4]``. Trainers and metrics use the features
+    when present and run the backbone on ``images`` otherwise.
+    """
 
     images: Tensor
     boxes: Tensor
+    feats: Tensor | None = None
+    crop_feats: Tensor | None = None
+    crop_boxes: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def subset(self, idx: Tensor) -> LabeledImages:
+        """The images at ``idx`` (a 1-d index tensor), with whatever features are carried."""
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[idx.to(t.device)]
+        return replace(self, images=self.images[idx], boxes=self.boxes[idx], feats=pick(self.feats),
+                       crop_feats=pick(self.crop_feats), crop_boxes=pick(self.crop_boxes))
 
 
 def exemplar_crops(data: LabeledImages) -> list[Tensor]:
@@ -21,4 +41,3 @@ def exemplar_crops(data: LabeledImages) -> list[Tensor]:
     for img, b in zip(data.images, data.boxes.round().long(), strict=True):
         out.append(img[:, b[1]:b[3], b[0]:b[2]])
     return out
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -20,8 +20,8 @@ from models.config import ModelConfig
 from models.core.metrics import corloc
 from models.data.cmnist import CMnistSpec, generate
 from models.data.types import LabeledImages, exemplar_crops
-from models.evaluate import evaluate_corloc, ordacc_all
-from models.experiments.baselines import finetune, ranking
+from models.evaluate import evaluate_corloc, ordacc_all, ranking
+from models.experiments.baselines import finetune
 from models.inference import Localizer
 from models.presets import mnist_config
 from models.train.agent import AgentTrainConfig, train_agent
@@ -48,16 +48,17 @@ class TrainSetup:
 def train_bundle(name: str, setup: TrainSetup, seed: int, device: torch.device,
                  config: ModelConfig | None = None, log: Callable[[str, dict], None] | None = None) -> Bundle:
     """Stages 1 and 2 on ``setup.n_train`` images of one digit -> a trained bundle with provenance."""
-    setup.embedding.seed = setup.agent.seed = seed
     train = cmnist(setup.digit, "train", setup.n_train, setup.background, seed)
     val = cmnist(setup.digit, "val", setup.n_val, setup.background, seed)
     val_ex = cmnist(setup.digit, "val", setup.exemplars, setup.background, seed, offset=setup.n_val)
     bundle = new_bundle(name, config or mnist_config(), seed)
     bundle.embedder.to(device)
     t0 = time.perf_counter()
-    s1 = train_embedding(bundle, train, val, setup.embedding, on_log=lambda r: log and log("embedding", r))
+    s1 = train_embedding(bundle, train, val, replace(setup.embedding, seed=seed),
+                         on_log=lambda r: log and log("embedding", r))
     t1 = time.perf_counter()
-    s2 = train_agent(bundle, train, val, val_ex, setup.agent, on_log=lambda r: log and log("agent", r))
+    s2 = train_agent(bundle, train, val, val_ex, replace(setup.agent, seed=seed),
+                     on_log=lambda r: log and log("agent", r))
     t2 = time.perf_counter()
     bundle.provenance = {
         "data": f"cMNIST digit {setup.digit}, {setup.background} background, {setup.n_train} training images "
@@ -108,12 +109,11 @@ def transfer(bundle: Bundle, setup: TransferSetup, seed: int) -> tuple[dict, dic
                                                              samples=setup.search_samples)
     if setup.baselines:
         k = min(setup.ranking_images, len(test.images))
-        m["corloc_ranking"] = corloc(ranking(bundle, test.images[:k], proto), test.boxes[:k])
+        m["corloc_ranking"] = corloc(ranking(bundle, test.subset(torch.arange(k)), proto), test.boxes[:k])
         ft = finetune(bundle, ex, proto, setup.finetune_iterations, seed=seed)
         m["corloc_finetune"], _ = evaluate_corloc(bundle, bundle.new_agent(ft), test, proto)
-    setup.adapt.seed = seed
     t0 = time.perf_counter()
-    res = adapt(bundle, proto, unl.images, setup.adapt, device=loc.device)
+    res = adapt(bundle, proto, unl.images, replace(setup.adapt, seed=seed), device=loc.device)
     m["adapt_seconds"] = round(time.perf_counter() - t0, 2)
     adapted = bundle.new_agent(res.agent_state)
     m["corloc_after"], boxes_after = evaluate_corloc(bundle, adapted, test, proto)

@@ -19,7 +19,6 @@ step), stage 2 and the metrics roll out on cached features. Adaptation goes thro
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import statistics
@@ -35,47 +34,22 @@ from torch import Tensor
 from models.adapt import AdaptConfig, adapt
 from models.bundle import Bundle, new_bundle
 from models.config import ModelConfig
-from models.core.boxes import clip_boxes
-from models.core.metrics import corloc, spearman
-from models.core.ordinal import anchors_for, group_prototypes, sample_pairs, triplet_loss
-from models.core.reinforce import reinforce_loss
+from models.core.metrics import corloc
 from models.data.photos import generate
-from models.data.types import LabeledImages, exemplar_crops
+from models.data.types import LabeledImages
+from models.evaluate import evaluate_corloc, localize_boxes, ranking, ranking_metrics, rect_candidates
 from models.experiments.baselines import finetune
-from models.inference import Localizer, exemplar_canvas, normalize
-from models.nets.agent import Agent
-from models.policy import PolicyConfig, features_of
-from models.rollout import rollout, search
-from models.train.agent import AgentTrainConfig
-from models.train.embedding import EmbeddingTrainConfig
+from models.features import prototype_of, with_features
+from models.inference import Localizer, normalize
+from models.policy import PolicyConfig
+from models.train.agent import AgentTrainConfig, train_agent
+from models.train.embedding import EMBEDDING_ANCHORS, EmbeddingTrainConfig, train_embedding
 
 PHOTO_CLASSES = ("mammals", "birds", "fish", "fruit", "vegetables", "flowers")
 """The classes with enough source photos in every split for the benchmark (insects and trees are too few)."""
 
-EMBEDDING_ANCHORS = ("shuffle_proto", "shuffle_exemplar")
-"""``shuffle_proto``: the paper's anchor, mean in-image ground-truth embedding of another group;
-``shuffle_exemplar``: the same, but from the ground-truth crops pasted on a blank canvas, which is how
-``Localizer.prototype`` embeds a client's exemplars -- training then matches serving exactly."""
-
 
 # ---------------------------------------------------------------- data with cached features
-
-@dataclass
-class PhotoSet:
-    """``images [N, 3, S, S]`` in [0, 1], ``boxes [N, 4]``, backbone ``feats [N, C, h, w]`` and the
-    exemplar-canvas view of each ground-truth crop (``crop_feats [N, C, h, w]``, ``crop_boxes [N, 4]``)."""
-
-    images: Tensor
-    boxes: Tensor
-    feats: Tensor
-    crop_feats: Tensor | None = None
-    crop_boxes: Tensor | None = None
-
-    def labeled(self) -> LabeledImages:
-        return LabeledImages(self.images, self.boxes)
-
-    def __len__(self) -> int:
-        return self.images.shape[0]
 
 
 class FeatureCache:
@@ -104,226 +78,15 @@ class FeatureCache:
 
 
 def photo_set(bundle: Bundle, manifest: dict[str, Any], class_name: str, split: str, n: int, seed: int,
-              crops: bool = False, cache: FeatureCache | None = None) -> PhotoSet:
-    """``n`` generated photos of ``class_name`` (``split`` files only) with their backbone features;
-    ``crops`` also embeds each ground-truth crop as an exemplar canvas (for prototypes)."""
+              crops: bool = False, cache: FeatureCache | None = None) -> LabeledImages:
+    """``n`` generated photos of ``class_name`` (``split`` files only) carrying their backbone features;
+    ``crops`` also carries each ground-truth crop's exemplar-canvas features (for prototypes)."""
     size = bundle.config.input.size
     b = generate(manifest, class_name, split, n, seed=seed, size=size)
-    cache = cache or FeatureCache(None)
     key = f"{class_name}-{split}-{n}-{seed}-{size}"
-    feats = cache.get(bundle, key, lambda: features_of(bundle, b.images, batch=32))
-    out = PhotoSet(b.images, b.boxes, feats)
-    if crops:
-        canvases, boxes = exemplar_canvas(exemplar_crops(out.labeled()), bundle.config.input)
-        out.crop_feats = cache.get(bundle, key + "-crops", lambda: features_of(bundle, canvases, batch=32))
-        out.crop_boxes = boxes
-    return out
-
-
-def photo_candidates(size: int, min_side: float, sides: int = 8, stride: int | None = None,
-                     max_aspect: float = 2.5) -> Tensor:
-    """Rectangular candidate boxes -> ``Tensor[K, 4]``: widths and heights from ``sides`` geometric steps
-    between ``min_side`` and the image side (aspect ratio within ``1/max_aspect..max_aspect``), top-left
-    corners on a ``stride`` grid, clipped and deduplicated. (Squares alone cannot reach a high IoU with
-    a 2:1 object, which would cripple pair sampling and the ranking baseline.)"""
-    stride = stride or max(4, size // 16)
-    s = torch.logspace(torch.log10(torch.tensor(float(min_side))), torch.log10(torch.tensor(float(size))), sides)
-    w, h = torch.meshgrid(s, s, indexing="ij")
-    keep = (w / h <= max_aspect) & (h / w <= max_aspect)
-    w, h = w[keep], h[keep]  # [S']
-    starts = torch.arange(0, size, stride, dtype=torch.float32)
-    y, x = torch.meshgrid(starts, starts, indexing="ij")
-    x, y = x.reshape(1, -1), y.reshape(1, -1)  # [1, G]
-    boxes = torch.stack([x.expand(len(w), -1), y.expand(len(w), -1), x + w[:, None], y + h[:, None]], -1)
-    boxes = clip_boxes(boxes.reshape(-1, 4), size, size)  # [S' * G, 4]
-    wh = boxes[:, 2:] - boxes[:, :2]
-    boxes = boxes[(wh >= min_side * 0.75).all(dim=1)]
-    return torch.unique(boxes.round(), dim=0)
-
-
-# ---------------------------------------------------------------- metrics on cached features
-
-def _embed_chunks(bundle: Bundle, feats: Tensor, boxes: Tensor, chunk: int = 64) -> Tensor:
-    """Embeddings of ``boxes [N, K, 4]`` on ``feats [N, C, h, w]`` -> ``[N, K, D]``, a few images at a time."""
-    emb = bundle.embedder
-    return torch.cat([emb.embed(feats[i:i + chunk], boxes[i:i + chunk]) for i in range(0, len(feats), chunk)])
-
-
-def prototype_of(bundle: Bundle, data: PhotoSet) -> Tensor:
-    """Mean exemplar-canvas embedding of ``data``'s ground-truth crops -> ``[D]`` (same as ``Localizer.prototype``)."""
-    if data.crop_feats is None or data.crop_boxes is None:
-        raise ValueError("this PhotoSet was built without crops=True")
-    with torch.no_grad():
-        return bundle.embedder.embed(data.crop_feats, data.crop_boxes[:, None])[:, 0].mean(0)
-
-
-@torch.no_grad()
-def ranking_metrics(bundle: Bundle, data: PhotoSet, prototype: Tensor, pairs: int = 16, seed: int = 0,
-                    candidates: Tensor | None = None) -> dict[str, float]:
-    """How well embedding distance ranks boxes by IoU on ``data``, with group-sampled box pairs (two
-    distinct IoU bins each, so ``2 * pairs`` boxes per image spread over the bins):
-
-    - ``ordacc``: % of pairs whose distance to ``prototype [D]`` orders them as their IoU does;
-    - ``ordacc_inst``: the same with each image's own ground-truth embedding as the anchor;
-    - ``spearman``: Spearman rho between distance to ``prototype`` and IoU over each image's boxes,
-      averaged over images (negative is good: closer means more overlap).
-    """
-    bundle.embedder.eval()
-    gen = torch.Generator().manual_seed(seed)
-    cfg = bundle.config
-    cands = candidates if candidates is not None else photo_candidates(cfg.input.size, cfg.env.min_side, sides=10)
-    p = sample_pairs(data.boxes, cands, pairs, generator=gen)
-    boxes = torch.cat([data.boxes[:, None], p.pos, p.neg], 1)  # [N, 1 + 2P, 4]
-    out = _embed_chunks(bundle, data.feats, boxes)
-    gt, pos, neg = out[:, 0], out[:, 1:1 + pairs], out[:, 1 + pairs:]
-    proto = prototype.to(out.device)
-    d_pos, d_neg = (pos - proto).norm(dim=-1), (neg - proto).norm(dim=-1)  # [N, P]
-    i_pos, i_neg = (pos - gt[:, None]).norm(dim=-1), (neg - gt[:, None]).norm(dim=-1)
-    ious = torch.cat([p.pos_iou, p.neg_iou], 1).to(out.device)
-    rho = spearman(torch.cat([d_pos, d_neg], 1).double(), ious.double())  # [N]
-    return {"ordacc": float((d_pos < d_neg).float().mean() * 100),
-            "ordacc_inst": float((i_pos < i_neg).float().mean() * 100),
-            "spearman": float(rho.mean())}
-
-
-@torch.no_grad()
-def localize(bundle: Bundle, agent: Agent, feats: Tensor, prototype: Tensor, chunk: int = 128,
-             samples: int = 0, seed: int = 0, nearest: bool = False) -> Tensor:
-    """Greedy episodes on cached ``feats [N, C, h, w]`` -> the trajectory ``[T+1, N, 4]``; ``samples > 0``:
-    the best-of-(1 + samples) search (greedy + sampled episodes, the final box nearest the prototype kept);
-    ``nearest``: the answer is the visited box nearest the prototype (``models.rollout.search``)."""
-    agent.eval()
-    s = float(bundle.config.input.size)
-    gen = torch.Generator().manual_seed(seed)
-    chunk = max(1, chunk // (samples + 1))
-    return torch.cat([search(bundle.embedder, agent, feats[i:i + chunk], prototype, bundle.config.env, (s, s),
-                             samples, gen, nearest=nearest).boxes for i in range(0, len(feats), chunk)], dim=1)
-
-
-@torch.no_grad()
-def ranking_boxes(bundle: Bundle, feats: Tensor, prototype: Tensor, candidates: Tensor, chunk: int = 1024) -> Tensor:
-    """The ranking baseline on cached ``feats [N, C, h, w]``: per image the candidate nearest the prototype
-    -> ``[N, 4]``."""
-    out = []
-    candidates = candidates.to(feats.device)
-    for f in feats.split(1):
-        d = torch.cat([(bundle.embedder.embed(f, candidates[j:j + chunk][None]) - prototype).norm(dim=-1)[0]
-                       for j in range(0, len(candidates), chunk)])  # [K]
-        out.append(candidates[d.argmin()])
-    return torch.stack(out)
-
-
-# ---------------------------------------------------------------- stage 1 on cached features
-
-def train_photo_embedding(bundle: Bundle, train: PhotoSet, val: PhotoSet, val_exemplars: PhotoSet,
-                          cfg: EmbeddingTrainConfig, anchor: str = "shuffle_proto",
-                          on_log: Callable[[dict], None] | None = None) -> dict:
-    """Stage 1 for a frozen backbone: the projection head alone, triplet loss on group-sampled pairs.
-
-    ``anchor`` is one of ``EMBEDDING_ANCHORS``. The best evaluation is chosen by validation OrdAcc with
-    the prototype of ``val_exemplars``' crops as anchor (what the reward uses at test time).
-    """
-    if anchor not in EMBEDDING_ANCHORS:
-        raise ValueError(f"anchor must be one of {EMBEDDING_ANCHORS}, got {anchor!r}")
-    if anchor == "shuffle_exemplar" and train.crop_feats is None:
-        raise ValueError("the shuffle_exemplar anchor needs a training PhotoSet built with crops=True")
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    emb = bundle.embedder
-    head = emb.head
-    for p in head.parameters():
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(head.parameters(), lr=cfg.lr)
-    c = bundle.config
-    cands = photo_candidates(c.input.size, c.env.min_side, sides=10)
-    n, bs, P = len(train), min(cfg.batch_size, len(train)), cfg.pairs_per_image
-    best: tuple[float, dict | None, int] = (-1.0, None, 0)
-    history = []
-    val_proto = None
-    for epoch in range(1, cfg.epochs + 1):
-        emb.train()
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n - bs + 1, bs):  # full batches only: shuffled groups need >= 2 groups
-            idx = perm[i:i + bs]
-            gt = train.boxes[idx]
-            pairs = sample_pairs(gt, cands, P, generator=gen)
-            out = emb.embed(train.feats[idx], torch.cat([gt[:, None], pairs.pos, pairs.neg], 1))  # [b, 1+2P, D]
-            if anchor == "shuffle_exemplar":
-                source = emb.embed(train.crop_feats[idx], train.crop_boxes[idx][:, None])[:, 0]
-            else:
-                source = out[:, 0]
-            a = anchors_for("shuffle_proto", source, cfg.group_size, gen)
-            loss = triplet_loss(a, out[:, 1:1 + P], out[:, 1 + P:], cfg.margin)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-            emb.eval()
-            val_proto = prototype_of(bundle, val_exemplars)
-            m = ranking_metrics(bundle, val, val_proto, seed=cfg.seed)
-            rec = {"epoch": epoch, "losses/triplet": float(loss.detach()), "val/ordacc": m["ordacc"],
-                   "val/spearman": m["spearman"]}
-            history.append(rec)
-            if on_log:
-                on_log(rec)
-            if m["ordacc"] > best[0]:
-                best = (m["ordacc"], copy.deepcopy(emb.state_dict()), epoch)
-    emb.load_state_dict(best[1])
-    emb.eval()
-    for p in emb.parameters():
-        p.requires_grad_(False)
-    return {"val/ordacc": best[0], "best_epoch": best[2], "history": history}
-
-
-# ---------------------------------------------------------------- stage 2 on cached features
-
-@dataclass
-class PhotoAgentConfig(AgentTrainConfig):
-    batch_size: int = 64
-    """Training images per iteration (a random subset of the training set)."""
-
-
-def train_photo_agent(bundle: Bundle, train: PhotoSet, val: PhotoSet, val_exemplars: PhotoSet,
-                      cfg: PhotoAgentConfig, on_log: Callable[[dict], None] | None = None) -> dict:
-    """Stage 2 as ``train_agent``, on cached features and a minibatch per iteration: each image is
-    localized with the prototype of *other* training images' exemplar crops; the best iteration by
-    validation CorLoc (prototype of ``val_exemplars``) becomes ``bundle.agent_state``."""
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    dev = next(bundle.embedder.parameters()).device
-    agent = Agent(bundle.config.agent).to(dev)
-    opt = torch.optim.Adam(agent.parameters(), lr=cfg.lr)
-    with torch.no_grad():
-        crop_emb = bundle.embedder.embed(train.crop_feats, train.crop_boxes[:, None])[:, 0]  # [N, D]
-    val_proto = prototype_of(bundle, val_exemplars)
-    s = float(bundle.config.input.size)
-    gt_all = train.boxes.to(dev) if cfg.reward != "embedding" else None
-    best: tuple[float, dict | None, int] = (-1.0, None, 0)
-    history = []
-    bs = min(cfg.batch_size, len(train))
-    for it in range(1, cfg.iterations + 1):
-        idx = torch.randperm(len(train), generator=gen)[:bs]
-        protos = group_prototypes(crop_emb[idx], cfg.group_size, shuffle=True, generator=gen)
-        agent.train()
-        ro = rollout(bundle.embedder, agent, train.feats[idx], protos, bundle.config.env, (s, s),
-                     generator=gen, reward=cfg.reward, gt_boxes=None if gt_all is None else gt_all[idx],
-                     episodes=cfg.episodes)
-        out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
-                             cfg.normalize_advantages, cfg.episodes)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
-        if it % cfg.eval_every == 0 or it == cfg.iterations:
-            val_corloc = corloc(localize(bundle, agent, val.feats, val_proto)[-1], val.boxes)
-            rec = {"iteration": it, "losses/entropy": float(out.entropy.detach()),
-                   "charts/return": float(out.mean_return), "val/corloc": val_corloc}
-            history.append(rec)
-            if on_log:
-                on_log(rec)
-            if val_corloc > best[0]:
-                best = (val_corloc, copy.deepcopy(agent.state_dict()), it)
-    bundle.agent_state = {k: v.detach().cpu().clone() for k, v in best[1].items()}
-    return {"val/corloc": best[0], "best_iteration": best[2], "history": history}
+    disk = cache or FeatureCache(None)
+    return with_features(bundle, LabeledImages(b.images, b.boxes), crops=crops, batch=32,
+                         cache=lambda kind, make: disk.get(bundle, key if kind == "images" else f"{key}-{kind}", make))
 
 
 # ---------------------------------------------------------------- the protocol
@@ -340,8 +103,9 @@ class PhotoTrainSetup:
     anchor: str = "shuffle_exemplar"
     use_prototype: bool = True
     embedding: EmbeddingTrainConfig = field(default_factory=lambda: EmbeddingTrainConfig(
-        epochs=15, batch_size=32, pairs_per_image=8, lr=1e-3, margin=60.0, recon_weight=0.0, eval_every=5))
-    agent: PhotoAgentConfig = field(default_factory=lambda: PhotoAgentConfig(
+        epochs=15, batch_size=32, drop_last=True, pairs_per_image=8, lr=1e-3, margin=60.0, triplet_weight=1.0,
+        recon_weight=0.0, eval_every=5))
+    agent: AgentTrainConfig = field(default_factory=lambda: AgentTrainConfig(
         iterations=400, eval_every=25, lr=3e-3, entropy_coef=0.1, batch_size=64))
     agent_restarts: int = 3
     """Stage 2 runs this many times (seeds ``seed + 1000 * r``); the run with the best validation CorLoc is
@@ -365,7 +129,6 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     streams are CPU generators, so a seed draws the same data and the same box pairs on any device)."""
     if setup.agent_restarts < 1:
         raise ValueError(f"agent_restarts must be >= 1, got {setup.agent_restarts}")
-    setup.embedding.seed = setup.agent.seed = seed
     t0 = time.perf_counter()
     bundle = new_bundle(name, photo_model_config(setup), seed)
     bundle.embedder.to(device)
@@ -374,14 +137,15 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     val = photo_set(bundle, manifest, c, "val", setup.n_val, seed, cache=cache)
     val_ex = photo_set(bundle, manifest, c, "val", setup.exemplars, seed + 500, crops=True, cache=cache)
     t1 = time.perf_counter()
-    s1 = train_photo_embedding(bundle, train, val, val_ex, setup.embedding, setup.anchor,
-                               on_log=lambda r: log and log("embedding", r))
+    s1 = train_embedding(bundle, train, val, replace(setup.embedding, anchor=setup.anchor, seed=seed),
+                         val_exemplars=val_ex, candidates=rect_candidates(bundle),
+                         on_log=lambda r: log and log("embedding", r))
     t2 = time.perf_counter()
     runs = []
     for r in range(setup.agent_restarts):
         cfg = replace(setup.agent, seed=seed + 1000 * r)
-        res = train_photo_agent(bundle, train, val, val_ex, cfg,
-                                on_log=lambda rec, r=r: log and log("agent", {"restart": r, **rec}))
+        res = train_agent(bundle, train, val, val_ex, cfg,
+                          on_log=lambda rec, r=r: log and log("agent", {"restart": r, **rec}))
         runs.append((res, bundle.agent_state))
     chosen = max(range(len(runs)), key=lambda r: runs[r][0]["val/corloc"])  # the first of equals
     s2, bundle.agent_state = runs[chosen]
@@ -429,36 +193,38 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
     unl = generate(manifest, c, "train", setup.unlabeled, seed=seed + 2000, size=bundle.config.input.size)
     test = photo_set(bundle, manifest, c, "test", setup.test, seed, cache=cache)
     proto = prototype_of(bundle, ex)
-    cfg = bundle.config
     m: dict[str, Any] = {"class": c, "seed": seed, "n_test": len(test)}
-    m.update(ranking_metrics(bundle, test, proto, seed=seed))
+    m.update(ranking_metrics(bundle, test, proto, seed=seed, candidates=rect_candidates(bundle)))
     base = bundle.new_agent()
-    traj_before = localize(bundle, base, test.feats, proto)
+    traj_before = localize_boxes(bundle, base, test, proto)
     m["corloc_before"] = corloc(traj_before[-1], test.boxes)
-    m["corloc_before_nearest"] = corloc(localize(bundle, base, test.feats, proto, nearest=True)[-1], test.boxes)
+    m["corloc_before_nearest"] = evaluate_corloc(bundle, base, test, proto, nearest=True)[0]
     n_best = setup.search_samples + 1
     if setup.search_samples > 0:
-        best_before = localize(bundle, base, test.feats, proto, samples=setup.search_samples, seed=seed)[-1]
-        m[f"corloc_before_best{n_best}"] = corloc(best_before, test.boxes)
+        m[f"corloc_before_best{n_best}"] = evaluate_corloc(bundle, base, test, proto, samples=setup.search_samples,
+                                                           seed=seed)[0]
     if setup.baselines:
         k = min(setup.ranking_images, len(test))
-        cands = photo_candidates(cfg.input.size, cfg.env.min_side, sides=7, stride=cfg.input.size // 10)
-        m["corloc_ranking"] = corloc(ranking_boxes(bundle, test.feats[:k], proto, cands), test.boxes[:k])
+        cands = rect_candidates(bundle, sides=7, stride=bundle.config.input.size // 10)
+        m["corloc_ranking"] = corloc(ranking(bundle, test.subset(torch.arange(k)), proto, cands, batch=1, chunk=1024),
+                                     test.boxes[:k])
         m["ranking_images"], m["ranking_candidates"] = k, len(cands)
-        ft = finetune(bundle, ex.labeled(), proto, setup.finetune_iterations, setup.finetune, seed=seed)
-        m["corloc_finetune"] = corloc(localize(bundle, bundle.new_agent(ft), test.feats, proto)[-1], test.boxes)
-    setup.adapt.seed = seed
+        # the fine-tune baseline runs the backbone on the exemplar images itself, as it always has
+        ft = finetune(bundle, LabeledImages(ex.images, ex.boxes), proto, setup.finetune_iterations, setup.finetune,
+                      seed=seed)
+        m["corloc_finetune"] = evaluate_corloc(bundle, bundle.new_agent(ft), test, proto)[0]
     t0 = time.perf_counter()
-    res = adapt(bundle, proto, unl.images, setup.adapt, device=next(bundle.embedder.parameters()).device)
+    res = adapt(bundle, proto, unl.images, replace(setup.adapt, seed=seed),
+                device=next(bundle.embedder.parameters()).device)
     m["adapt_seconds"] = round(time.perf_counter() - t0, 2)
     adapted = bundle.new_agent(res.agent_state)
-    traj_after = localize(bundle, adapted, test.feats, proto)
+    traj_after = localize_boxes(bundle, adapted, test, proto)
     m["corloc_after"] = corloc(traj_after[-1], test.boxes)
-    m["corloc_after_nearest"] = corloc(localize(bundle, adapted, test.feats, proto, nearest=True)[-1], test.boxes)
+    m["corloc_after_nearest"] = evaluate_corloc(bundle, adapted, test, proto, nearest=True)[0]
     if setup.baselines:
         m["corloc_after_ranking_subset"] = corloc(traj_after[-1][:k], test.boxes[:k])
     if setup.search_samples > 0:
-        best_after = localize(bundle, adapted, test.feats, proto, samples=setup.search_samples, seed=seed)[-1]
+        best_after = localize_boxes(bundle, adapted, test, proto, samples=setup.search_samples, seed=seed)[-1]
         m[f"corloc_after_best{n_best}"] = corloc(best_after, test.boxes)
         if setup.baselines:
             m[f"corloc_after_best{n_best}_ranking_subset"] = corloc(best_after[:k], test.boxes[:k])

@@ -1,7 +1,11 @@
-"""Stage 1: train the ordinal embedding (encoder + projection head; MNIST also reconstructs).
+"""Stage 1: train the ordinal embedding (encoder + projection head; a frozen backbone: the head only).
 
-Loss = recon_weight * MSE(decoder(features), image) + triplet_weight * triplet(anchor, pos, neg).
-The best epoch is chosen by OrdAcc on the validation split, never on test.
+Loss = triplet_weight * triplet(anchor, pos, neg) [+ recon_weight * MSE(decoder(features), image) when the
+backbone has a decoder and ``recon_weight > 0``]. Box pairs are group-sampled from dense candidates (two
+IoU bins per pair). The training images' features come from the backbone at every step, or once from
+``LabeledImages.feats`` (a frozen backbone's). The best evaluation is chosen on the validation split,
+never on test: by OrdAcc with the group-prototype anchor, or -- given ``val_exemplars`` -- by OrdAcc with
+the prototype of those exemplars' crops as anchor (what the reward uses at test time).
 """
 
 from __future__ import annotations
@@ -12,13 +16,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
+from models.backbones import build_decoder
 from models.bundle import Bundle
-from models.core.ordinal import anchors_for, sample_pairs, triplet_loss
-from models.data.types import LabeledImages
-from models.evaluate import candidate_boxes, evaluate_ordacc
-from models.inference import normalize
-from models.nets.decoder import MnistDecoder
+from models.core.ordinal import ANCHORS, anchors_for, sample_pairs, triplet_loss
+from models.core.seeding import seeded
+from models.data.types import LabeledImages, exemplar_crops
+from models.evaluate import evaluate_ordacc, ranking_metrics, training_candidates
+from models.features import prototype_of
+from models.inference import exemplar_canvas, normalize
+
+EMBEDDING_ANCHORS = (*ANCHORS, "shuffle_exemplar")
+"""``ANCHORS`` of ``models.core.ordinal`` on the in-image ground-truth embeddings, or ``shuffle_exemplar``:
+``shuffle_proto`` over the ground-truth crops pasted on a blank canvas, which is how ``Localizer.prototype``
+embeds a client's exemplars -- training then matches serving exactly."""
 
 
 @dataclass
@@ -26,12 +38,15 @@ class EmbeddingTrainConfig:
     epochs: int = 200
     """One epoch = one pass over the training images (they are few: 50 in the paper)."""
     batch_size: int = 50
+    drop_last: bool = False
+    """Skip a last, smaller batch (shuffled group anchors need at least two full groups)."""
     lr: float = 1e-3
     pairs_per_image: int = 8
     """Box pairs sampled per image per step, re-sampled every step."""
     group_size: int = 5
-    """Images per group for the ``proto`` / ``shuffle_proto`` anchors."""
+    """Images per group for the ``proto`` / ``shuffle_proto`` / ``shuffle_exemplar`` anchors."""
     anchor: str = "shuffle_proto"
+    """One of ``EMBEDDING_ANCHORS``."""
     margin: float = 60.0
     triplet_weight: float = 0.1
     recon_weight: float = 1.0
@@ -40,65 +55,93 @@ class EmbeddingTrainConfig:
     seed: int = 0
 
 
-def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig,
+def _crop_embeddings(bundle: Bundle, data: LabeledImages, idx: Tensor) -> Tensor:
+    """Exemplar-canvas embeddings of the ground-truth crops of images ``idx``, with the head's gradient."""
+    emb = bundle.embedder
+    if data.crop_feats is not None and data.crop_boxes is not None:
+        return emb.embed(data.crop_feats[idx.to(data.crop_feats.device)], data.crop_boxes[idx][:, None])[:, 0]
+    canvases, boxes = exemplar_canvas(exemplar_crops(data.subset(idx)), bundle.config.input)
+    dev = next(emb.parameters()).device
+    return emb.embed(emb.features(normalize(canvases.to(dev), bundle.config.input)), boxes.to(dev)[:, None])[:, 0]
+
+
+def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig, *,
+                    val_exemplars: LabeledImages | None = None, candidates: Tensor | None = None,
                     on_log: Callable[[dict], None] | None = None) -> dict:
-    """Train ``bundle.embedder`` in place (best validation state restored) -> summary metrics."""
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    """Train ``bundle.embedder`` in place (best validation state restored) -> summary metrics.
+
+    ``candidates [K, 4]``: the boxes pairs are drawn from (default ``training_candidates``); validation
+    uses the same. With ``val_exemplars``, model selection uses ``ranking_metrics`` with their prototype."""
+    if cfg.anchor not in EMBEDDING_ANCHORS:
+        raise ValueError(f"anchor must be one of {EMBEDDING_ANCHORS}, got {cfg.anchor!r}")
+    if cfg.recon_weight > 0 and train.feats is not None:
+        raise ValueError("the reconstruction loss trains the backbone: give images without cached features")
     emb = bundle.embedder
     dev = next(emb.parameters()).device
-    for p in emb.parameters():
-        p.requires_grad_(True)
-    if bundle.config.encoder.frozen:
-        for p in emb.encoder.parameters():
-            p.requires_grad_(False)
-    use_recon = cfg.recon_weight > 0
-    decoder = MnistDecoder(bundle.config.input.channels).to(dev) if use_recon else None
-    if decoder is not None and bundle.decoder_state is not None:
-        decoder.load_state_dict(bundle.decoder_state)
-    params = [p for p in emb.parameters() if p.requires_grad] + (list(decoder.parameters()) if decoder else [])
-    opt = torch.optim.Adam(params, lr=cfg.lr)
-    cands = candidate_boxes(bundle)
-    n = len(train.images)
-    best = (-1.0, None, None, -1)
-    history = []
-    for epoch in range(1, cfg.epochs + 1):
-        emb.train()
-        if bundle.config.encoder.frozen:
-            emb.encoder.eval()
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n, cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size]
-            x01 = train.images[idx].to(dev)
-            gt = train.boxes[idx]
-            pairs = sample_pairs(gt, cands, cfg.pairs_per_image, generator=gen)
-            feats = emb.features(normalize(x01, bundle.config.input))
-            boxes = torch.cat([gt[:, None], pairs.pos, pairs.neg], 1).to(dev)  # [b, 1+2P, 4]
-            out = emb.embed(feats, boxes)
-            gt_emb, pos, neg = out[:, 0], out[:, 1:1 + cfg.pairs_per_image], out[:, 1 + cfg.pairs_per_image:]
-            anchor = anchors_for(cfg.anchor, gt_emb, cfg.group_size, gen)
-            trip = triplet_loss(anchor, pos, neg, cfg.margin)
-            loss = cfg.triplet_weight * trip
-            recon = torch.zeros((), device=dev)
-            if decoder is not None:
-                recon = F.mse_loss(decoder(feats), x01)
-                loss = loss + cfg.recon_weight * recon
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-            val_acc = evaluate_ordacc(bundle, val, seed=cfg.seed)
-            rec = {"epoch": epoch, "losses/triplet": trip.item(), "losses/recon": recon.item(),
-                   "val/ordacc": val_acc}
-            history.append(rec)
-            if on_log:
-                on_log(rec)
-            if val_acc > best[0]:
-                best = (val_acc, copy.deepcopy(emb.state_dict()),
-                        copy.deepcopy(decoder.state_dict()) if decoder else None, epoch)
+    with seeded(cfg.seed, dev):  # weight init of the decoder and dropout draw from torch's global generator
+        gen = torch.Generator().manual_seed(cfg.seed)
+        emb.requires_grad_(True)
+        frozen = bundle.config.encoder.frozen
+        if frozen:
+            emb.encoder.requires_grad_(False)
+        decoder = build_decoder(bundle.config.encoder).to(dev) if cfg.recon_weight > 0 else None
+        if decoder is not None and bundle.decoder_state is not None:
+            decoder.load_state_dict(bundle.decoder_state)
+        params = [p for p in emb.parameters() if p.requires_grad] + (list(decoder.parameters()) if decoder else [])
+        opt = torch.optim.Adam(params, lr=cfg.lr)
+        cands = training_candidates(bundle) if candidates is None else candidates
+        n, P = len(train), cfg.pairs_per_image
+        bs = min(cfg.batch_size, n)
+        best: tuple[float, dict | None, dict | None, int] = (-1.0, None, None, -1)
+        history = []
+        for epoch in range(1, cfg.epochs + 1):
+            emb.train()
+            if frozen:
+                emb.encoder.eval()
+            perm = torch.randperm(n, generator=gen)
+            for i in range(0, n - bs + 1 if cfg.drop_last else n, bs):
+                idx = perm[i:i + bs]
+                gt = train.boxes[idx]
+                pairs = sample_pairs(gt, cands, P, generator=gen)
+                if train.feats is not None:
+                    feats = train.feats[idx.to(train.feats.device)]
+                else:
+                    x01 = train.images[idx].to(dev)
+                    feats = emb.features(normalize(x01, bundle.config.input))
+                out = emb.embed(feats, torch.cat([gt[:, None], pairs.pos, pairs.neg], 1).to(dev))  # [b, 1+2P, D]
+                if cfg.anchor == "shuffle_exemplar":
+                    anchor = anchors_for("shuffle_proto", _crop_embeddings(bundle, train, idx), cfg.group_size, gen)
+                else:
+                    anchor = anchors_for(cfg.anchor, out[:, 0], cfg.group_size, gen)
+                trip = triplet_loss(anchor, out[:, 1:1 + P], out[:, 1 + P:], cfg.margin)
+                loss = cfg.triplet_weight * trip
+                recon = None
+                if decoder is not None:
+                    recon = F.mse_loss(decoder(feats), x01)
+                    loss = loss + cfg.recon_weight * recon
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
+                rec: dict = {"epoch": epoch, "losses/triplet": trip.item()}
+                if recon is not None:
+                    rec["losses/recon"] = recon.item()
+                if val_exemplars is None:
+                    rec["val/ordacc"] = evaluate_ordacc(bundle, val, seed=cfg.seed, candidates=cands)
+                else:
+                    emb.eval()
+                    m = ranking_metrics(bundle, val, prototype_of(bundle, val_exemplars), seed=cfg.seed,
+                                        candidates=cands)
+                    rec["val/ordacc"], rec["val/spearman"] = m["ordacc"], m["spearman"]
+                history.append(rec)
+                if on_log:
+                    on_log(rec)
+                if rec["val/ordacc"] > best[0]:
+                    best = (rec["val/ordacc"], copy.deepcopy(emb.state_dict()),
+                            copy.deepcopy(decoder.state_dict()) if decoder else None, epoch)
     emb.load_state_dict(best[1])
     emb.eval()
-    for p in emb.parameters():
-        p.requires_grad_(False)
-    bundle.decoder_state = best[2]
+    emb.requires_grad_(False)
+    if decoder is not None:
+        bundle.decoder_state = best[2]
     return {"val/ordacc": best[0], "best_epoch": best[3], "history": history}

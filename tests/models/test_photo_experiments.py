@@ -7,6 +7,7 @@ The fixture is made here (RGBA discs and squares on noise backgrounds), so the t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +17,16 @@ from PIL import Image
 
 from models.bundle import load_bundle, new_bundle
 from models.cli import main
+from models.core.boxes import candidate_boxes
 from models.core.metrics import corloc, spearman
 from models.data.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
-from models.data.types import exemplar_crops
+from models.data.types import LabeledImages, exemplar_crops
+from models.evaluate import localize_boxes, ranking, ranking_metrics, rect_candidates
 from models.experiments import photos as pe
 from models.experiments.baselines import finetune
+from models.features import prototype_of
 from models.inference import Localizer
+from models.train.embedding import train_embedding
 
 SHIPPED_PHOTO_BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "photo-mammals.pt"
 
@@ -104,18 +109,18 @@ def recomputed_transfer_metrics(bundle, manifest, ts: pe.PhotoTransferSetup, see
     ex = pe.photo_set(bundle, manifest, ts.class_name, "train", ts.exemplars, seed + 1000, crops=True)
     loc = Localizer(bundle, "cpu")
     # The prototype and the greedy episodes are the served ones (Localizer, from the images and crops).
-    assert torch.allclose(loc.prototype(exemplar_crops(ex.labeled())), proto, atol=1e-5)
+    assert torch.allclose(loc.prototype(exemplar_crops(ex)), proto, atol=1e-5)
     for agent, traj in ((base, art["trajectory_before"]), (adapted, art["trajectory_after"])):
         assert torch.allclose(loc.run(test.images, proto, agent, nearest=False).boxes, traj, atol=1e-3)
-        assert torch.equal(pe.localize(bundle, agent, test.feats, proto), traj)
+        assert torch.equal(localize_boxes(bundle, agent, test, proto), traj)
     before, after = art["trajectory_before"][-1], art["trajectory_after"][-1]
-    best_before = pe.localize(bundle, base, test.feats, proto, samples=ts.search_samples, seed=seed)[-1]
-    best_after = pe.localize(bundle, adapted, test.feats, proto, samples=ts.search_samples, seed=seed)[-1]
+    best_before = localize_boxes(bundle, base, test, proto, samples=ts.search_samples, seed=seed)[-1]
+    best_after = localize_boxes(bundle, adapted, test, proto, samples=ts.search_samples, seed=seed)[-1]
     cfg = bundle.config
-    cands = pe.photo_candidates(cfg.input.size, cfg.env.min_side, sides=7, stride=cfg.input.size // 10)
+    cands = rect_candidates(bundle, sides=7, stride=cfg.input.size // 10)
     assert m["ranking_candidates"] == len(cands) and k == min(ts.ranking_images, len(test))
-    ft = finetune(bundle, ex.labeled(), proto, ts.finetune_iterations, ts.finetune, seed=seed)
-    nearest = {tag: pe.localize(bundle, agent, test.feats, proto, nearest=True)[-1]
+    ft = finetune(bundle, LabeledImages(ex.images, ex.boxes), proto, ts.finetune_iterations, ts.finetune, seed=seed)
+    nearest = {tag: localize_boxes(bundle, agent, test, proto, nearest=True)[-1]
                for tag, agent in (("before", base), ("after", adapted))}
     return {
         "corloc_before": corloc_by_definition(before, gt),
@@ -125,11 +130,12 @@ def recomputed_transfer_metrics(bundle, manifest, ts: pe.PhotoTransferSetup, see
         f"corloc_before_best{n_best}": corloc_by_definition(best_before, gt),
         f"corloc_after_best{n_best}": corloc_by_definition(best_after, gt),
         f"corloc_after_best{n_best}_ranking_subset": corloc_by_definition(best_after[:k], gt[:k]),
-        "corloc_ranking": corloc_by_definition(pe.ranking_boxes(bundle, test.feats[:k], proto, cands), gt[:k]),
+        "corloc_ranking": corloc_by_definition(
+            ranking(bundle, test.subset(torch.arange(k)), proto, cands, batch=1, chunk=1024), gt[:k]),
         "corloc_after_ranking_subset": corloc_by_definition(after[:k], gt[:k]),
         "corloc_finetune": corloc_by_definition(
-            pe.localize(bundle, bundle.new_agent(ft), test.feats, proto)[-1], gt),
-        **pe.ranking_metrics(bundle, test, proto, seed=seed),
+            localize_boxes(bundle, bundle.new_agent(ft), test, proto)[-1], gt),
+        **ranking_metrics(bundle, test, proto, seed=seed, candidates=rect_candidates(bundle)),
     }
 
 
@@ -147,7 +153,7 @@ def _tiny_setup() -> pe.PhotoTrainSetup:
 
 
 def test_candidates_are_inside_the_image_and_not_only_squares():
-    c = pe.photo_candidates(224, 40.0)
+    c = candidate_boxes(224, 40.0, sides=8, max_aspect=2.5, min_fraction=0.75)
     wh = c[:, 2:] - c[:, :2]
     assert c.shape[1] == 4 and len(c) > 500
     assert bool((c >= 0).all()) and bool((c <= 224).all()) and bool((wh >= 30).all())
@@ -159,10 +165,19 @@ def test_stage1_with_the_papers_anchor(manifest):
     bundle = new_bundle("x", pe.photo_model_config(setup), seed=0)
     train = pe.photo_set(bundle, manifest, "mammals", "train", 10, seed=0)
     val_ex = pe.photo_set(bundle, manifest, "mammals", "val", 5, seed=1, crops=True)
-    out = pe.train_photo_embedding(bundle, train, val_ex, val_ex, setup.embedding, anchor="shuffle_proto")
+    cfg = replace(setup.embedding, anchor="shuffle_proto")
+    out = train_embedding(bundle, train, val_ex, cfg, val_exemplars=val_ex, candidates=rect_candidates(bundle))
     assert out["best_epoch"] in (1, 2) and not any(p.requires_grad for p in bundle.embedder.parameters())
-    with pytest.raises(ValueError, match="crops=True"):
-        pe.train_photo_embedding(bundle, train, val_ex, val_ex, setup.embedding, anchor="shuffle_exemplar")
+    # without cached crop features the exemplar anchor embeds the crops through the backbone, to the same result
+    cached = pe.photo_set(bundle, manifest, "mammals", "train", 10, seed=0, crops=True)
+    runs = []
+    for data in (train, cached):
+        b = new_bundle("x", pe.photo_model_config(setup), seed=0)
+        train_embedding(b, data, val_ex, replace(setup.embedding, anchor="shuffle_exemplar"), val_exemplars=val_ex,
+                        candidates=rect_candidates(b))
+        runs.append(b.embedder.head.state_dict())
+    for k, v in runs[0].items():
+        assert torch.allclose(v, runs[1][k], atol=1e-5), k
 
 
 def test_pipeline_smoke(manifest):
@@ -188,7 +203,7 @@ def test_pipeline_smoke(manifest):
     # the validation CorLoc in the provenance is the kept agent's, recomputed
     val = pe.photo_set(bundle, manifest, "mammals", "val", setup.n_val, 0)
     val_ex = pe.photo_set(bundle, manifest, "mammals", "val", setup.exemplars, 500, crops=True)
-    traj = pe.localize(bundle, bundle.new_agent(), val.feats, pe.prototype_of(bundle, val_ex))
+    traj = localize_boxes(bundle, bundle.new_agent(), val, prototype_of(bundle, val_ex))
     assert prov["agent"]["val/corloc"] == pytest.approx(corloc_by_definition(traj[-1], val.boxes), abs=1e-4)
     other = {**m, "seed": 1, "corloc_after": m["corloc_after"] + 30.0}
     summary = pe.summarize([m, other], "mammals")
@@ -231,7 +246,7 @@ def test_stage2_restarts_keep_the_best_on_validation(manifest):
     # the kept weights are the chosen run's: they score its val CorLoc again
     val = pe.photo_set(bundle, manifest, "mammals", "val", setup.n_val, 0)
     val_ex = pe.photo_set(bundle, manifest, "mammals", "val", setup.exemplars, 500, crops=True)
-    traj = pe.localize(bundle, bundle.new_agent(), val.feats, pe.prototype_of(bundle, val_ex))
+    traj = localize_boxes(bundle, bundle.new_agent(), val, prototype_of(bundle, val_ex))
     assert corloc(traj[-1], val.boxes) == prov["val/corloc"]
     setup.agent_restarts = 0
     with pytest.raises(ValueError, match="agent_restarts"):
@@ -259,10 +274,9 @@ def test_ranking_metrics_agree_with_a_reference_loop(manifest):
 
     bundle = new_bundle("x", pe.photo_model_config(pe.PhotoTrainSetup(size=SIZE)), seed=1)
     data = pe.photo_set(bundle, manifest, "fish", "test", 4, seed=3, crops=True)
-    proto = pe.prototype_of(bundle, data)
-    m = pe.ranking_metrics(bundle, data, proto, pairs=6, seed=5)
-    cfg = bundle.config
-    p = sample_pairs(data.boxes, pe.photo_candidates(SIZE, cfg.env.min_side, sides=10), 6,
+    proto = prototype_of(bundle, data)
+    m = ranking_metrics(bundle, data, proto, pairs=6, seed=5)
+    p = sample_pairs(data.boxes, rect_candidates(bundle), 6,
                      generator=torch.Generator().manual_seed(5))
     agree, rhos = [], []
     with torch.no_grad():
@@ -313,10 +327,10 @@ def test_cli_photo_train_and_reproduce(manifest, tmp_path, monkeypatch):
     # test images and exemplars, recomputed; the summary's means are the rows' values (one seed).
     bundle = load_bundle(run / "seed0" / "bundle.pt")
     test = pe.photo_set(bundle, manifest, "fish", "test", 4, 0)
-    proto = pe.prototype_of(bundle, pe.photo_set(bundle, manifest, "fish", "train", 5, 1000, crops=True))
+    proto = prototype_of(bundle, pe.photo_set(bundle, manifest, "fish", "train", 5, 1000, crops=True))
     row = reused["rows"][0]
     for key, nearest in (("corloc_before", False), ("corloc_before_nearest", True)):
-        boxes = pe.localize(bundle, bundle.new_agent(), test.feats, proto, nearest=nearest)[-1]
+        boxes = localize_boxes(bundle, bundle.new_agent(), test, proto, nearest=nearest)[-1]
         assert row[key] == pytest.approx(corloc_by_definition(boxes, test.boxes), abs=1e-4), key
     for result in (metrics, reused):
         for key, stats in result["summary"]["fish"].items():

@@ -1,0 +1,56 @@
+"""Backbone features and exemplar embeddings of labeled images: computed through the backbone, or taken
+from features a frozen backbone computed once (``LabeledImages.feats`` / ``crop_feats``).
+
+Trainers, metrics and adaptation get their feature maps here, so none of them needs its own copy for
+cached features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from models.bundle import Bundle
+from models.data.types import LabeledImages, exemplar_crops
+from models.inference import Localizer, exemplar_canvas, normalize
+
+
+@torch.no_grad()
+def features_of(bundle: Bundle, images01: Tensor, batch: int = 256) -> Tensor:
+    """Backbone features of ``images01 [N, C, S, S]`` -> ``[N, C', h, w]`` on the embedder's device."""
+    dev = next(bundle.embedder.parameters()).device
+    return torch.cat([bundle.embedder.features(normalize(images01[i:i + batch].to(dev), bundle.config.input))
+                      for i in range(0, len(images01), batch)])
+
+
+def with_features(bundle: Bundle, data: LabeledImages, crops: bool = False, batch: int = 32,
+                  cache=None) -> LabeledImages:  # noqa: ANN001 (any callable(key, make) -> Tensor)
+    """``data`` carrying its backbone features (for a frozen backbone: computed once, reused by every stage
+    and metric); ``crops`` also carries each ground-truth crop's exemplar-canvas features (for prototypes
+    and the ``shuffle_exemplar`` anchor). ``cache(kind, make)`` may serve them from disk."""
+    def get(kind: str, make):  # noqa: ANN001, ANN202
+        return make() if cache is None else cache(kind, make)
+
+    out = replace(data, feats=get("images", lambda: features_of(bundle, data.images, batch=batch)))
+    if crops:
+        canvases, boxes = exemplar_canvas(exemplar_crops(data), bundle.config.input)
+        out.crop_feats = get("crops", lambda: features_of(bundle, canvases, batch=batch))
+        out.crop_boxes = boxes
+    return out
+
+
+def crop_embeddings(bundle: Bundle, data: LabeledImages) -> Tensor:
+    """Embedding of each ground-truth crop of ``data`` pasted as an exemplar canvas (as ``Localizer``
+    embeds a client's exemplars) -> ``[N, D]`` on the embedder's device, without gradient."""
+    with torch.no_grad():
+        if data.crop_feats is not None and data.crop_boxes is not None:
+            return bundle.embedder.embed(data.crop_feats, data.crop_boxes[:, None])[:, 0]
+        loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
+        return loc.embed_crops(exemplar_crops(data))
+
+
+def prototype_of(bundle: Bundle, data: LabeledImages) -> Tensor:
+    """The prototype of ``data``'s ground-truth crops: their mean exemplar embedding -> ``[D]``."""
+    return crop_embeddings(bundle, data).mean(0)
