@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from models.experiments.photos import summarize
+from models.experiments.report import summarize
 
 
 def main(out: str, inputs: list[str]) -> dict:
@@ -36,7 +36,8 @@ def main(out: str, inputs: list[str]) -> dict:
     train_class = classes.pop()
     result = {"train_class": train_class, "seeds": sorted({r["seed"] for r in all_rows}),
               "commands": commands, "train": dict(sorted(train.items(), key=lambda kv: int(kv[0]))),
-              "rows": all_rows, "summary": summarize(all_rows, train_class), "speed": speeds,
+              "rows": all_rows, "speed": speeds,
+              "summary": summarize(all_rows, "class", leave_out=train_class, mean_key="mean_new_classes"),
               "speed_median": {k: statistics.median(s[k] for s in speeds)
                                for k in speeds[0] if k != "input" and all(k in s for s in speeds)},
               "inputs": inputs}

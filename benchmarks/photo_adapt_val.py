@@ -23,7 +23,9 @@ from models.bundle import load_bundle
 from models.core.metrics import corloc
 from models.data import photo_cache_dir
 from models.data.photos import generate, load_manifest
-from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, localize, photo_set, prototype_of
+from models.evaluate import localize_boxes
+from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, photo_set
+from models.features import prototype_of
 
 
 def variant(base: AdaptConfig, overrides: list[str]) -> AdaptConfig:
@@ -59,12 +61,12 @@ def main() -> None:
         unl = generate(manifest, c, "train", PhotoTransferSetup(c).unlabeled, seed=s + 2000, size=b.config.input.size)
         val = photo_set(b, manifest, c, "val", a.n_val, s)
         proto = prototype_of(b, ex)
-        row = {"seed": s, "class": c, "before": corloc(localize(b, b.new_agent(), val.feats, proto)[-1], val.boxes)}
+        row = {"seed": s, "class": c, "before": corloc(localize_boxes(b, b.new_agent(), val, proto)[-1], val.boxes)}
         for name, overrides in variants.items():
             cfg = variant(dataclasses.replace(PhotoTransferSetup(c).adapt, seed=s), overrides)
             agent = b.new_agent(adapt(b, proto, unl.images, cfg, device="cpu").agent_state)
-            row[name] = corloc(localize(b, agent, val.feats, proto)[-1], val.boxes)
-            row[f"{name}_best16"] = corloc(localize(b, agent, val.feats, proto, samples=15, seed=s)[-1], val.boxes)
+            row[name] = corloc(localize_boxes(b, agent, val, proto)[-1], val.boxes)
+            row[f"{name}_best16"] = corloc(localize_boxes(b, agent, val, proto, samples=15, seed=s)[-1], val.boxes)
         print(json.dumps(row), flush=True)
 
 

@@ -22,7 +22,8 @@ from models.adapt import adapt
 from models.bundle import load_bundle
 from models.core.metrics import corloc
 from models.data.photos import generate, load_manifest
-from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, photo_set, prototype_of
+from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, photo_set
+from models.features import prototype_of
 from models.rollout import rollout
 
 

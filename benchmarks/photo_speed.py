@@ -16,7 +16,9 @@ import torch
 from models.bundle import load_bundle
 from models.data import photo_cache_dir
 from models.data.photos import generate, load_manifest
-from models.experiments.photos import measure_speed, photo_set, prototype_of
+from models.experiments.photos import photo_set
+from models.experiments.speed import measure_speed
+from models.features import prototype_of
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ from models.adapt import adapt
 from models.bundle import load_bundle
 from models.core.metrics import corloc
 from models.data.photos import generate, load_manifest
-from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, localize, photo_set, prototype_of
+from models.evaluate import localize_boxes
+from models.experiments.photos import PHOTO_CLASSES, PhotoTransferSetup, photo_set
+from models.features import prototype_of
 
 
 def main(seed: int) -> None:
@@ -37,8 +39,8 @@ def main(seed: int) -> None:
             short = copy.copy(b)
             short.config = copy.deepcopy(b.config)
             short.config.env.steps = steps
-            row[f"before_T{steps}"] = corloc(localize(short, b.new_agent(), val.feats, proto)[-1], val.boxes)
-            row[f"after_T{steps}"] = corloc(localize(short, b.new_agent(adapted), val.feats, proto)[-1], val.boxes)
+            row[f"before_T{steps}"] = corloc(localize_boxes(short, b.new_agent(), val, proto)[-1], val.boxes)
+            row[f"after_T{steps}"] = corloc(localize_boxes(short, b.new_agent(adapted), val, proto)[-1], val.boxes)
         print(json.dumps(row), flush=True)
 
 

@@ -55,7 +55,7 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
     if len(images01) == 0:
         raise ValueError("adaptation needs at least one unlabeled image")
     dev = resolve_device(device) if isinstance(device, str) else device
-    bundle.embedder.to(dev).eval()
+    bundle.to(dev).embedder.eval()
     agent = bundle.new_agent(agent_state).to(dev)
     reference = None
     if cfg.kl_coef > 0:  # the trust region: the policy the adaptation starts from, frozen

@@ -1,7 +1,8 @@
 """The model bundle (one file, plain types, ``torch.load(weights_only=True)``) and agent checkpoints.
 
 Bundle: ``{"format": "qloc-bundle", "format_version", "name", "config", "embedder", "agent",
-"decoder"?, "provenance"}``. Policy checkpoint: ``{"format": "qloc-policy", "format_version",
+"training"? (stage 1's decoder), "provenance"}``. Policy checkpoint: ``{"format": "qloc-policy",
+"format_version",
 "bundle", "bundle_sha256"?, "prototype_dim"?, "agent", "meta"}`` -- the agent only, plus the name of
 the bundle it belongs to and, when the writer knew them, the sha256 of that bundle's file and the
 dimension of its prototypes (files written before these two existed lack them, and still load).
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from models.config import ModelConfig
+from models.core.seeding import seeded
 from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
 
@@ -41,10 +43,21 @@ class Bundle:
     embedder: RoIEmbedder
     agent_state: dict[str, Tensor]
     provenance: dict[str, Any] = field(default_factory=dict)
-    decoder_state: dict[str, Tensor] | None = None
+    training: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    """State dicts of modules only training uses (stage 1's ``decoder``), kept so training can go on;
+    serving never reads them."""
     sha256: str | None = None
     """Of the file it was loaded from (``None``: made in memory). It names that file's content, not
     what the object holds after a caller changes its weights."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the embedder's weights are; ``to`` is the one way to move them, and it updates this."""
+
+    def to(self, device: str | torch.device) -> Bundle:
+        """Move the embedder to ``device`` (in place) -> this bundle."""
+        self.device = torch.device(device)
+        self.embedder.to(self.device)
+        return self
 
     @property
     def prototype_dim(self) -> int:
@@ -53,16 +66,16 @@ class Bundle:
 
     def new_agent(self, state: dict[str, Tensor] | None = None) -> Agent:
         """An ``Agent`` on the embedder's device, loaded with ``state`` (default: the base policy)."""
-        agent = Agent(self.config.agent).to(next(self.embedder.parameters()).device)
+        agent = Agent(self.config.agent).to(self.device)
         agent.load_state_dict(state if state is not None else self.agent_state)
         return agent
 
 
 def new_bundle(name: str, config: ModelConfig, seed: int = 0) -> Bundle:
     """A freshly initialized bundle (random weights unless the backbone loads pretrained ones)."""
-    torch.manual_seed(seed)
-    embedder = RoIEmbedder(config)
-    agent = Agent(config.agent)
+    with seeded(seed):
+        embedder = RoIEmbedder(config)
+        agent = Agent(config.agent)
     return Bundle(name, config, embedder.eval(), _cpu(agent.state_dict()), {"seed": seed})
 
 
@@ -110,8 +123,8 @@ def save_bundle(path: str | os.PathLike, bundle: Bundle, half: bool = False) -> 
         "config": bundle.config.to_dict(), "embedder": embedder,
         "agent": _cpu(bundle.agent_state), "provenance": bundle.provenance,
     }
-    if bundle.decoder_state is not None:
-        obj["decoder"] = _cpu(bundle.decoder_state)
+    if bundle.training:
+        obj["training"] = {k: _cpu(v) for k, v in bundle.training.items()}
     return atomic_write(path, _to_bytes(obj))
 
 
@@ -137,17 +150,14 @@ def bundle_from_bytes(data: bytes, device: str | torch.device = "cpu", *, source
     what is hashed, so no file replaced in between can give a hash of other weights."""
     obj = _decode(data, "qloc-bundle", source)
     config = ModelConfig.from_dict(obj["config"])
-    # The state dict below holds every weight: don't read a pretrained file only to overwrite it.
-    build_cfg = ModelConfig.from_dict(obj["config"])
-    build_cfg.encoder.options = {**build_cfg.encoder.options, "pretrained": False}
-    embedder = RoIEmbedder(build_cfg)
-    embedder.cfg = config
+    embedder = RoIEmbedder(config, pretrained=False)  # the state dict holds every weight: read no weights file
     embedder.load_state_dict(obj["embedder"])
-    embedder.to(device).eval()
-    for p in embedder.parameters():
-        p.requires_grad_(False)
-    return Bundle(obj["name"], config, embedder, obj["agent"], obj.get("provenance", {}), obj.get("decoder"),
-                  sha256=hashlib.sha256(data).hexdigest())
+    embedder.to(device).eval().requires_grad_(False)
+    training = dict(obj.get("training", {}))
+    if "decoder" in obj:  # bundles written before ``training`` held the stage-1 decoder at the top level
+        training["decoder"] = obj["decoder"]
+    return Bundle(obj["name"], config, embedder, obj["agent"], obj.get("provenance", {}), training,
+                  sha256=hashlib.sha256(data).hexdigest(), device=torch.device(device))
 
 
 class PolicyMismatch(ValueError):  # noqa: N818 -- a refusal, like ValueError

@@ -40,7 +40,7 @@ def rect_candidates(bundle: Bundle, sides: int = 10, stride: int | None = None) 
 
 
 def _device(bundle: Bundle) -> torch.device:
-    return next(bundle.embedder.parameters()).device
+    return bundle.device
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from models.inference import Localizer, exemplar_canvas, normalize
 @torch.no_grad()
 def features_of(bundle: Bundle, images01: Tensor, batch: int = 256) -> Tensor:
     """Backbone features of ``images01 [N, C, S, S]`` -> ``[N, C', h, w]`` on the embedder's device."""
-    dev = next(bundle.embedder.parameters()).device
+    dev = bundle.device
     return torch.cat([bundle.embedder.features(normalize(images01[i:i + batch].to(dev), bundle.config.input))
                       for i in range(0, len(images01), batch)])
 
@@ -47,7 +47,7 @@ def crop_embeddings(bundle: Bundle, data: LabeledImages) -> Tensor:
     with torch.no_grad():
         if data.crop_feats is not None and data.crop_boxes is not None:
             return bundle.embedder.embed(data.crop_feats, data.crop_boxes[:, None])[:, 0]
-        loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
+        loc = Localizer(bundle, device=bundle.device)
         return loc.embed_crops(exemplar_crops(data))
 
 

@@ -113,7 +113,7 @@ class Localizer:
     def __init__(self, bundle: Bundle, device: str | torch.device = "auto"):
         self.bundle = bundle
         self.device = resolve_device(device) if isinstance(device, str) else device
-        self.embedder = bundle.embedder.to(self.device).eval()
+        self.embedder = bundle.to(self.device).embedder.eval()
         self.spec = bundle.config.input
 
     @torch.no_grad()

@@ -3,8 +3,9 @@
 
 Register a new one with ``@register_backbone("name")`` in a module of this package (it is found on
 first use: every module here is imported once) or in any module imported before the bundle is
-built. Its builder takes an ``EncoderConfig`` and returns the network; ``build_backbone`` is the one
-place that freezes it (``EncoderConfig.frozen``).
+built. Its builder takes an ``EncoderConfig`` and ``pretrained`` (``False`` when every weight is about
+to be overwritten, as by a bundle's state dict: skip reading a weights file) and returns the network;
+``build_backbone`` is the one place that freezes it (``EncoderConfig.frozen``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from torch import nn
 
 from models.config import EncoderConfig
 
-BACKBONES: dict[str, Callable[[EncoderConfig], nn.Module]] = {}
+BACKBONES: dict[str, Callable[[EncoderConfig, bool], nn.Module]] = {}
 DECODERS: dict[str, Callable[[EncoderConfig], nn.Module]] = {}
 """Optional per backbone: a network mapping its feature map back to the image (stage 1's reconstruction loss)."""
 
 
 def register_backbone(name: str):
-    def deco(fn: Callable[[EncoderConfig], nn.Module]):
+    def deco(fn: Callable[[EncoderConfig, bool], nn.Module]):
         BACKBONES[name] = fn
         return fn
     return deco
@@ -47,13 +48,14 @@ def build_decoder(cfg: EncoderConfig) -> nn.Module:
     return DECODERS[cfg.kind](cfg)
 
 
-def build_backbone(cfg: EncoderConfig) -> nn.Module:
-    """The backbone ``cfg.kind`` built from ``cfg``; with ``cfg.frozen`` no parameter needs a gradient."""
+def build_backbone(cfg: EncoderConfig, pretrained: bool = True) -> nn.Module:
+    """The backbone ``cfg.kind`` built from ``cfg``; with ``cfg.frozen`` no parameter needs a gradient.
+    ``pretrained=False`` skips loading pretrained weights (the caller loads all weights itself)."""
     if cfg.kind not in BACKBONES:
         discover()
     if cfg.kind not in BACKBONES:
         raise ValueError(f"unknown backbone {cfg.kind!r}; known: {sorted(BACKBONES)}")
-    net = BACKBONES[cfg.kind](cfg)
+    net = BACKBONES[cfg.kind](cfg, pretrained)
     if cfg.frozen:
         net.requires_grad_(False)
     return net

@@ -134,11 +134,11 @@ def mobilenet_v2_imagenet(weights_path: str | os.PathLike | None = None) -> nn.M
 
 
 @register_backbone("mobilenet_v2")
-def build_mobilenet_v2(cfg: EncoderConfig) -> nn.Module:
+def build_mobilenet_v2(cfg: EncoderConfig, pretrained: bool = True) -> nn.Module:
     """MobileNetV2 ``features[:14]``: ``[B, 3, H, W] -> [B, 96, H/16, W/16]``, frozen, eval mode."""
     if cfg.in_channels != 3:
         raise ValueError(f"mobilenet_v2 takes RGB input (in_channels=3), got in_channels={cfg.in_channels}")
-    if cfg.options.get("pretrained", True):
+    if pretrained and cfg.options.get("pretrained", True):
         net = mobilenet_v2_imagenet(cfg.options.get("weights_path"))
     else:
         net = torchvision.models.mobilenet_v2(weights=None)
@@ -147,7 +147,7 @@ def build_mobilenet_v2(cfg: EncoderConfig) -> nn.Module:
 
 
 @register_backbone("torchvision")
-def build_torchvision(cfg: EncoderConfig) -> nn.Module:
+def build_torchvision(cfg: EncoderConfig, pretrained: bool = True) -> nn.Module:
     """Any torchvision architecture, truncated at ``options["layer"]``, weights from ``options["weights_path"]``.
 
     See the module docstring for the options. ``[B, 3, H, W] -> [B, C, H/stride, W/stride]``.
@@ -162,7 +162,7 @@ def build_torchvision(cfg: EncoderConfig) -> nn.Module:
     if layer is None:
         raise ValueError(f"options['layer'] is required for {arch!r} (the module whose output is the feature map)")
     net = torchvision.models.get_model(arch, weights=None)
-    if opts.get("pretrained", True):
+    if pretrained and opts.get("pretrained", True):
         if not opts.get("weights_path"):
             raise ValueError("options['weights_path'] must name a local weights file (nothing is downloaded)")
         net.load_state_dict(load_state_dict_file(opts["weights_path"]))

@@ -29,7 +29,7 @@ class MnistEncoder(nn.Module):
 
 
 @register_backbone("mnist_conv")
-def _mnist(cfg: EncoderConfig) -> nn.Module:
+def _mnist(cfg: EncoderConfig, pretrained: bool = True) -> nn.Module:
     return MnistEncoder(cfg.in_channels)
 
 

@@ -18,10 +18,12 @@ from tqdm import tqdm
 
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
+from models.cli.photos import add_photo_arguments, photo_reproduce_command, photo_train_command
 from models.data.cmnist import BACKGROUNDS
 from models.data.types import exemplar_crops
 from models.evaluate import evaluate_corloc, ordacc_all
 from models.experiments.cmnist import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
+from models.experiments.report import mean_std, summarize
 from models.inference import Localizer, resolve_device
 from models.plots import search_paths, training_curves
 from models.presets import mnist_config
@@ -52,7 +54,7 @@ def cmd_train_embedding(a: argparse.Namespace) -> dict:
     dev = resolve_device(a.device)
     setup = TrainSetup(a.digit, a.background, a.n_train)
     bundle = new_bundle(a.name or Path(a.out).stem, mnist_config(), a.seed)
-    bundle.embedder.to(dev)
+    bundle.to(dev)
     cfg = EmbeddingTrainConfig(epochs=a.epochs, seed=a.seed, eval_every=max(1, min(20, a.epochs)))
     log, bar = _bar_logger(cfg.epochs, "stage 1 (embedding)", "epoch")
     res = train_embedding(bundle, cmnist(a.digit, "train", a.n_train, a.background, a.seed),
@@ -158,22 +160,6 @@ def cmd_localize(a: argparse.Namespace) -> dict:
                         for p, r in zip(a.images, found, strict=True)]}
 
 
-def _summary(rows: list[dict], group: str) -> dict:
-    keys = [k for k in rows[0] if k.startswith(("corloc", "ordacc", "adapt_seconds"))]
-    out: dict = {}
-    for g in sorted({r[group] for r in rows}, key=str):
-        sel = [r for r in rows if r[group] == g]
-        out[str(g)] = {k: _mean_std([r[k] for r in sel]) for k in keys}
-    out["mean"] = {k: _mean_std([statistics.fmean([r[k] for r in rows if r["seed"] == s])
-                                  for s in sorted({r["seed"] for r in rows})]) for k in keys}
-    return out
-
-
-def _mean_std(xs: list[float]) -> dict:
-    return {"mean": round(statistics.fmean(xs), 2), "std": round(statistics.stdev(xs), 2) if len(xs) > 1 else 0.0,
-            "n": len(xs)}
-
-
 def cmd_reproduce(a: argparse.Namespace) -> dict:
     """new-digits: train on digit 4, transfer to 0-9 w/o 4; backgrounds: train 3 patch, test 2 on all four."""
     dev = resolve_device(a.device)
@@ -217,9 +203,9 @@ def cmd_reproduce(a: argparse.Namespace) -> dict:
                 c, _ = evaluate_corloc(ib, ib.new_agent(), art["test"], art["prototype"])
                 ablation.append({"seed": seed, "digit": digit, "background": bg, "reward": reward, "corloc_before": c})
     group = "digit" if a.experiment == "new-digits" else "background"
-    result = {"experiment": a.experiment, "seeds": a.seeds, "rows": rows, "summary": _summary(rows, group)}
+    result = {"experiment": a.experiment, "seeds": a.seeds, "rows": rows, "summary": summarize(rows, group)}
     if ablation:
-        result["ablation_iou_reward"] = {r: _mean_std([statistics.fmean(
+        result["ablation_iou_reward"] = {r: mean_std([statistics.fmean(
             [x["corloc_before"] for x in ablation if x["reward"] == r and x["seed"] == s]) for s in a.seeds])
             for r in ("iou", "iou_sign")}
     _write_json(out_dir / "metrics.json", result)
@@ -251,10 +237,8 @@ def cmd_fetch_photos(a: argparse.Namespace) -> dict:
 
 def cmd_photo(a: argparse.Namespace) -> dict:
     """photo-train / photo-reproduce: the photo protocol of ``models.experiments.photos``."""
-    from models.experiments import photos as pe
-
     torch.set_num_threads(a.threads)
-    return pe.photo_train_command(a) if a.command == "photo-train" else pe.photo_reproduce_command(a)
+    return photo_train_command(a) if a.command == "photo-train" else photo_reproduce_command(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,8 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("fetch-photos", help="download the offline photo data (Debian packages) into a cache")
     sp.add_argument("rest", nargs=argparse.REMAINDER, help="options of models.data.photos (e.g. --cache DIR)")
     sp.set_defaults(func=cmd_fetch_photos)
-
-    from models.experiments.photos import add_photo_arguments
 
     for name, text in (("photo-train", "stages 1-2 on one class of the offline photos -> a photo bundle"),
                        ("photo-reproduce", "the cross-class photo benchmark, mean and std over seeds")):

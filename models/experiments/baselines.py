@@ -17,7 +17,7 @@ def finetune(bundle: Bundle, exemplars: LabeledImages, prototype: Tensor, iterat
              cfg: PolicyConfig | None = None, seed: int = 0) -> dict[str, Tensor]:
     """The base policy tuned with the IoU reward on the exemplar images -> agent state dict."""
     cfg = cfg or PolicyConfig(reward="iou")
-    dev = next(bundle.embedder.parameters()).device
+    dev = bundle.device
     gen = torch.Generator().manual_seed(seed)
     with seeded(seed, dev):
         agent = bundle.new_agent()

@@ -52,7 +52,7 @@ def train_bundle(name: str, setup: TrainSetup, seed: int, device: torch.device,
     val = cmnist(setup.digit, "val", setup.n_val, setup.background, seed)
     val_ex = cmnist(setup.digit, "val", setup.exemplars, setup.background, seed, offset=setup.n_val)
     bundle = new_bundle(name, config or mnist_config(), seed)
-    bundle.embedder.to(device)
+    bundle.to(device)
     t0 = time.perf_counter()
     s1 = train_embedding(bundle, train, val, replace(setup.embedding, seed=seed),
                          on_log=lambda r: log and log("embedding", r))
@@ -89,7 +89,7 @@ class TransferSetup:
 
 def transfer(bundle: Bundle, setup: TransferSetup, seed: int) -> tuple[dict, dict]:
     """Evaluate ``bundle`` on a new digit / background before and after adaptation -> (metrics, artifacts)."""
-    loc = Localizer(bundle, device=next(bundle.embedder.parameters()).device)
+    loc = Localizer(bundle, device=bundle.device)
     d, bg = setup.digit, setup.background
     # Exemplars and unlabeled images: one draw of the train file, disjoint slices (offset).
     ex = cmnist(d, "train", setup.exemplars, bg, seed + 1000)

@@ -38,10 +38,10 @@ def batched_rois(boxes: Tensor) -> Tensor:
 class RoIEmbedder(nn.Module):
     """Encoder + RoIAlign + projection head, built from a ``ModelConfig``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, pretrained: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.encoder = build_backbone(cfg.encoder)
+        self.encoder = build_backbone(cfg.encoder, pretrained=pretrained)
         self.head = ProjectionHead(cfg.head)
         self.roi_cfg: RoIConfig = cfg.roi
 

@@ -39,7 +39,7 @@ def train_agent(bundle: Bundle, train: LabeledImages, val: LabeledImages, val_ex
     """Train the bundle's base policy (best validation state kept in ``bundle.agent_state``) -> summary.
 
     Validation CorLoc uses the prototype of ``val_exemplars``' crops."""
-    dev = next(bundle.embedder.parameters()).device
+    dev = bundle.device
     with seeded(cfg.seed, dev):  # the agent's initial weights draw from torch's global generator
         gen = torch.Generator().manual_seed(cfg.seed)
         agent = Agent(bundle.config.agent).to(dev)

@@ -61,7 +61,7 @@ def _crop_embeddings(bundle: Bundle, data: LabeledImages, idx: Tensor) -> Tensor
     if data.crop_feats is not None and data.crop_boxes is not None:
         return emb.embed(data.crop_feats[idx.to(data.crop_feats.device)], data.crop_boxes[idx][:, None])[:, 0]
     canvases, boxes = exemplar_canvas(exemplar_crops(data.subset(idx)), bundle.config.input)
-    dev = next(emb.parameters()).device
+    dev = bundle.device
     return emb.embed(emb.features(normalize(canvases.to(dev), bundle.config.input)), boxes.to(dev)[:, None])[:, 0]
 
 
@@ -77,7 +77,7 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
     if cfg.recon_weight > 0 and train.feats is not None:
         raise ValueError("the reconstruction loss trains the backbone: give images without cached features")
     emb = bundle.embedder
-    dev = next(emb.parameters()).device
+    dev = bundle.device
     with seeded(cfg.seed, dev):  # weight init of the decoder and dropout draw from torch's global generator
         gen = torch.Generator().manual_seed(cfg.seed)
         emb.requires_grad_(True)
@@ -85,8 +85,8 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
         if frozen:
             emb.encoder.requires_grad_(False)
         decoder = build_decoder(bundle.config.encoder).to(dev) if cfg.recon_weight > 0 else None
-        if decoder is not None and bundle.decoder_state is not None:
-            decoder.load_state_dict(bundle.decoder_state)
+        if decoder is not None and "decoder" in bundle.training:
+            decoder.load_state_dict(bundle.training["decoder"])
         params = [p for p in emb.parameters() if p.requires_grad] + (list(decoder.parameters()) if decoder else [])
         opt = torch.optim.Adam(params, lr=cfg.lr)
         cands = training_candidates(bundle) if candidates is None else candidates
@@ -143,5 +143,5 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
     emb.eval()
     emb.requires_grad_(False)
     if decoder is not None:
-        bundle.decoder_state = best[2]
+        bundle.training["decoder"] = best[2]
     return {"val/ordacc": best[0], "best_epoch": best[3], "history": history}

@@ -24,6 +24,8 @@ from models.data.types import LabeledImages, exemplar_crops
 from models.evaluate import localize_boxes, ranking, ranking_metrics, rect_candidates
 from models.experiments import photos as pe
 from models.experiments.baselines import finetune
+from models.experiments.report import summarize
+from models.experiments.speed import measure_speed
 from models.features import prototype_of
 from models.inference import Localizer
 from models.train.embedding import train_embedding
@@ -206,7 +208,7 @@ def test_pipeline_smoke(manifest):
     traj = localize_boxes(bundle, bundle.new_agent(), val, prototype_of(bundle, val_ex))
     assert prov["agent"]["val/corloc"] == pytest.approx(corloc_by_definition(traj[-1], val.boxes), abs=1e-4)
     other = {**m, "seed": 1, "corloc_after": m["corloc_after"] + 30.0}
-    summary = pe.summarize([m, other], "mammals")
+    summary = summarize([m, other], "class", leave_out="mammals", mean_key="mean_new_classes")
     assert summary["birds"]["corloc_after"] == {"mean": round(m["corloc_after"] + 15.0, 3), "std": 21.213, "n": 2}
     assert summary["mean_new_classes"]["corloc_after"]["mean"] == round(m["corloc_after"] + 15.0, 3)
     assert summary["birds"]["corloc_after_best16"] == {"mean": round(m["corloc_after_best16"], 3), "std": 0.0, "n": 2}
@@ -291,7 +293,7 @@ def test_ranking_metrics_agree_with_a_reference_loop(manifest):
 
 def test_speed_reports_both_throughputs(manifest):
     bundle = new_bundle("x", pe.photo_model_config(pe.PhotoTrainSetup(size=SIZE)), seed=1)
-    out = pe.measure_speed(bundle, torch.rand(2, 3, SIZE, SIZE), torch.zeros(EMBED), batch_sizes=(1, 2), repeats=1)
+    out = measure_speed(bundle, torch.rand(2, 3, SIZE, SIZE), torch.zeros(EMBED), batch_sizes=(1, 2), repeats=1)
     assert out["localize_images_per_s_batch2"] > 0 and out["backbone_images_per_s_batch1"] > 0
 
 
