@@ -10,7 +10,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     QLOC_HOST=0.0.0.0 \
     QLOC_PORT=8000 \
     QLOC_STORAGE_DIR=/data \
-    QLOC_BUNDLE_DIR=/srv/qloc/bundles
+    QLOC_BUNDLE_DIR=/srv/qloc/bundles \
+    QLOC_DATA_DIR=/srv/qloc/data
 
 WORKDIR /srv/qloc
 
@@ -26,6 +27,9 @@ COPY worker ./worker
 COPY migrations ./migrations
 COPY alembic.ini ./
 COPY bundles ./bundles
+# MNIST for the qloc CLI's cMNIST commands (QLOC_DATA_DIR); the service itself reads no dataset.
+COPY data/README.md ./data/README.md
+COPY data/mnist ./data/mnist
 COPY scripts/run ./scripts/run
 RUN pip install --no-deps . \
     && useradd --system --uid 10001 --home-dir /srv/qloc qloc \

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from app.jobstates import FINISHED_STATES
 from app.tables import (
-    FINISHED_STATES,
     AdaptationJob,
     Checkpoint,
     Exemplar,
@@ -42,9 +42,10 @@ class NewBlob:
 def create_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str, name: str | None, bundle: str,
                         bundle_sha256: str, prototype: bytes, prototype_dim: int,
                         exemplars: list[NewBlob]) -> ExemplarSet:
-    """A set, its exemplar rows and its ``base`` checkpoint (the bundle's policy), made active."""
-    es = ExemplarSet(id=set_id, owner=owner, name=name, bundle=bundle, prototype=prototype,
-                     prototype_dim=prototype_dim, num_exemplars=len(exemplars))
+    """A set, its exemplar rows and its ``base`` checkpoint (the bundle's policy), made active; the set and
+    its base checkpoint record ``bundle_sha256``, the sha256 of the bundle file that made the prototype."""
+    es = ExemplarSet(id=set_id, owner=owner, name=name, bundle=bundle, bundle_sha256=bundle_sha256,
+                     prototype=prototype, prototype_dim=prototype_dim, num_exemplars=len(exemplars))
     session.add(es)
     session.flush()
     for e in exemplars:
@@ -119,8 +120,9 @@ def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> Exemplar
 def create_job(session: Session, *, job_id: uuid.UUID, exemplar_set: ExemplarSet, owner: str,
                idempotency_key: str | None, request_sha256: str, iterations: int, learning_rate: float, seed: int,
                activate: bool, images: list[NewBlob]) -> AdaptationJob:
-    """A ``queued`` job not yet sent (``enqueued_at`` NULL): commit it, send its task, then ``mark_enqueued``."""
-    job = AdaptationJob(id=job_id, exemplar_set_id=exemplar_set.id, owner=owner, status="queued",
+    """A ``queued`` job (the status column's default; ``app.jobstates`` owns every change of it) not yet sent
+    (``enqueued_at`` NULL): commit it, send its task, then ``mark_enqueued`` (or ``jobstates.fail_unsent``)."""
+    job = AdaptationJob(id=job_id, exemplar_set_id=exemplar_set.id, owner=owner,
                         idempotency_key=idempotency_key, request_sha256=request_sha256, iterations=iterations,
                         learning_rate=learning_rate, seed=seed, activate=activate, num_images=len(images),
                         base_checkpoint_id=exemplar_set.active_checkpoint_id, progress_iteration=0,
@@ -154,30 +156,6 @@ def mark_enqueued(session: Session, *, job_id: uuid.UUID) -> None:
     """Record that the job's task was sent (the outbox's confirmation), unless a reaper recorded a send first."""
     session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.enqueued_at.is_(None))
                     .values(enqueued_at=utcnow()))
-
-
-def fail_unsent_job(session: Session, *, job_id: uuid.UUID, error: str) -> bool:
-    """Fail a queued job whose task could not be sent -> False when a reaper has sent it meanwhile."""
-    res = session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued",
-                                                      AdaptationJob.enqueued_at.is_(None))
-                          .values(status="failed", error=error, finished_at=utcnow()))
-    return bool(res.rowcount)  # type: ignore[attr-defined]
-
-
-def request_cancel(session: Session, *, job_id: uuid.UUID) -> bool:
-    """Cancel a queued job at once, flag a running one; -> False when the job had already finished.
-
-    Conditional updates, so a worker finishing the job at the same moment wins or loses cleanly.
-    """
-    now = utcnow()
-    queued = session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued")
-                             .values(status="canceled", cancel_requested=True, finished_at=now))
-    if queued.rowcount:  # type: ignore[attr-defined]
-        return True
-    running = session.execute(update(AdaptationJob).where(AdaptationJob.id == job_id,
-                                                          AdaptationJob.status == "running")
-                              .values(cancel_requested=True))
-    return bool(running.rowcount)  # type: ignore[attr-defined]
 
 
 def job_counts(session: Session) -> dict[str, int]:

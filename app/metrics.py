@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import crud
-from app.tables import JOB_STATES
+from app.jobstates import JOB_STATES
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.jobstates import JobState
+
 Box = Annotated[list[float], Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in uploaded pixels")]
-JobStatus = Literal["queued", "running", "succeeded", "failed", "canceled"]
 
 
 class ErrorDetail(BaseModel):
@@ -48,6 +49,10 @@ class ExemplarSetPublic(BaseModel):
     name: str | None
     num_exemplars: int
     bundle: str
+    bundle_sha256: str | None = Field(description=(
+        "sha256 of the bundle file that made the set's prototype. Once another file is installed under the "
+        "bundle's name, the set answers 409 until that file is back: re-create the set from its crops to use "
+        "the new one. null: a set made before it was recorded, served by the file installed now."))
     active_checkpoint_id: uuid.UUID | None
     created_at: datetime
 
@@ -92,7 +97,7 @@ class JobParams(BaseModel):
 class AdaptationJobPublic(BaseModel):
     id: uuid.UUID
     exemplar_set_id: uuid.UUID
-    status: JobStatus
+    status: JobState
     progress: Progress
     checkpoint_id: uuid.UUID | None
     error: str | None

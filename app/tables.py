@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     Boolean,
+    CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
@@ -27,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from app.jobstates import JOB_STATES, JobState
+
 NAMING = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -34,9 +37,6 @@ NAMING = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-JOB_STATES = ("queued", "running", "succeeded", "failed", "canceled")
-FINISHED_STATES = ("succeeded", "failed", "canceled")
 
 
 def utcnow() -> datetime:
@@ -75,6 +75,9 @@ class ExemplarSet(Base):
     name: Mapped[str | None] = mapped_column(String(200))
     bundle: Mapped[str] = mapped_column(String(100))
     """Name of the model bundle that made the prototype; the set localizes only with it."""
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64))
+    """sha256 of that bundle's file: the set is refused once another file is installed under the name
+    (NULL: a set made before this was recorded, served by whatever file is installed)."""
     prototype: Mapped[bytes] = mapped_column(LargeBinary)
     """Mean exemplar embedding, float32 little-endian bytes, ``[D]``."""
     prototype_dim: Mapped[int] = mapped_column(Integer)
@@ -102,13 +105,18 @@ class Exemplar(Base):
 
 class AdaptationJob(Base):
     __tablename__ = "adaptation_jobs"
-    __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_adaptation_jobs_idempotency"),)
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key", name="uq_adaptation_jobs_idempotency"),
+        CheckConstraint(f"status IN ({', '.join(repr(s) for s in JOB_STATES)})", name="status"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
     exemplar_set_id: Mapped[uuid.UUID] = mapped_column(
         Uuid, ForeignKey("exemplar_sets.id", ondelete="CASCADE"), index=True)
     owner: Mapped[str] = mapped_column(String(64), index=True, default="")
-    status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
+    status: Mapped[str] = mapped_column(String(16), index=True, default=JobState.QUEUED.value)
+    """One of ``app.jobstates.JOB_STATES`` (a CHECK constraint, ``ck_adaptation_jobs_status``); only
+    ``app.jobstates`` changes it."""
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_sha256: Mapped[str] = mapped_column(String(64))
     """Digest of the request (files and parameters): a reused Idempotency-Key must repeat it."""

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from models.cli import _mean_std, _summary
+from models.experiments.report import mean_std, summarize
 
 
 def main(out: str, inputs: list[str]) -> None:
@@ -38,9 +38,9 @@ def main(out: str, inputs: list[str]) -> None:
     experiment = experiment or ("backgrounds" if len({r["background"] for r in all_rows}) > 1 else "new-digits")
     group = "digit" if experiment == "new-digits" else "background"
     result = {"experiment": experiment, "seeds": sorted({r["seed"] for r in all_rows}), "rows": all_rows,
-              "summary": _summary(all_rows, group), "inputs": inputs}
+              "summary": summarize(all_rows, group), "inputs": inputs}
     if ablation:
-        result["ablation_iou_reward"] = {r: _mean_std([v for _, v in sorted(per_seed.items())]) | {
+        result["ablation_iou_reward"] = {r: mean_std([v for _, v in sorted(per_seed.items())]) | {
             "seeds": sorted(per_seed)} for r, per_seed in ablation.items()}
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["summary"]["mean"], indent=1))

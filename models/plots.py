@@ -37,12 +37,7 @@ def search_paths(images01: Tensor, trajectory: Tensor, gt: Tensor | None, path: 
             ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, lw=1.2, ec="lime", ls="--"))
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def training_curves(history: dict[str, list[dict]], path: str | Path) -> Path:
@@ -57,6 +52,10 @@ def training_curves(history: dict[str, list[dict]], path: str | Path) -> Path:
         ax.set_title(f"{stage}: {key}", fontsize=8)
         ax.set_xlabel(xkey, fontsize=8)
         ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:  # noqa: ANN001 (a matplotlib Figure)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -180,6 +180,36 @@ def db_settings(request: pytest.FixtureRequest, tmp_path: Path, bundle_dir: Path
 
 
 @pytest.fixture
+def api(db_settings: Settings):  # type: ignore[no-untyped-def]
+    """The API on ``db_settings`` (SQLite, then PostgreSQL), without lifespan: a request that dies takes only
+    its own event loop down."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    app = create_app(db_settings)
+    yield TestClient(app)
+    app.state.engine.dispose()
+
+
+@pytest.fixture
+def ctx(db_settings: Settings):  # type: ignore[no-untyped-def]
+    """A worker context on ``db_settings``."""
+    from worker.context import WorkerContext
+
+    c = WorkerContext.create(db_settings)
+    yield c
+    c.engine.dispose()
+
+
+def register_set(client) -> str:  # type: ignore[no-untyped-def]
+    """Create an exemplar set from one crop -> its id."""
+    r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9)))
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+@pytest.fixture
 def client(settings: Settings):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
 
@@ -337,3 +367,50 @@ def at_once(settings: Settings, n: int, fn: Callable[[Any, int], Any]) -> list[A
         for c in ctxs:
             c.engine.dispose()
     return results
+
+
+# --- one bundle name, several files (bundles known by content)
+
+def install_bundle(bundle_dir: Path, source: Path, name: str) -> None:
+    """Put ``source`` in place as bundle ``name``: a copy, then a rename over the installed file (atomic)."""
+    import shutil
+
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    tmp = bundle_dir / f".{name}.pt.tmp"
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, bundle_dir / f"{name}.pt")
+
+
+def bundle_versions(root: Path, name: str) -> dict[str, tuple[Path, str]]:
+    """Three files of bundle ``name``: ``v1``, ``v2`` (other weights) and ``narrow`` (prototypes of
+    dimension 256) -> ``{version: (path, sha256)}``."""
+    from models.bundle import new_bundle, save_bundle
+    from models.presets import mnist_config
+
+    narrow = mnist_config()
+    narrow.head.out_features = narrow.agent.embed_dim = 256
+    out = {}
+    for version, seed, cfg in (("v1", 0, mnist_config()), ("v2", 1, mnist_config()), ("narrow", 2, narrow)):
+        path = root / f"{version}.pt"
+        out[version] = (path, save_bundle(path, new_bundle(name, cfg, seed=seed)))
+    return out
+
+
+SWAPPED = "swapped"
+"""The bundle name the bundle-identity tests install several files under."""
+
+
+@pytest.fixture
+def versions(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """``bundle_versions`` of ``SWAPPED``."""
+    return bundle_versions(tmp_path / "versions", SWAPPED)
+
+
+def swapped_settings(tmp_path: Path, versions: dict[str, tuple[Path, str]]) -> Settings:
+    """The service's settings with a bundle directory of its own (the tests replace its files), holding
+    ``versions["v1"]`` as ``SWAPPED``, the default bundle; database migrated."""
+    installed = tmp_path / "installed"
+    install_bundle(installed, versions["v1"][0], SWAPPED)
+    s = make_test_settings(tmp_path, installed, default_bundle=SWAPPED)
+    migrate(s.database_url)
+    return s

@@ -1,10 +1,11 @@
 """Adaptation jobs, without Celery: claim a job row, run ``models.adapt`` with checkpoints, finish.
 
-A run owns its job through a lease: claiming sets ``status=running`` and increments ``attempts``,
-whose value is the run's fencing token; every later write of the run requires it. A heartbeat thread
-renews the lease. The reaper (``worker.reaper``) requeues a job whose heartbeat stopped, and the
-next run resumes from the job's latest checkpoint, so a job killed with its worker continues where
-it was and no checkpoint is written twice (``(job_id, iteration)`` is unique).
+A run owns its job through a lease: claiming makes the job ``running`` and increments ``attempts``,
+whose value is the run's fencing token; every later write of the run requires it (``app.jobstates``
+owns the state changes and their guards). A heartbeat thread renews the lease. The reaper
+(``worker.reaper``) requeues a job whose heartbeat stopped, and the next run resumes from the job's
+latest checkpoint, so a job killed with its worker continues where it was and no checkpoint is
+written twice (``(job_id, iteration)`` is unique).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from PIL import Image
-from sqlalchemy import and_, func, literal, or_, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from app.inference import prototype_from_bytes, read_checkpoint
+from app import jobstates
+from app.inference import bundle_for_set, prototype_from_bytes, read_checkpoint
+from app.jobstates import JobState
 from app.storage import checkpoint_key
-from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, UTCDateTime, utcnow
+from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
 from models.bundle import policy_to_bytes
-from models.inference import pil_to_tensor, resize_batch
+from models.inference import preprocess
 from worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -42,20 +45,7 @@ def claim_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) -> int | No
     now = utcnow()
     stale = now - timedelta(seconds=ctx.settings.heartbeat_timeout)
     with ctx.session_factory.begin() as s:
-        res = s.execute(
-            update(AdaptationJob)
-            .where(AdaptationJob.id == job_id,
-                   or_(AdaptationJob.status == "queued",
-                       and_(AdaptationJob.status == "running", AdaptationJob.heartbeat_at < stale)))
-            .values(status="running", attempts=AdaptationJob.attempts + 1, worker=worker, heartbeat_at=now,
-                    started_at=func.coalesce(AdaptationJob.started_at, literal(now, UTCDateTime()))))
-        if res.rowcount != 1:  # type: ignore[attr-defined]
-            return None
-        return s.scalar(select(AdaptationJob.attempts).where(AdaptationJob.id == job_id))
-
-
-def _owned(job_id: uuid.UUID, attempt: int) -> Any:
-    return and_(AdaptationJob.id == job_id, AdaptationJob.attempts == attempt, AdaptationJob.status == "running")
+        return jobstates.claim(s, job_id=job_id, worker=worker, stale_before=stale, now=now)
 
 
 class Heartbeat:
@@ -79,7 +69,7 @@ class Heartbeat:
         while not self._stop.wait(self.ctx.settings.heartbeat_interval):
             try:
                 with self.ctx.session_factory.begin() as s:
-                    res = s.execute(update(AdaptationJob).where(_owned(self.job_id, self.attempt))
+                    res = s.execute(update(AdaptationJob).where(jobstates.lease_held(self.job_id, self.attempt))
                                     .values(heartbeat_at=utcnow()))
                 if res.rowcount != 1:  # type: ignore[attr-defined]
                     self.lost = True
@@ -116,7 +106,7 @@ class AdaptationRun:
             latest = s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id)
                                .order_by(Checkpoint.iteration.desc()).limit(1)).first()
         self.job, self.exemplar_set = job, es
-        bundle = ctx.bundles.get(es.bundle).bundle
+        bundle = bundle_for_set(ctx.bundles, es).bundle  # refuses a set whose bundle file was replaced
 
         agent_state = None  # None = the bundle's base policy
         if start is not None and start.kind != "base":
@@ -136,8 +126,7 @@ class AdaptationRun:
 
         if self.last_iteration < job.iterations:
             pils = [Image.open(io.BytesIO(ctx.store.read_verified(im.blob, im.sha256))) for im in images]
-            tensors = [pil_to_tensor(im, bundle.config.input.channels) for im in pils]
-            images01, _ = resize_batch(tensors, bundle.config.input.size)  # [N, C, S, S] in [0, 1]
+            images01, _ = preprocess(pils, bundle.config.input)  # [N, C, S, S] in [0, 1], as localize sees them
             cfg = AdaptConfig(iterations=job.iterations, lr=job.learning_rate, seed=job.seed,
                               checkpoint_every=ctx.settings.checkpoint_every,
                               batch_size=min(ctx.settings.adapt_batch_size, len(images)))
@@ -147,11 +136,11 @@ class AdaptationRun:
             if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
                 raise LeaseLost
             if result.stopped:
-                return self.finish("canceled", error="canceled on request")
+                return self.finish(JobState.CANCELED, error="canceled on request")
             self.mean_reward = result.mean_reward
             if result.iteration > self.last_iteration:  # adapt did not checkpoint its final state
                 self.save_checkpoint(result.iteration, {"iteration": result.iteration, "agent": result.agent_state})
-        return self.finish("succeeded")
+        return self.finish(JobState.SUCCEEDED)
 
     # --- callbacks from ``adapt``
 
@@ -174,7 +163,7 @@ class AdaptationRun:
         """Write progress (and renew the lease); read the cancel flag."""
         self._last_sync = time.monotonic()
         with self.ctx.session_factory.begin() as s:
-            res = s.execute(update(AdaptationJob).where(_owned(self.job_id, self.attempt)).values(
+            res = s.execute(update(AdaptationJob).where(jobstates.lease_held(self.job_id, self.attempt)).values(
                 progress_iteration=self.iteration, mean_reward=self.mean_reward, heartbeat_at=utcnow()))
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 self.lost = True
@@ -194,7 +183,9 @@ class AdaptationRun:
         with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
             if not self._still_owned(s):
                 raise LeaseLost
-        sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta))
+        sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
+                                                      bundle_sha256=self.bundle.sha256,
+                                                      prototype_dim=self.bundle.prototype_dim))
         ckpt_id = uuid.uuid4()
         with self.ctx.session_factory.begin() as s:
             if not self._still_owned(s):
@@ -209,38 +200,38 @@ class AdaptationRun:
         self.last_iteration = self.iteration = iteration
 
     def _still_owned(self, s: Session) -> bool:
-        owned = s.scalar(select(func.count()).select_from(AdaptationJob).where(_owned(self.job_id, self.attempt)))
+        owned = s.scalar(select(func.count()).select_from(AdaptationJob)
+                         .where(jobstates.lease_held(self.job_id, self.attempt)))
         if not owned:
             self.lost = True
         return bool(owned)
 
-    def finish(self, status: str, *, error: str | None = None) -> str:
-        """Record the outcome; on success, make the final checkpoint the set's active policy (unless told not)."""
-        now = utcnow()
-        values: dict[str, Any] = {"status": status, "finished_at": now, "heartbeat_at": now, "error": error,
-                                  "progress_iteration": self.iteration, "mean_reward": self.mean_reward}
-        if self.last_checkpoint_id is not None:
-            values["checkpoint_id"] = self.last_checkpoint_id
+    def finish(self, outcome: JobState, *, error: str | None = None) -> str:
+        """Record the outcome; on success, make the final checkpoint the set's active policy (unless told not,
+        or the active checkpoint changed while the job ran: a rollback made meanwhile stands)."""
+        job, ckpt_id = self.job, self.last_checkpoint_id
         with self.ctx.session_factory.begin() as s:
-            res = s.execute(update(AdaptationJob).where(_owned(self.job_id, self.attempt)).values(**values))
-            if res.rowcount != 1:  # type: ignore[attr-defined]
+            if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,
+                                        progress_iteration=self.iteration, mean_reward=self.mean_reward,
+                                        checkpoint_id=ckpt_id, error=error):
                 raise LeaseLost
-            if status == "succeeded" and self.job.activate and self.last_checkpoint_id is not None:
-                s.execute(update(ExemplarSet).where(ExemplarSet.id == self.exemplar_set.id)
-                          .values(active_checkpoint_id=self.last_checkpoint_id))
-        log.info("job %s %s (attempt %d)", self.job_id, status, self.attempt)
-        return status
+            activate = outcome == JobState.SUCCEEDED and job.activate and ckpt_id is not None
+            if activate and not jobstates.activate_job_result(s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id,
+                                                              base_checkpoint_id=job.base_checkpoint_id):
+                log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
+                         self.job_id, ckpt_id)
+        log.info("job %s %s (attempt %d)", self.job_id, outcome, self.attempt)
+        return outcome.value
 
 
 def fail_job(ctx: WorkerContext, job_id: uuid.UUID, attempt: int, error: str) -> str:
     """Mark the job failed if this run still owns it -> ``failed``, or ``lost`` (the new owner's job is left alone)."""
     with ctx.session_factory.begin() as s:
-        res = s.execute(update(AdaptationJob).where(_owned(job_id, attempt)).values(
-            status="failed", error=error[:2000], finished_at=utcnow()))
-    if res.rowcount != 1:  # type: ignore[attr-defined]
+        failed = jobstates.fail_run(s, job_id=job_id, attempt=attempt, error=error)
+    if not failed:
         log.warning("job %s: not marked failed (%s): another run owns it now", job_id, error[:200])
         return "lost"
-    return "failed"
+    return JobState.FAILED.value
 
 
 def run_adaptation_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) -> str:

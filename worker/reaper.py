@@ -13,10 +13,11 @@ Queued jobs are an outbox: ``enqueued_at`` records the last send of the job's ta
 - a job whose last send is older than ``requeue_after`` (the broker lost the message).
 
 Each change is a conditional update, so concurrent reapers (one per worker) never both act on a job:
-a requeue or failure is conditional on the job's fencing token, and a send is claimed first by stamping
-``enqueued_at`` where it still holds the value this reaper read; only the reaper whose stamp landed
-sends, and it clears its stamp again when the send fails. A reaper dying between its stamp and its
-send delays the job by ``requeue_after``. A duplicate message is harmless: ``claim_job`` is conditional.
+a requeue or failure (``app.jobstates``) is conditional on the job's fencing token and on its heartbeat
+being still stale, and a send is claimed first by stamping ``enqueued_at`` where it still holds the
+value this reaper read; only the reaper whose stamp landed sends, and it clears its stamp again when
+the send fails. A reaper dying between its stamp and its send delays the job by ``requeue_after``.
+A duplicate message is harmless: ``claim_job`` is conditional.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, or_, select, update
 
+from app import jobstates
+from app.jobstates import JobState
 from app.tables import AdaptationJob, utcnow
 from worker.context import WorkerContext
 
@@ -42,22 +45,16 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
     requeued, failed = [], []
     with ctx.session_factory.begin() as s:
         rows = s.execute(select(AdaptationJob.id, AdaptationJob.attempts).where(
-            AdaptationJob.status == "running",
+            AdaptationJob.status == JobState.RUNNING,
             or_(AdaptationJob.heartbeat_at < stale, AdaptationJob.heartbeat_at.is_(None)))).all()
         for job_id, attempts in rows:
-            same_run = (AdaptationJob.id == job_id, AdaptationJob.status == "running",
-                        AdaptationJob.attempts == attempts)
             if attempts >= ctx.settings.max_job_attempts:
-                res = s.execute(update(AdaptationJob).where(*same_run).values(
-                    status="failed", finished_at=now,
-                    error=f"worker lost {attempts} times (no heartbeat for {ctx.settings.heartbeat_timeout:g} s)"))
-                if res.rowcount:  # type: ignore[attr-defined]
+                error = f"worker lost {attempts} times (no heartbeat for {ctx.settings.heartbeat_timeout:g} s)"
+                if jobstates.fail_abandoned(s, job_id=job_id, attempt=attempts, stale_before=stale, error=error,
+                                            now=now):
                     failed.append(job_id)
-            else:
-                res = s.execute(update(AdaptationJob).where(*same_run).values(
-                    status="queued", worker=None, enqueued_at=None))
-                if res.rowcount:  # type: ignore[attr-defined]
-                    requeued.append(job_id)
+            elif jobstates.requeue_abandoned(s, job_id=job_id, attempt=attempts, stale_before=stale):
+                requeued.append(job_id)
     for job_id in requeued:
         log.warning("job %s: its worker stopped beating; requeued to resume from its last checkpoint", job_id)
     for job_id in failed:
@@ -75,7 +72,7 @@ def jobs_to_send(ctx: WorkerContext, *, now: datetime | None = None) -> list[tup
     resend_before = now - timedelta(seconds=ctx.settings.requeue_after)
     with ctx.session_factory() as s:
         rows = s.execute(select(AdaptationJob.id, AdaptationJob.enqueued_at).where(
-            AdaptationJob.status == "queued",
+            AdaptationJob.status == JobState.QUEUED,
             or_(and_(AdaptationJob.enqueued_at.is_(None), AdaptationJob.created_at < unsent_before),
                 AdaptationJob.enqueued_at < resend_before))
             .order_by(AdaptationJob.created_at)).all()
@@ -92,8 +89,9 @@ def send_job(ctx: WorkerContext, job_id: uuid.UUID, send: Callable[[uuid.UUID], 
     now = now or utcnow()
     unchanged = AdaptationJob.enqueued_at.is_(None) if read is None else AdaptationJob.enqueued_at == read
     with ctx.session_factory.begin() as s:
-        res = s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id, AdaptationJob.status == "queued",
-                                                    unchanged).values(enqueued_at=now))
+        res = s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id,
+                                                    AdaptationJob.status == JobState.QUEUED, unchanged)
+                        .values(enqueued_at=now))
         if res.rowcount != 1:  # type: ignore[attr-defined]
             return False
     try:

@@ -11,9 +11,10 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Header, HTTPException, Query, Response, UploadFile, status
 from sqlalchemy.exc import IntegrityError
 
-from app import crud
-from app.deps import CallerDep, QueueDep, SessionDep, SettingsDep, StoreDep
+from app import crud, jobstates
+from app.deps import BundlesDep, CallerDep, QueueDep, SessionDep, SettingsDep, StoreDep
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.exemplar_sets import set_bundle
 from app.routes.uploads import check_file_count, decode_all, read_raw
 from app.schemas import AdaptationJobPublic, AdaptationJobsPublic, JobParams, Progress
 from app.storage import job_image_key, job_prefix
@@ -54,12 +55,13 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
 @router.post("/exemplar-sets/{set_id}/adaptations", status_code=status.HTTP_202_ACCEPTED,
              response_model=AdaptationJobPublic,
              responses={**UPLOAD_ERRORS, 404: error("Unknown exemplar set"),
-                        409: error("Idempotency-Key reused with another request"),
+                        409: error("Idempotency-Key reused with another request, or the set's bundle file was "
+                                   "replaced since the set was made"),
                         422: invalid("Invalid fields, no file, or more iterations than the server allows"),
-                        503: error("The job queue is unreachable")})
+                        503: error("The job queue is unreachable, or the set's bundle cannot be loaded")})
 def create_adaptation(
     set_id: uuid.UUID, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
-    queue: QueueDep, caller: CallerDep,
+    queue: QueueDep, bundles: BundlesDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(description="Unlabeled images to adapt the set's policy on")],
     iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1)] = None,
     learning_rate: Annotated[float | None, Form(gt=0, le=1)] = None,
@@ -84,6 +86,7 @@ def create_adaptation(
         existing = crud.get_job_by_idempotency_key(session, owner=caller.owner, key=idempotency_key)
         if existing is not None:
             return replay(existing, digest, response)
+    set_bundle(bundles, es)  # 409 before anything is stored when the set's bundle was replaced
     images = decode_all(files, raw, settings)
     session.commit()  # end the read transaction while blobs are written
 
@@ -119,7 +122,7 @@ def create_adaptation(
         queue.enqueue_adaptation(job_id)
     except Exception as e:
         log.exception("could not enqueue job %s", job_id)
-        failed = crud.fail_unsent_job(session, job_id=job_id, error=f"could not enqueue the job: {type(e).__name__}")
+        failed = jobstates.fail_unsent(session, job_id=job_id, error=f"could not enqueue the job: {type(e).__name__}")
         session.commit()
         if failed:  # the client learns now, rather than the job waiting for the broker to come back
             raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
@@ -162,7 +165,7 @@ def cancel_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep)
     job = crud.get_job(session, job_id=job_id, owner=caller.scope)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, JOB_NOT_FOUND)
-    if not crud.request_cancel(session, job_id=job_id):
+    if not jobstates.request_cancel(session, job_id=job_id):
         session.rollback()
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job has already finished ({job.status})")
     session.commit()

@@ -15,9 +15,11 @@ from app import crud
 from app.config import MAX_SAMPLES
 from app.deps import BundlesDep, CallerDep, MetricsDep, SessionDep, SettingsDep, StoreDep
 from app.inference import (
+    BundleMismatch,
     BundleRegistry,
     LoadedBundle,
     UnknownBundle,
+    bundle_for_set,
     prototype_from_bytes,
     prototype_to_bytes,
     read_checkpoint,
@@ -27,6 +29,7 @@ from app.routes.uploads import read_images
 from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
 from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
 from app.tables import Checkpoint, ExemplarSet
+from models.bundle import PolicyMismatch
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +43,26 @@ def to_public(es: ExemplarSet) -> ExemplarSetPublic:
     return ExemplarSetPublic.model_validate(es)
 
 
-def get_bundle(bundles: BundleRegistry, name: str, *, explicit: bool) -> LoadedBundle:
+def get_bundle(bundles: BundleRegistry, name: str, *, explicit: bool, exemplar_set: ExemplarSet | None = None
+               ) -> LoadedBundle:
+    """The bundle installed as ``name``; for an ``exemplar_set``, 409 unless it is the file that made the set."""
     try:
-        return bundles.get(name)
+        return bundle_for_set(bundles, exemplar_set) if exemplar_set is not None else bundles.get(name)
+    except BundleMismatch as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     except UnknownBundle as e:
         if explicit:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"default bundle unavailable: {e}") from e
+        which = "the set's bundle" if exemplar_set is not None else "default bundle"
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"{which} unavailable: {e}") from e
     except (OSError, ValueError, RuntimeError) as e:
         log.exception("bundle %s cannot be loaded", name)
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"bundle {name!r} cannot be loaded") from e
+
+
+def set_bundle(bundles: BundleRegistry, es: ExemplarSet) -> LoadedBundle:
+    """The bundle of an existing set, refused with 409 if its file was replaced since the set was made."""
+    return get_bundle(bundles, es.bundle, explicit=False, exemplar_set=es)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
@@ -135,6 +148,7 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpo
 
 @router.post("/{set_id}/localize", response_model=LocalizeResponse, response_model_exclude_none=True, responses={
     **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
+    409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set"),
     422: invalid("Invalid fields, or no file"), 503: error("The set's bundle or checkpoint cannot be loaded")})
 def localize(
     set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
@@ -153,7 +167,10 @@ def localize(
         "head evaluation per step. With samples, over every visited box of every episode. Default: the "
         "server's setting (QLOC_LOCALIZE_NEAREST) if set, else the bundle's own (on for photo bundles)."))] = None,
 ) -> LocalizeResponse:
-    """Localize the set's object in each image: one box per image, in the pixels as uploaded."""
+    """Localize the set's object in each image: one box per image, in the pixels as uploaded.
+
+    A set is served only by the bundle file that made its prototype: once another file is installed under
+    the bundle's name, it answers 409 (re-create the set from its crops) until that file is back."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -162,7 +179,7 @@ def localize(
     n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings)
     metrics.localize_batch.observe(len(images))
-    loaded = get_bundle(bundles, es.bundle, explicit=False)
+    loaded = set_bundle(bundles, es)
     use_nearest = next(v for v in (nearest, settings.localize_nearest, loaded.localizer.default_nearest)
                        if v is not None)
     agent_state = None if ckpt.kind == "base" else load_policy_cached(bundles, store, ckpt, loaded)
@@ -180,10 +197,14 @@ def localize(
 def load_policy_cached(bundles: BundleRegistry, store: BlobStore, ckpt: Checkpoint, loaded: LoadedBundle
                        ) -> dict[str, Tensor]:
     def load() -> dict[str, Tensor]:
-        return read_checkpoint(store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=loaded.bundle)[0]
+        return read_checkpoint(store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=loaded.bundle,
+                               source=f"checkpoint {ckpt.id}")[0]
 
-    try:
-        return bundles.cached_policy(ckpt.id, load)
+    try:  # keyed by the bundle file too: another file under the same name checks the checkpoint again
+        return bundles.cached_policy((ckpt.id, loaded.sha256), load)
+    except PolicyMismatch as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"{e}; localize with checkpoint=base, or re-create the "
+                                                      "exemplar set from its crops") from e
     except (OSError, ValueError) as e:
         log.exception("checkpoint %s cannot be read", ckpt.id)
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"checkpoint {ckpt.id} cannot be read") from e

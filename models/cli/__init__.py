@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,16 +20,17 @@ from tqdm import tqdm
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
 from models.cli.photos import add_photo_arguments, photo_reproduce_command, photo_train_command
+from models.data import photo_cache_dir
 from models.data.cmnist import BACKGROUNDS
-from models.data.types import exemplar_crops
 from models.evaluate import evaluate_corloc, ordacc_all
 from models.experiments.cmnist import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
+from models.experiments.datasets import CMnistKind, PhotoKind
 from models.experiments.report import mean_std, summarize
+from models.features import prototype_of
 from models.inference import Localizer, resolve_device
 from models.plots import search_paths, training_curves
-from models.presets import mnist_config
-from models.train.agent import AgentTrainConfig, train_agent
-from models.train.embedding import EmbeddingTrainConfig, train_embedding
+from models.train.agent import train_agent
+from models.train.embedding import train_embedding
 
 
 def _seed_all(seed: int) -> None:
@@ -50,50 +52,71 @@ def _bar_logger(total: int, desc: str, key: str):
     return log, bar
 
 
+def _kind(a: argparse.Namespace) -> CMnistKind | PhotoKind:
+    """The dataset kind a command runs on (``--data``), with its target (``--digit`` / ``--class``)."""
+    if a.data == "cmnist":
+        return CMnistKind(a.digit, a.background)
+    from models.data.photos import load_manifest
+    from models.experiments.photos import PhotoTrainSetup
+
+    return PhotoKind(a.class_name, load_manifest(a.cache), PhotoTrainSetup(size=a.size))
+
+
+def _saved(out: str, bundle, metrics: dict) -> dict:  # noqa: ANN001 (a Bundle)
+    """Write a trained bundle and its training curves -> the command's result."""
+    save_bundle(out, bundle)
+    training_curves(bundle.provenance["history"], Path(out).with_suffix(".curves.png"))
+    return {**metrics, "bundle": out}
+
+
 def cmd_train_embedding(a: argparse.Namespace) -> dict:
     dev = resolve_device(a.device)
-    setup = TrainSetup(a.digit, a.background, a.n_train)
-    bundle = new_bundle(a.name or Path(a.out).stem, mnist_config(), a.seed)
-    bundle.to(dev)
-    cfg = EmbeddingTrainConfig(epochs=a.epochs, seed=a.seed, eval_every=max(1, min(20, a.epochs)))
+    kind = _kind(a)
+    n = kind.sizes()
+    n_train = a.n_train or n["n_train"]
+    bundle = new_bundle(a.name or Path(a.out).stem, kind.model_config(), a.seed).to(dev)
+    base = kind.embedding_config()
+    epochs = a.epochs or base.epochs
+    cfg = replace(base, epochs=epochs, seed=a.seed, eval_every=max(1, min(base.eval_every, epochs)))
+    val_ex = kind.draw(bundle, "val_exemplars", n["exemplars"], a.seed, after=n["n_val"]) \
+        if kind.select_with_exemplars() else None
     log, bar = _bar_logger(cfg.epochs, "stage 1 (embedding)", "epoch")
-    res = train_embedding(bundle, cmnist(a.digit, "train", a.n_train, a.background, a.seed),
-                          cmnist(a.digit, "val", setup.n_val, a.background, a.seed), cfg, on_log=log)
+    train, val = kind.draw(bundle, "train", n_train, a.seed), kind.draw(bundle, "val", n["n_val"], a.seed)
+    res = train_embedding(bundle, train, val, cfg, val_exemplars=val_ex, candidates=kind.candidates(bundle), on_log=log)
     bar.close()
-    bundle.provenance = {"data": f"cMNIST digit {a.digit} {a.background}, {a.n_train} train images", "seed": a.seed,
+    bundle.provenance = {"data": f"{kind.describe()}, {n_train} train images", "seed": a.seed,
                          "embedding": {k: v for k, v in res.items() if k != "history"},
                          "history": {"embedding": res["history"], "agent": []}}
-    save_bundle(a.out, bundle)
-    training_curves(bundle.provenance["history"], Path(a.out).with_suffix(".curves.png"))
-    return {"val/ordacc": res["val/ordacc"], "best_epoch": res["best_epoch"], "bundle": a.out}
+    return _saved(a.out, bundle, {"val/ordacc": res["val/ordacc"], "best_epoch": res["best_epoch"]})
 
 
 def cmd_train_agent(a: argparse.Namespace) -> dict:
     dev = resolve_device(a.device)
     bundle = load_bundle(a.bundle, dev)
-    setup = TrainSetup(a.digit, a.background)
-    cfg = AgentTrainConfig(iterations=a.iterations, seed=a.seed, reward=a.reward, entropy_coef=a.entropy_coef,
-                           eval_every=max(1, min(25, a.iterations)))
+    kind = _kind(a)
+    n = kind.sizes()
+    base = kind.agent_config()
+    iterations = a.iterations or base.iterations
+    cfg = replace(base, iterations=iterations, seed=a.seed, reward=a.reward,
+                  entropy_coef=base.entropy_coef if a.entropy_coef is None else a.entropy_coef,
+                  eval_every=max(1, min(base.eval_every, iterations)))
     log, bar = _bar_logger(cfg.iterations, "stage 2 (agent)", "iteration")
-    res = train_agent(bundle, cmnist(a.digit, "train", setup.n_train, a.background, a.seed),
-                      cmnist(a.digit, "val", setup.n_val, a.background, a.seed),
-                      cmnist(a.digit, "val", setup.exemplars, a.background, a.seed, offset=setup.n_val), cfg,
-                      on_log=log)
+    res = train_agent(bundle, kind.draw(bundle, "train", a.n_train or n["n_train"], a.seed),
+                      kind.draw(bundle, "val", n["n_val"], a.seed),
+                      kind.draw(bundle, "val_exemplars", n["exemplars"], a.seed, after=n["n_val"]), cfg, on_log=log)
     bar.close()
     bundle.provenance.setdefault("history", {})["agent"] = res["history"]
     bundle.provenance["agent"] = {k: v for k, v in res.items() if k != "history"} | {"reward": a.reward}
-    save_bundle(a.out, bundle)
-    training_curves(bundle.provenance["history"], Path(a.out).with_suffix(".curves.png"))
-    return {"val/corloc": res["val/corloc"], "best_iteration": res["best_iteration"], "bundle": a.out}
+    return _saved(a.out, bundle, {"val/corloc": res["val/corloc"], "best_iteration": res["best_iteration"]})
 
 
 def cmd_adapt(a: argparse.Namespace) -> dict:
     dev = resolve_device(a.device)
     bundle = load_bundle(a.bundle, dev)
-    loc = Localizer(bundle, dev)
-    ex = cmnist(a.digit, "train", a.exemplars, a.background, a.seed + 1000)
-    unl = cmnist(a.digit, "train", a.unlabeled, a.background, a.seed + 1000, offset=a.exemplars)
-    proto = loc.prototype(exemplar_crops(ex))
+    kind = _kind(a)
+    ex = kind.draw(bundle, "exemplars", a.exemplars, a.seed)
+    unl = kind.draw(bundle, "unlabeled", a.unlabeled, a.seed, after=a.exemplars)
+    proto = prototype_of(bundle, ex)
     cfg = AdaptConfig(iterations=a.iterations, batch_size=a.batch_size, seed=a.seed, lr=a.lr, kl_coef=a.kl_coef,
                       episodes=a.episodes)
     bar = tqdm(total=cfg.iterations, desc="stage 3 (adapt)", file=sys.stderr, leave=False)
@@ -102,9 +125,10 @@ def cmd_adapt(a: argparse.Namespace) -> dict:
                 on_progress=lambda i, n, r: (bar.update(1), bar.set_postfix(reward=round(r, 1))))
     bar.close()
     seconds = time.perf_counter() - t0
-    save_policy(a.out, res.agent_state, bundle_name=bundle.name,
-                meta={"digit": a.digit, "background": a.background, "iterations": res.iteration,
-                      "mean_reward": res.mean_reward, "prototype": proto.tolist()})
+    save_policy(a.out, res.agent_state, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                prototype_dim=bundle.prototype_dim,
+                meta={**kind.meta(), "iterations": res.iteration, "mean_reward": res.mean_reward,
+                      "prototype": proto.tolist()})
     return {"policy": a.out, "iterations": res.iteration, "mean_reward": res.mean_reward, "seconds": round(seconds, 2)}
 
 
@@ -113,12 +137,12 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
     bundle = load_bundle(a.bundle, dev)
     state = load_policy(a.policy, bundle)[0] if a.policy else None
     loc = Localizer(bundle, dev)
-    ex = cmnist(a.digit, "train", a.exemplars, a.background, a.seed + 1000)
-    test = cmnist(a.digit, a.split, a.n_test, a.background, a.seed)
-    proto = loc.prototype(exemplar_crops(ex))
+    kind = _kind(a)
+    ex = kind.draw(bundle, "exemplars", a.exemplars, a.seed)
+    test = kind.draw(bundle, "test" if a.split == "test" else "val", a.n_test, a.seed)
+    proto = prototype_of(bundle, ex)
     agent = bundle.new_agent(state)
-    out = {"digit": a.digit, "background": a.background, "split": a.split, "n_test": a.n_test,
-           "policy": a.policy or "base"}
+    out = {**kind.meta(), "split": a.split, "n_test": a.n_test, "policy": a.policy or "base"}
     if a.samples and a.sampled:
         raise SystemExit("--samples (best-of-N search) and --sampled (one sampled episode) exclude each other")
     if a.nearest and a.sampled:
@@ -126,13 +150,13 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
     out["samples"], out["nearest"] = a.samples, a.nearest
     out["corloc"], _ = evaluate_corloc(bundle, agent, test, proto, deterministic=not a.sampled, seed=a.seed,
                                        samples=a.samples, nearest=a.nearest)
-    acc = ordacc_all(bundle, test, ("proto", "inst"), seed=a.seed)
+    acc = ordacc_all(bundle, test, ("proto", "inst"), seed=a.seed, candidates=kind.candidates(bundle))
     out["ordacc_proto"], out["ordacc_inst"] = acc["proto"], acc["inst"]
     if a.figure:
         k = min(18, a.n_test)
         ro = loc.run(test.images[:k], proto, agent.eval())
         search_paths(test.images[:k], ro.boxes.cpu(), test.boxes[:k], a.figure,
-                     title=f"digit {a.digit}, {a.background}: CorLoc {out['corloc']:.1f}")
+                     title=f"{kind.describe()}: CorLoc {out['corloc']:.1f}")
         out["figure"] = a.figure
     return out
 
@@ -249,14 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--device", default="auto", help="auto | cpu | cuda")
         if digit is not None:
+            sp.add_argument("--data", default="cmnist", choices=("cmnist", "photos"),
+                            help="the dataset kind: cMNIST (--digit, --background) or the offline photos (--class)")
             sp.add_argument("--digit", type=int, default=digit, choices=range(10))
             sp.add_argument("--background", default="patch", choices=BACKGROUNDS)
+            sp.add_argument("--class", dest="class_name", default="mammals", help="photo class (--data photos)")
+            sp.add_argument("--cache", default=str(photo_cache_dir()),
+                            help="photo cache holding manifest.json (qloc fetch-photos; --data photos)")
+            sp.add_argument("--size", type=int, default=224, help="photo input side of a new bundle (--data photos)")
         sp.add_argument("--metrics", help="also write the JSON metrics to this file")
 
-    sp = sub.add_parser("train-embedding", help="stage 1: ordinal embedding on cMNIST")
+    sp = sub.add_parser("train-embedding", help="stage 1: the ordinal embedding of a new bundle")
     common(sp)
-    sp.add_argument("--n-train", type=int, default=50)
-    sp.add_argument("--epochs", type=int, default=100)
+    sp.add_argument("--n-train", type=int, help="training images (default: the dataset kind's, 50 for cMNIST)")
+    sp.add_argument("--epochs", type=int, help="default: the dataset kind's (100 for cMNIST, 15 for photos)")
     sp.add_argument("--name", help="bundle name (default: the output file's stem)")
     sp.add_argument("--out", required=True, help="bundle file to write")
     sp.set_defaults(func=cmd_train_embedding)
@@ -264,13 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("train-agent", help="stage 2: the agent on a stage-1 bundle")
     common(sp)
     sp.add_argument("--bundle", required=True)
-    sp.add_argument("--iterations", type=int, default=300)
+    sp.add_argument("--n-train", type=int, help="training images (default: the dataset kind's, 50 for cMNIST)")
+    sp.add_argument("--iterations", type=int, help="default: the dataset kind's (300 for cMNIST, 400 for photos)")
     sp.add_argument("--reward", default="embedding", choices=("embedding", "iou", "iou_sign"))
-    sp.add_argument("--entropy-coef", type=float, default=0.5)
+    sp.add_argument("--entropy-coef", type=float, help="default: the dataset kind's (0.5 for cMNIST, 0.1 for photos)")
     sp.add_argument("--out", required=True, help="bundle file to write")
     sp.set_defaults(func=cmd_train_agent)
 
-    sp = sub.add_parser("adapt", help="stage 3: test-time adaptation on unlabeled images of a new digit")
+    sp = sub.add_parser("adapt", help="stage 3: test-time adaptation on unlabeled images of a new target")
     common(sp, digit=2)
     sp.add_argument("--bundle", required=True)
     sp.add_argument("--exemplars", type=int, default=5)
@@ -285,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="policy checkpoint to write")
     sp.set_defaults(func=cmd_adapt)
 
-    sp = sub.add_parser("evaluate", help="CorLoc / OrdAcc on cMNIST test images (MNIST's test file)")
+    sp = sub.add_parser("evaluate", help="CorLoc / OrdAcc on test images of a target (cMNIST: MNIST's test file)")
     common(sp, digit=4)
     sp.add_argument("--bundle", required=True)
     sp.add_argument("--policy", help="an adapted policy checkpoint (default: the bundle's base policy)")
@@ -297,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--nearest", action="store_true",
                     help="answer with the visited box nearest the prototype instead of the last one")
     sp.add_argument("--split", choices=("val", "test"), default="test",
-                    help="MNIST images to evaluate on: test (its test file) or val (a held-out part of its train file)")
+                    help="images to evaluate on: test, or val (cMNIST: a held-out part of MNIST's train file)")
     sp.add_argument("--figure", help="PNG of the agent's search paths on the first test images")
     sp.set_defaults(func=cmd_evaluate)
 

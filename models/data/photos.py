@@ -227,17 +227,11 @@ def build_manifest(cache_dir: str | os.PathLike, versions: dict[str, str] | None
     for cls, folder in CLASSES.items():
         items = []
         for png in sorted((stamps / folder).rglob("*.png")):
-            rel = png.relative_to(cache).as_posix()
-            reason = _object_rejection(png, png.relative_to(stamps / folder).parts[:-1])
-            digest = _sha256(png)
-            if reason is None and digest in seen:
-                reason = "duplicate file"
-            if reason is not None:
-                rejected.append({"path": rel, "reason": reason})
+            kept = _admit(png, cache, _object_rejection(png, png.relative_to(stamps / folder).parts[:-1]), seen,
+                          rejected)
+            if kept is None:
                 continue
-            seen.add(digest)
-            with Image.open(png) as im:
-                size = im.size
+            rel, digest, size = kept
             txt = png.with_suffix(".txt")
             desc = txt.read_text(errors="replace").splitlines()[0].strip() if txt.is_file() else ""
             items.append({"path": rel, "source": OBJECT_PACKAGE, "name": png.stem, "description": desc,
@@ -251,21 +245,30 @@ def build_manifest(cache_dir: str | os.PathLike, versions: dict[str, str] | None
         for f in sorted((cache / pkg / folder).rglob("*")):
             if not f.is_file() or f.suffix.lower() not in suffixes:
                 continue
-            rel = f.relative_to(cache).as_posix()
-            reason = "drawn (few flat colours)" if is_drawn(f) else None
-            digest = _sha256(f)
-            if reason is None and digest in seen:
-                reason = "duplicate file"
-            if reason is not None:
-                rejected.append({"path": rel, "reason": reason})
+            kept = _admit(f, cache, "drawn (few flat colours)" if is_drawn(f) else None, seen, rejected)
+            if kept is None:
                 continue
-            seen.add(digest)
-            with Image.open(f) as im:
-                size = im.size
+            rel, digest, size = kept
             backgrounds.append({"path": rel, "source": pkg, "width": size[0], "height": size[1], "sha256": digest,
                                 **_license(licenses.get(pkg), f.relative_to(cache / pkg))})
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "rules": PHOTO_RULES, "sources": sources,
             "objects": objects, "backgrounds": _assign_splits(backgrounds), "rejected": rejected}
+
+
+def _admit(path: Path, cache: Path, reason: str | None, seen: set[str], rejected: list[dict]
+           ) -> tuple[str, str, tuple[int, int]] | None:
+    """Keep ``path`` unless ``reason`` or its content was seen already -> (path in the cache, sha256, size),
+    or ``None`` with the rejection recorded."""
+    rel = path.relative_to(cache).as_posix()
+    digest = _sha256(path)
+    if reason is None and digest in seen:
+        reason = "duplicate file"
+    if reason is not None:
+        rejected.append({"path": rel, "reason": reason})
+        return None
+    seen.add(digest)
+    with Image.open(path) as im:
+        return rel, digest, im.size
 
 
 def _sha256(path: Path) -> str:

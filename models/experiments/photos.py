@@ -39,6 +39,7 @@ from models.evaluate import evaluate_corloc, localize_boxes, ranking, ranking_me
 from models.experiments.baselines import finetune
 from models.features import prototype_of, with_features
 from models.policy import PolicyConfig
+from models.presets import photo_config
 from models.train.agent import AgentTrainConfig, train_agent
 from models.train.embedding import EmbeddingTrainConfig, train_embedding
 
@@ -110,11 +111,8 @@ class PhotoTrainSetup:
 
 
 def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
-    from models.presets import photo_config
-
-    cfg = photo_config(size=setup.size)
-    cfg.agent.use_prototype = setup.use_prototype
-    return cfg
+    """The preset ``photo_config`` with the setup's input size and prototype input."""
+    return photo_config(size=setup.size, use_prototype=setup.use_prototype)
 
 
 def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSetup, seed: int,

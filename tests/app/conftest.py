@@ -12,4 +12,5 @@ from service_fixtures import (  # noqa: E402,F401 -- fixtures are used by name
     postgres_url,
     redis_prefix,
     settings,
+    versions,
 )

@@ -43,7 +43,10 @@ def test_image_runs_the_run_script():
     cmd = re.findall(r"^CMD (.+)$", dockerfile, re.MULTILINE)
     assert cmd == ['["scripts/run", "api"]']
     copied = set(re.findall(r"^COPY (\S+)", dockerfile, re.MULTILINE))
-    assert {"models", "app", "worker", "migrations", "alembic.ini", "bundles", "scripts/run"} <= copied
+    assert {"models", "app", "worker", "migrations", "alembic.ini", "bundles", "scripts/run", "data/mnist"} <= copied
+    assert "QLOC_DATA_DIR=/srv/qloc/data" in dockerfile  # the CLI's MNIST, found through the one data setting
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert "data" not in ignored and "data/photos" in ignored
     assert "QLOC_BOOTSTRAP=0" in dockerfile  # the image has no virtualenv: scripts/run uses PATH
 
 

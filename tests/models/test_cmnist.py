@@ -57,3 +57,25 @@ def test_selective_two_digits():
 
     assert bool((paired_iou(first.boxes, second.boxes) == 0).all())
     assert first.labels.tolist() == [3] * 6 and second.labels.tolist() == [4] * 6
+
+
+def test_mnist_is_found_through_qloc_data_dir(tmp_path, monkeypatch):
+    """Data comes from ``QLOC_DATA_DIR`` (default ``./data``), never from beside the installed code."""
+    from pathlib import Path
+
+    from models.data import DATA_DIR_ENV, data_dir
+    from models.data.cmnist import load_mnist
+
+    repo_data = Path(__file__).resolve().parents[2] / "data"
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
+    assert data_dir() == tmp_path
+    with pytest.raises(FileNotFoundError, match=DATA_DIR_ENV):
+        load_mnist("test")
+    (tmp_path / "mnist").symlink_to(repo_data / "mnist")
+    images, labels = load_mnist("test")
+    assert images.shape == (10000, 28, 28) and len(labels) == 10000
+    monkeypatch.delenv(DATA_DIR_ENV)
+    monkeypatch.chdir(tmp_path)  # the default is the working directory's data/
+    assert data_dir() == Path("data")
+    with pytest.raises(FileNotFoundError, match="mnist"):
+        load_mnist("train")

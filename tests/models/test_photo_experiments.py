@@ -339,3 +339,22 @@ def test_cli_photo_train_and_reproduce(manifest, tmp_path, monkeypatch):
             assert stats == {"mean": round(result["rows"][0][key], 3), "std": 0.0, "n": 1}, key
     assert not (again / "seed0" / "bundle.pt").exists()
     assert list(run.glob("seed0/paths_fish_*.png"))
+
+
+def test_stage_commands_run_on_photos(manifest, tmp_path):
+    """train-embedding, train-agent, adapt and evaluate take ``--data photos`` as they take cMNIST."""
+    data = ["--data", "photos", "--cache", manifest["root"], "--size", str(SIZE), "--device", "cpu"]
+    emb, bundle, policy = tmp_path / "e.pt", tmp_path / "b.pt", tmp_path / "p.pt"
+    assert main(["train-embedding", *data, "--n-train", "10", "--epochs", "1", "--out", str(emb)]) == 0
+    assert "offline photos, class mammals" in load_bundle(emb).provenance["data"]
+    assert main(["train-agent", *data, "--bundle", str(emb), "--n-train", "10", "--iterations", "2",
+                 "--out", str(bundle)]) == 0
+    b = load_bundle(bundle)
+    assert b.config.input.channels == 3 and b.provenance["agent"]["best_iteration"] in (1, 2)
+    assert main(["adapt", *data, "--class", "birds", "--bundle", str(bundle), "--unlabeled", "4",
+                 "--iterations", "1", "--batch-size", "4", "--out", str(policy)]) == 0
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", *data, "--class", "birds", "--bundle", str(bundle), "--policy", str(policy),
+                 "--n-test", "10", "--metrics", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["class"] == "birds" and 0 <= m["corloc"] <= 100 and m["policy"] == str(policy)

@@ -24,6 +24,7 @@ from service_fixtures import (
     make_test_settings,
     migrate,
     png_bytes,
+    register_set,
     wait_for_job_row,
 )
 from sqlalchemy import select, update
@@ -57,26 +58,6 @@ class Recorder:
             self.sent.append(job_id)
         if self.then is not None:
             self.then(job_id)
-
-
-@pytest.fixture
-def api(db_settings):
-    app = create_app(db_settings)
-    yield TestClient(app)  # no lifespan: a request that dies (Killed) takes only its own event loop down
-    app.state.engine.dispose()
-
-
-@pytest.fixture
-def ctx(db_settings):
-    c = WorkerContext.create(db_settings)
-    yield c
-    c.engine.dispose()
-
-
-def register(client):
-    r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9)))
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
 
 
 def post_job(client, set_id, iterations=4):
@@ -138,7 +119,7 @@ def later(seconds):
 
 def test_the_api_stamps_the_job_once_its_task_is_sent(api, ctx, db_settings):
     before = utcnow()
-    r = post_job(api, register(api))
+    r = post_job(api, register_set(api))
     assert r.status_code == 202
     job = row(ctx, uuid.UUID(r.json()["id"]))
     assert job.status == "queued" and before <= job.enqueued_at <= utcnow()
@@ -149,7 +130,7 @@ def test_the_api_stamps_the_job_once_its_task_is_sent(api, ctx, db_settings):
 
 
 def test_a_job_never_sent_is_sent_by_the_reaper_after_the_grace(api, ctx, db_settings, monkeypatch):
-    job_id = create_unsent_job(api, register(api), monkeypatch)
+    job_id = create_unsent_job(api, register_set(api), monkeypatch)
     assert row(ctx, job_id).enqueued_at is None and messages_waiting(db_settings) == 0
     send = Recorder()
     reaper = Reaper(ctx, send)
@@ -171,7 +152,7 @@ def test_a_job_never_sent_is_sent_by_the_reaper_after_the_grace(api, ctx, db_set
 
 
 def test_an_abandoned_job_is_requeued_and_sent_in_the_same_round(api, ctx, db_settings):
-    job_id = uuid.UUID(post_job(api, register(api)).json()["id"])  # sent a moment ago
+    job_id = uuid.UUID(post_job(api, register_set(api)).json()["id"])  # sent a moment ago
     assert jobs.claim_job(ctx, job_id, worker="dead") == 1
     set_row(ctx, job_id, heartbeat_at=utcnow() - timedelta(hours=1))
     send = Recorder()
@@ -182,7 +163,7 @@ def test_an_abandoned_job_is_requeued_and_sent_in_the_same_round(api, ctx, db_se
 
 
 def test_a_failed_send_of_the_reaper_is_retried_at_the_next_round(api, ctx, db_settings, monkeypatch):
-    set_id = register(api)
+    set_id = register_set(api)
     unsent = create_unsent_job(api, set_id, monkeypatch)
     stale = uuid.UUID(post_job(api, set_id).json()["id"])
     abandoned = uuid.UUID(post_job(api, set_id).json()["id"])
@@ -206,7 +187,7 @@ def test_a_failed_send_of_the_reaper_is_retried_at_the_next_round(api, ctx, db_s
 
 
 def test_concurrent_reapers_send_each_job_once(api, ctx, db_settings, monkeypatch):
-    set_id = register(api)
+    set_id = register_set(api)
     due = [create_unsent_job(api, set_id, monkeypatch, iterations=i) for i in (2, 3)]
     due.append(uuid.UUID(post_job(api, set_id).json()["id"]))
     due.append(uuid.UUID(post_job(api, set_id).json()["id"]))
@@ -218,7 +199,7 @@ def test_concurrent_reapers_send_each_job_once(api, ctx, db_settings, monkeypatc
 
 
 def test_a_send_lost_to_another_reaper_is_not_repeated(api, ctx, db_settings, monkeypatch):
-    job_id = create_unsent_job(api, register(api), monkeypatch)
+    job_id = create_unsent_job(api, register_set(api), monkeypatch)
     t = later(db_settings.enqueue_grace + 1)
     (read,) = jobs_to_send(ctx, now=t)
     first, second = Recorder(), Recorder()
@@ -228,7 +209,7 @@ def test_a_send_lost_to_another_reaper_is_not_repeated(api, ctx, db_settings, mo
 
 
 def test_the_api_answers_503_and_fails_the_job_only_if_nobody_sent_it(api, ctx, db_settings, monkeypatch):
-    set_id = register(api)
+    set_id = register_set(api)
 
     def broker_down(self, job_id):
         raise ConnectionError("broker unreachable")
@@ -274,7 +255,7 @@ def test_the_api_dies_between_commit_and_send(tmp_path, bundle_dir, monkeypatch)
     settings = delivery_settings(tmp_path, bundle_dir)
     app = create_app(settings)
     try:
-        job_id = create_unsent_job(TestClient(app), register(TestClient(app)), monkeypatch)
+        job_id = create_unsent_job(TestClient(app), register_set(TestClient(app)), monkeypatch)
     finally:
         app.state.engine.dispose()
     assert messages_waiting(settings) == 0
@@ -300,7 +281,7 @@ def test_the_broker_loses_the_message(backend, tmp_path, bundle_dir, request):
     app = create_app(settings)
     try:
         client = TestClient(app)
-        r = post_job(client, register(client))
+        r = post_job(client, register_set(client))
         assert r.status_code == 202
     finally:
         app.state.engine.dispose()
@@ -328,7 +309,7 @@ def test_the_reapers_send_fails_once(tmp_path, bundle_dir, monkeypatch):
     stack = Stack(settings, tmp_path)
     try:
         client = TestClient(app)
-        set_id = register(client)
+        set_id = register_set(client)
         unsent = create_unsent_job(client, set_id, monkeypatch)
         abandoned = uuid.UUID(post_job(client, set_id).json()["id"])
         with broker(settings) as conn:
