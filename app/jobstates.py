@@ -1,4 +1,5 @@
-"""The adaptation job's state machine: its states, declared once, and every write of ``adaptation_jobs.status``.
+"""The adaptation job's state machine: every write of ``adaptation_jobs.status``. The states are declared
+once, with the schema's CHECK constraint, in ``app.tables`` (``JobState``) and re-exported here.
 
 A job is created ``queued`` (the column's default) and ends ``succeeded``, ``failed`` or ``canceled``.
 Each transition is one conditional UPDATE whose WHERE clause is its guard, and returns whether it
@@ -29,28 +30,13 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
+from sqlalchemy import ColumnElement, and_, func, literal, or_, select, update
+from sqlalchemy.orm import Session
 
-class JobState(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELED = "canceled"
-
-
-JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
-FINISHED_STATES: tuple[str, ...] = (JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.CANCELED.value)
-"""The end states: a job in one of them is never claimed, requeued or changed again."""
-
-# The transitions below need the tables, and ``app.tables`` needs the states above for its CHECK
-# constraint: import the module (not its names) once the states exist, so either may be imported first.
-from sqlalchemy import ColumnElement, and_, func, literal, or_, select, update  # noqa: E402
-from sqlalchemy.orm import Session  # noqa: E402
-
-from app import tables  # noqa: E402
+from app import tables
+from app.tables import FINISHED_STATES, JOB_STATES, JobState  # noqa: F401 -- the states, re-exported
 
 
 def _applied(result: Any) -> bool:

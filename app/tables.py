@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -28,7 +29,19 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from app.jobstates import JOB_STATES, JobState
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
+FINISHED_STATES: tuple[str, ...] = (JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.CANCELED.value)
+"""The end states: a job in one of them is never claimed, requeued or changed again."""
+
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -115,7 +128,7 @@ class AdaptationJob(Base):
         Uuid, ForeignKey("exemplar_sets.id", ondelete="CASCADE"), index=True)
     owner: Mapped[str] = mapped_column(String(64), index=True, default="")
     status: Mapped[str] = mapped_column(String(16), index=True, default=JobState.QUEUED.value)
-    """One of ``app.jobstates.JOB_STATES`` (a CHECK constraint, ``ck_adaptation_jobs_status``); only
+    """One of ``JOB_STATES`` (a CHECK constraint, ``ck_adaptation_jobs_status``); only
     ``app.jobstates`` changes it."""
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_sha256: Mapped[str] = mapped_column(String(64))
