@@ -1,4 +1,16 @@
-"""qloc's PyTorch core: boxes, actions, cMNIST, networks, ordinal embedding, agent, adaptation.
+"""qloc's PyTorch core, split by role. A module imports only modules of its own role or a lower one
+(``tests/models/test_layers.py`` checks it), and never ``app`` or ``worker``:
+
+0. ``config``, ``core`` (boxes, actions, ordinal pairs, REINFORCE, metrics, seeded scopes), ``plots``
+1. ``backbones`` (registry, builders, decoders), ``data`` (``LabeledImages``, cMNIST, photos, fetcher)
+2. ``nets`` (RoI embedder, agent), ``presets`` (the cMNIST and photo configs)
+3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search)
+4. ``inference`` (the one ``preprocess`` and ``Localizer``)
+5. ``features`` (backbone features, prototypes), ``policy`` (the policy-gradient step)
+6. ``evaluate`` (OrdAcc, CorLoc, ranking baseline), ``adapt`` (stage 3)
+7. ``train`` (stages 1 and 2)
+8. ``experiments`` (protocols, dataset kinds, fine-tune baseline, summary, provenance, speed)
+9. ``cli`` (``qloc``)
 
 Box convention for the whole project: ``Tensor[N, 4]`` of float ``(x1, y1, x2, y2)`` in pixels of
 the network input, origin top-left, ``x1 < x2`` and ``y1 < y2``; the image spans ``[0, W] x [0, H]``.

@@ -9,11 +9,12 @@ no background of a test image was ever seen, not even unlabeled. Small classes h
 source photos (fish: 2); each generated image still differs (background crop, scale, position, flip,
 colour jitter), but their per-class numbers say more about those few photos than about the class.
 
-The backbone is frozen, so each image's feature map is computed once per set and reused by every
-stage and metric here: stage 1 trains the head on cached features (``train_embedding`` re-runs the
-backbone at every step: ~3.5 s per 32 images on one CPU thread, against ~0.35 s for a whole head
-step), stage 2 and the metrics roll out on cached features. Adaptation goes through
-``models.adapt.adapt`` unchanged, so its wall time includes its own backbone pass.
+The backbone is frozen, so each image's feature map is computed once per set (``photo_set`` carries it
+in ``LabeledImages.feats``) and reused by every stage and metric: the shared trainers
+(``models.train``) and metrics (``models.evaluate``) use carried features instead of re-running the
+backbone (~3.5 s per 32 images on one CPU thread, against ~0.35 s for a whole head step). Adaptation
+goes through ``models.adapt.adapt``, as the service runs it, so its wall time includes its own backbone
+pass. This module holds the protocol only: its data draws, setups and the transfer table.
 """
 
 from __future__ import annotations
@@ -225,14 +226,3 @@ def photo_transfer(bundle: Bundle, manifest: dict[str, Any], setup: PhotoTransfe
             m[f"corloc_after_best{n_best}_ranking_subset"] = corloc(best_after[:k], test.boxes[:k])
     return m, {"test": test, "prototype": proto, "agent_state": res.agent_state,
                "trajectory_before": traj_before, "trajectory_after": traj_after}
-
-
-# ---------------------------------------------------------------- speed
-
-
-# ---------------------------------------------------------------- summaries
-
-
-# ---------------------------------------------------------------- command line (wired into ``models.cli``)
-
-
