@@ -37,21 +37,26 @@ class NewBlob:
     height: int
     sha256: str
     blob: str
+    box: tuple[float, float, float, float] | None = None
+    """For an exemplar: the object's box in the image's pixels (a labeled example); None for a crop."""
 
 
 def create_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str, name: str | None, bundle: str,
                         bundle_sha256: str, prototype: bytes, prototype_dim: int,
                         exemplars: list[NewBlob]) -> ExemplarSet:
     """A set, its exemplar rows and its ``base`` checkpoint (the bundle's policy), made active; the set and
-    its base checkpoint record ``bundle_sha256``, the sha256 of the bundle file that made the prototype."""
+    its base checkpoint record ``bundle_sha256``, the sha256 of the bundle file that made the prototype.
+    Exemplars with a ``box`` are the set's labeled examples (counted in ``num_labeled``)."""
     es = ExemplarSet(id=set_id, owner=owner, name=name, bundle=bundle, bundle_sha256=bundle_sha256,
-                     prototype=prototype, prototype_dim=prototype_dim, num_exemplars=len(exemplars))
+                     prototype=prototype, prototype_dim=prototype_dim, num_exemplars=len(exemplars),
+                     num_labeled=sum(e.box is not None for e in exemplars))
     session.add(es)
     session.flush()
     for e in exemplars:
+        x1, y1, x2, y2 = e.box if e.box is not None else (None, None, None, None)
         session.add(Exemplar(exemplar_set_id=set_id, position=e.position, filename=e.filename,
                              content_type=e.content_type, width=e.width, height=e.height, sha256=e.sha256,
-                             blob=e.blob))
+                             blob=e.blob, box_x1=x1, box_y1=y1, box_x2=x2, box_y2=y2))
     base = Checkpoint(exemplar_set_id=set_id, parent_id=None, job_id=None, kind="base", iteration=0,
                       sha256=bundle_sha256, metrics={}, blob=None)
     session.add(base)
@@ -63,6 +68,22 @@ def create_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str, name
 def get_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str | None) -> ExemplarSet | None:
     return session.scalars(_scoped(select(ExemplarSet).where(ExemplarSet.id == set_id), ExemplarSet.owner,
                                    owner)).first()
+
+
+def labeled_examples(session: Session, set_id: uuid.UUID) -> list[Exemplar]:
+    """The set's labeled examples: its exemplar rows that have a box, ordered by ``position``.
+
+    Each is a whole image as uploaded, with the object's box. Read the image with
+    ``store.read_verified(row.blob, row.sha256)`` and decode the bytes with PIL (``Image.open``, as
+    ``app.images.decode_image`` does: no EXIF rotation); ``row.box`` is ``(x1, y1, x2, y2)`` in the pixels of
+    that decoded image (x right, y down; ``row.width`` x ``row.height`` is its size, and the box lies within
+    ``[0, width] x [0, height]``). To put the box in a bundle's input frame after ``models.inference.preprocess``,
+    divide x by ``width / S`` and y by ``height / S`` (the scales it returns). The prototype was made from the
+    crops cut from these boxes (edges rounded to the nearest pixel). An unknown set, or a set of plain crops,
+    gives ``[]``. ``set_id`` may be passed by keyword or by position."""
+    stmt = (select(Exemplar).where(Exemplar.exemplar_set_id == set_id, Exemplar.box_x1.is_not(None))
+            .order_by(Exemplar.position))
+    return list(session.scalars(stmt))
 
 
 def list_exemplar_sets(session: Session, *, owner: str | None, limit: int, offset: int

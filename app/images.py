@@ -7,6 +7,7 @@ count read from the header (before decoding: decompression bombs), and a full de
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -97,3 +98,15 @@ def decode_image(data: bytes, *, filename: str | None, declared_type: str | None
     except Exception as e:  # PIL raises many types for broken files: SyntaxError, OSError, ValueError...
         raise ImageRejected("bad_image", f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
     return DecodedImage(filename, data, img, fmt)
+
+
+def round_box(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
+    """A box ``(x1, y1, x2, y2)`` in pixels -> its edges rounded to the nearest pixel edge (halves up)."""
+    x1, y1, x2, y2 = (math.floor(v + 0.5) for v in box)
+    return x1, y1, x2, y2
+
+
+def cut_box(image: Image.Image, box: tuple[float, float, float, float]) -> Image.Image:
+    """The crop of ``image`` inside ``box`` (in its pixels, edges rounded by ``round_box``): how an exemplar
+    set's crops are cut from whole images with boxes. Mode, palette and transparency are kept."""
+    return image.crop(round_box(box))

@@ -48,6 +48,9 @@ class ExemplarSetPublic(BaseModel):
     id: uuid.UUID
     name: str | None
     num_exemplars: int
+    num_labeled: int = Field(description=(
+        "Exemplars uploaded as whole images with the object's box (`boxes`): the set's labeled examples, which "
+        "adaptation jobs use to check themselves. 0 for a set of plain crops."))
     bundle: str
     bundle_sha256: str | None = Field(description=(
         "sha256 of the bundle file that made the set's prototype. Once another file is installed under the "

@@ -95,13 +95,27 @@ class ExemplarSet(Base):
     """Mean exemplar embedding, float32 little-endian bytes, ``[D]``."""
     prototype_dim: Mapped[int] = mapped_column(Integer)
     num_exemplars: Mapped[int] = mapped_column(Integer)
+    num_labeled: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Exemplars uploaded as whole images with the object's box (``Exemplar.box``): the set's labeled
+    examples. 0 for a set of plain crops."""
     active_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+EXEMPLAR_BOX_CHECK = (
+    "(box_x1 IS NULL AND box_y1 IS NULL AND box_x2 IS NULL AND box_y2 IS NULL) OR "
+    "(box_x1 IS NOT NULL AND box_y1 IS NOT NULL AND box_x2 IS NOT NULL AND box_y2 IS NOT NULL "
+    "AND box_x1 < box_x2 AND box_y1 < box_y2)")
+"""``ck_exemplars_box``: a box is all four coordinates or none, and is not empty."""
+
+
 class Exemplar(Base):
+    """An uploaded exemplar file. Without a box it is a crop of the object; with one (``box_*``), a whole
+    image with the object's box: a *labeled example* (its crop, cut from the box, made the prototype)."""
+
     __tablename__ = "exemplars"
+    __table_args__ = (CheckConstraint(EXEMPLAR_BOX_CHECK, name="box"),)
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
     exemplar_set_id: Mapped[uuid.UUID] = mapped_column(
@@ -111,9 +125,23 @@ class Exemplar(Base):
     content_type: Mapped[str] = mapped_column(String(50))
     width: Mapped[int] = mapped_column(Integer)
     height: Mapped[int] = mapped_column(Integer)
+    """Size of the stored file as decoded (PIL's frame of the bytes in ``blob``): the frame of the box."""
     sha256: Mapped[str] = mapped_column(String(64))
     blob: Mapped[str] = mapped_column(String(500))
+    box_x1: Mapped[float | None] = mapped_column(Float)
+    """The object's box ``[box_x1, box_y1, box_x2, box_y2]`` in the pixels of the stored image (x right,
+    y down, within ``[0, width] x [0, height]``); all NULL for a plain crop."""
+    box_y1: Mapped[float | None] = mapped_column(Float)
+    box_x2: Mapped[float | None] = mapped_column(Float)
+    box_y2: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    @property
+    def box(self) -> tuple[float, float, float, float] | None:
+        """``(x1, y1, x2, y2)`` in the stored image's pixels, or None for a plain crop."""
+        if self.box_x1 is None or self.box_y1 is None or self.box_x2 is None or self.box_y2 is None:
+            return None
+        return (self.box_x1, self.box_y1, self.box_x2, self.box_y2)
 
 
 class AdaptationJob(Base):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import uuid
 from typing import Annotated
 
@@ -14,6 +16,7 @@ from torch import Tensor
 from app import crud
 from app.config import MAX_SAMPLES
 from app.deps import BundlesDep, CallerDep, MetricsDep, SessionDep, SettingsDep, StoreDep
+from app.images import DecodedImage, cut_box
 from app.inference import (
     BundleMismatch,
     BundleRegistry,
@@ -37,6 +40,18 @@ router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"], responses
 
 UNKNOWN = {404: error("Unknown exemplar set")}
 NOT_FOUND = "exemplar set not found"
+
+Box = tuple[float, float, float, float]
+MIN_BOX_SIDE = 2.0
+"""A box must be at least this many pixels wide and high."""
+BOXES_FORMAT = "a JSON list of [x1, y1, x2, y2] (4 numbers, in the pixels of the uploaded image), one per file"
+BOXES_DESCRIPTION = (
+    "Optional: the files are whole images, and this is the object's box in each: " + BOXES_FORMAT + ", in upload "
+    "order. Pixels of the image as uploaded: origin top-left, x right, y down; 0 <= x1 < x2 <= width, "
+    f"0 <= y1 < y2 <= height, at least {MIN_BOX_SIDE:g} pixels on each side. The crops that make the prototype "
+    "are cut from the boxes (edges rounded to the nearest pixel); the whole images are kept, with their boxes, "
+    "as the set's labeled examples (`num_labeled`), which adaptation jobs use to check themselves. "
+    "Example: `[[10, 20, 60, 90]]`. Absent (or empty): the files are crops.")
 
 
 def to_public(es: ExemplarSet) -> ExemplarSetPublic:
@@ -65,27 +80,90 @@ def set_bundle(bundles: BundleRegistry, es: ExemplarSet) -> LoadedBundle:
     return get_bundle(bundles, es.bundle, explicit=False, exemplar_set=es)
 
 
+def _unprocessable(detail: str) -> HTTPException:
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+
+
+def _number(value: object) -> float | None:
+    """A finite JSON number as a float, else None (booleans are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:  # an integer beyond float's range
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _fmt(box: Box) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in box) + "]"
+
+
+def parse_boxes(raw: str, images: list[DecodedImage]) -> list[Box]:
+    """The ``boxes`` form field -> one box per image, each checked against its image; 422 otherwise, naming the
+    file (position and filename) and its size. Writes nothing: called before anything is stored."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; RecursionError: deep nesting
+        raise _unprocessable(f"boxes is not JSON ({e}); it must be {BOXES_FORMAT}") from e
+    if not isinstance(value, list):
+        raise _unprocessable(f"boxes must be {BOXES_FORMAT}; got a JSON {type(value).__name__}")
+    if len(value) != len(images):
+        n, m = len(value), len(images)
+        raise _unprocessable(f"boxes has {n} box{'' if n == 1 else 'es'} for {m} file{'' if m == 1 else 's'}: "
+                             "it must have one box per file, in upload order")
+    out: list[Box] = []
+    for i, (item, im) in enumerate(zip(value, images, strict=True)):
+        where = (f"boxes[{i}], for file {i + 1} of {len(images)} ({im.filename or 'upload'!r}, "
+                 f"{im.width}x{im.height} pixels)")
+        numbers = [_number(v) for v in item] if isinstance(item, list) else []
+        if len(numbers) != 4 or any(v is None for v in numbers):
+            shown = json.dumps(item)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise _unprocessable(f"{where}: must be [x1, y1, x2, y2], 4 finite numbers; got {shown}")
+        box: Box = (numbers[0], numbers[1], numbers[2], numbers[3])  # type: ignore[assignment]
+        x1, y1, x2, y2 = box
+        if not (x1 < x2 and y1 < y2):
+            raise _unprocessable(f"{where}: {_fmt(box)} is not a box: x1 < x2 and y1 < y2 are needed")
+        if x1 < 0 or y1 < 0 or x2 > im.width or y2 > im.height:
+            raise _unprocessable(f"{where}: {_fmt(box)} is not inside the image: 0 <= x1 < x2 <= {im.width} and "
+                                 f"0 <= y1 < y2 <= {im.height} are needed")
+        if x2 - x1 < MIN_BOX_SIDE or y2 - y1 < MIN_BOX_SIDE:
+            raise _unprocessable(f"{where}: {_fmt(box)} is {x2 - x1:g}x{y2 - y1:g} pixels; a box needs at least "
+                                 f"{MIN_BOX_SIDE:g} pixels on each side")
+        out.append(box)
+    return out
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
-    **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, or an unknown bundle"),
+    **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, an unknown bundle, or boxes that are not one valid box "
+                                  "inside each file"),
     503: error("The default bundle is unavailable, or the bundle cannot be loaded")})
 def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep,
-    files: Annotated[list[UploadFile], File(description="1..64 PNG/JPEG crops of the object sought")],
+    files: Annotated[list[UploadFile], File(description=(
+        "1..64 PNG/JPEG crops of the object sought; with `boxes`, whole images that show it"))],
     name: Annotated[str | None, Form(max_length=200)] = None,
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
+    boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
 ) -> ExemplarSetPublic:
-    """Register exemplar crops: their mean embedding becomes the set's prototype."""
+    """Register exemplar crops: their mean embedding becomes the set's prototype.
+
+    With ``boxes``, the files are whole images and the crops are cut from the boxes; the images are kept with
+    their boxes as the set's labeled examples. Everything is checked before anything is written."""
     images = read_images(files, settings)
+    labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else [None] * len(images)
     loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
-    prototype = loaded.localizer.prototype([im.image for im in images])  # [D]
+    crops = [im.image if box is None else cut_box(im.image, box) for im, box in zip(images, labels, strict=True)]
+    prototype = loaded.localizer.prototype(crops)  # [D]
     set_id = uuid.uuid4()
     try:
         blobs = []
         for i, im in enumerate(images):
             key = exemplar_key(set_id, i, im.ext)
             sha = store.put(key, im.data)
-            blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, sha, key))
+            blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, sha, key, labels[i]))
         es = crud.create_exemplar_set(session, set_id=set_id, owner=caller.owner, name=name, bundle=loaded.name,
                                       bundle_sha256=loaded.sha256, prototype=prototype_to_bytes(prototype),
                                       prototype_dim=int(prototype.numel()), exemplars=blobs)
