@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     checkpoint_every: int = Field(25, ge=1)
     adapt_batch_size: int = Field(32, ge=1)
     """Images per adaptation iteration (at most the job's images)."""
+    synthetic_probes: int = Field(128, ge=8, le=4096)
+    """Synthetic probes per job: the set's exemplar crops pasted into the job's images, boxes known. With the
+    set's labeled examples they score the starting policy and every checkpoint (``activate=auto``)."""
     job_soft_time_limit: float = Field(3600.0, gt=0)
     """Seconds; the job is marked failed (its checkpoints kept) when it runs longer."""
     job_time_limit: float = Field(3660.0, gt=0)

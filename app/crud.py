@@ -140,7 +140,7 @@ def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> Exemplar
 
 def create_job(session: Session, *, job_id: uuid.UUID, exemplar_set: ExemplarSet, owner: str,
                idempotency_key: str | None, request_sha256: str, iterations: int, learning_rate: float, seed: int,
-               activate: bool, images: list[NewBlob]) -> AdaptationJob:
+               activate: str, images: list[NewBlob]) -> AdaptationJob:
     """A ``queued`` job (the status column's default; ``app.jobstates`` owns every change of it) not yet sent
     (``enqueued_at`` NULL): commit it, send its task, then ``mark_enqueued`` (or ``jobstates.fail_unsent``)."""
     job = AdaptationJob(id=job_id, exemplar_set_id=exemplar_set.id, owner=owner,

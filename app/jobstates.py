@@ -78,9 +78,11 @@ def claim(session: Session, *, job_id: uuid.UUID, worker: str, stale_before: dat
 
 def finish_run(session: Session, *, job_id: uuid.UUID, attempt: int, outcome: JobState, progress_iteration: int,
                mean_reward: float | None, checkpoint_id: uuid.UUID | None = None, error: str | None = None,
+               verdict: str | None = None, validation: dict[str, Any] | None = None,
                now: datetime | None = None) -> bool:
     """running → ``outcome`` (succeeded, or canceled on request), with the run's last progress and
-    checkpoint (``checkpoint_id`` None keeps the row's) -> False when the run no longer holds the lease."""
+    checkpoint (``checkpoint_id`` None keeps the row's) and the guard's ``verdict`` / ``validation`` ->
+    False when the run no longer holds the lease."""
     if outcome not in (JobState.SUCCEEDED, JobState.CANCELED):
         raise ValueError(f"a run finishes succeeded or canceled (fail_run fails it), not {outcome!r}")
     now = now or tables.utcnow()
@@ -88,6 +90,8 @@ def finish_run(session: Session, *, job_id: uuid.UUID, attempt: int, outcome: Jo
                               "progress_iteration": progress_iteration, "mean_reward": mean_reward}
     if checkpoint_id is not None:
         values["checkpoint_id"] = checkpoint_id
+    if verdict is not None:
+        values["verdict"], values["validation"] = verdict, validation
     return _applied(session.execute(update(tables.AdaptationJob).where(lease_held(job_id, attempt)).values(**values)))
 
 

@@ -92,9 +92,43 @@ class JobParams(BaseModel):
     iterations: int
     learning_rate: float
     seed: int
-    activate: bool
+    activate: Literal["auto", "true", "false"] = Field(
+        description="auto: the best checkpoint, only if it beats the starting policy on the job's probes; "
+                    "true: the final checkpoint, whatever the probes say; false: none")
     num_images: int
     base_checkpoint_id: uuid.UUID | None
+
+
+class ProbeScore(BaseModel):
+    corloc: float = Field(description="% of probes whose answer has IoU >= 0.5 with the known box")
+    mean_iou: float
+    n: int
+
+
+class PolicyScore(BaseModel):
+    select: ProbeScore = Field(description="On the probes that choose the checkpoint and decide")
+    held: ProbeScore = Field(description="On the held-out probes, which only report")
+
+
+class CheckpointScore(PolicyScore):
+    iteration: int
+    gain: float = Field(description="Selection CorLoc minus the starting policy's, in points")
+    noise: float = Field(description="Twice the standard error of that paired difference, in points")
+
+
+class Validation(BaseModel):
+    """How the job checked itself: the starting policy and every checkpoint scored on labeled probes."""
+
+    probes: dict[str, int] = Field(description="Probe counts: labeled (the set's boxed examples), synthetic "
+                                               "(exemplar crops pasted into the job's images), select, held")
+    faithfulness: dict[str, float] = Field(description="How well the reward's embedding orders boxes by overlap "
+                                                       "on the probes: OrdAcc (%) and Spearman rho (negative is good)")
+    base: PolicyScore
+    best: CheckpointScore | None
+    checkpoints: list[CheckpointScore]
+    stopped_early: bool
+    activated_iteration: int | None = Field(description="The checkpoint the job made active, if any")
+    message: str
 
 
 class AdaptationJobPublic(BaseModel):
@@ -105,6 +139,9 @@ class AdaptationJobPublic(BaseModel):
     checkpoint_id: uuid.UUID | None
     error: str | None
     params: JobParams
+    verdict: Literal["improved", "no better", "worse", "reward unreliable"] | None = Field(
+        description="Did adapting make the answers better, by the job's probes (null until it finished)")
+    validation: Validation | None
     attempts: int
     cancel_requested: bool
     created_at: datetime

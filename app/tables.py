@@ -39,6 +39,10 @@ class JobState(StrEnum):
 
 
 JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
+ACTIVATE_MODES = ("auto", "true", "false")
+"""What a succeeded job activates (``AdaptationJob.activate``); ``models.guard`` decides it the same way."""
+VERDICTS = ("improved", "no better", "worse", "reward unreliable")
+"""A finished job's answer to "did adapting make the answers better?" (``models.guard.VERDICTS``)."""
 FINISHED_STATES: tuple[str, ...] = (JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.CANCELED.value)
 """The end states: a job in one of them is never claimed, requeued or changed again."""
 
@@ -149,6 +153,8 @@ class AdaptationJob(Base):
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key", name="uq_adaptation_jobs_idempotency"),
         CheckConstraint(f"status IN ({', '.join(repr(s) for s in JOB_STATES)})", name="status"),
+        CheckConstraint(f"activate IN ({', '.join(repr(s) for s in ACTIVATE_MODES)})", name="activate"),
+        CheckConstraint(f"verdict IN ({', '.join(repr(s) for s in VERDICTS)})", name="verdict"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
@@ -165,7 +171,9 @@ class AdaptationJob(Base):
     iterations: Mapped[int] = mapped_column(Integer)
     learning_rate: Mapped[float] = mapped_column(Float)
     seed: Mapped[int] = mapped_column(Integer)
-    activate: Mapped[bool] = mapped_column(Boolean, default=True)
+    activate: Mapped[str] = mapped_column(String(8), default="auto")
+    """``auto``: the best checkpoint, only if it beats the starting policy on the job's probes; ``true``: the
+    final checkpoint, whatever the probes say; ``false``: none (``ACTIVATE_MODES``)."""
     num_images: Mapped[int] = mapped_column(Integer)
     base_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
@@ -176,6 +184,10 @@ class AdaptationJob(Base):
     checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
     """The job's latest checkpoint; the final one once it succeeded."""
+    validation: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """Probe scores of the starting policy and of every checkpoint (``models.guard.Guard.decide``)."""
+    verdict: Mapped[str | None] = mapped_column(String(32))
+    """The job's plain answer, one of ``VERDICTS``; NULL until it finished (or for jobs run before)."""
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str | None] = mapped_column(Text)
     # execution

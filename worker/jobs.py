@@ -18,10 +18,12 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+import torch
 from celery.exceptions import SoftTimeLimitExceeded
 from PIL import Image
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
+from torch import Tensor
 
 from app import jobstates
 from app.inference import bundle_for_set, prototype_from_bytes, read_checkpoint
@@ -29,9 +31,11 @@ from app.jobstates import JobState
 from app.storage import checkpoint_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
-from models.bundle import policy_to_bytes
+from models.bundle import Bundle, policy_to_bytes
+from models.guard import Guard
 from models.inference import preprocess
 from worker.context import WorkerContext
+from worker.probes import job_probes
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,8 @@ class AdaptationRun:
         self.mean_reward: float | None = None
         self.iteration = 0
         self._last_sync = 0.0
+        self.guard: Guard | None = None
+        self.checkpoint_ids: dict[int, uuid.UUID] = {}
 
     # --- the run
 
@@ -124,23 +130,45 @@ class AdaptationRun:
             log.info("job %s resumes from checkpoint %s at iteration %d", self.job_id, latest.id, latest.iteration)
         self.bundle = bundle
 
-        if self.last_iteration < job.iterations:
-            pils = [Image.open(io.BytesIO(ctx.store.read_verified(im.blob, im.sha256))) for im in images]
-            images01, _ = preprocess(pils, bundle.config.input)  # [N, C, S, S] in [0, 1], as localize sees them
+        pils = [Image.open(io.BytesIO(ctx.store.read_verified(im.blob, im.sha256))) for im in images]
+        images01, _ = preprocess(pils, bundle.config.input)  # [N, C, S, S] in [0, 1], as localize sees them
+        prototype = prototype_from_bytes(es.prototype)
+        self.guard = self._guard(bundle, prototype, images01, agent_state)
+        if self.last_iteration < job.iterations and not self.guard.should_stop:
             cfg = AdaptConfig(iterations=job.iterations, lr=job.learning_rate, seed=job.seed,
                               checkpoint_every=ctx.settings.checkpoint_every,
                               batch_size=min(ctx.settings.adapt_batch_size, len(images)))
-            result = adapt(bundle, prototype_from_bytes(es.prototype), images01, cfg, agent_state=agent_state,
+            result = adapt(bundle, prototype, images01, cfg, agent_state=agent_state,
                            resume=resume, on_progress=self.on_progress, on_checkpoint=self.on_checkpoint,
                            should_stop=self.should_stop, device=ctx.settings.device)
             if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
                 raise LeaseLost
-            if result.stopped:
+            if result.stopped and not self.guard.should_stop:
                 return self.finish(JobState.CANCELED, error="canceled on request")
             self.mean_reward = result.mean_reward
             if result.iteration > self.last_iteration:  # adapt did not checkpoint its final state
                 self.save_checkpoint(result.iteration, {"iteration": result.iteration, "agent": result.agent_state})
         return self.finish(JobState.SUCCEEDED)
+
+    def _guard(self, bundle: Bundle, prototype: Tensor, images01: Tensor,
+               agent_state: dict[str, Tensor] | None) -> Guard:
+        """The job's probes and its guard, with the starting policy scored; a resumed run re-scores the
+        checkpoints the job already wrote (the guard's record is rebuilt, not stored half-way)."""
+        ctx = self.ctx
+        gen = torch.Generator().manual_seed(self.job.seed)
+        with ctx.session_factory() as s:
+            probes, counts = job_probes(s, ctx.store, set_id=self.exemplar_set.id, bundle=bundle, prototype=prototype,
+                                        images01=images01, agent_state=agent_state,
+                                        synthetic=ctx.settings.synthetic_probes, generator=gen)
+            done = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id)
+                                  .order_by(Checkpoint.iteration)))
+        guard = Guard(bundle, prototype, probes, gen, counts=counts)
+        guard.start(agent_state)
+        for ckpt in done:
+            agent = read_checkpoint(ctx.store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=bundle)[0]
+            guard.observe(ckpt.iteration, agent)
+            self.checkpoint_ids[ckpt.iteration] = ckpt.id
+        return guard
 
     # --- callbacks from ``adapt``
 
@@ -152,7 +180,8 @@ class AdaptationRun:
     def should_stop(self) -> bool:
         if time.monotonic() - self._last_sync >= self.progress_every_s:
             self._sync()
-        return self.cancel or self.lost or (self.heartbeat is not None and self.heartbeat.lost)
+        stop_early = self.guard is not None and self.guard.should_stop  # the probes kept falling
+        return self.cancel or self.lost or (self.heartbeat is not None and self.heartbeat.lost) or stop_early
 
     def on_checkpoint(self, state: dict[str, Any]) -> None:
         self.save_checkpoint(int(state["iteration"]), state)
@@ -177,7 +206,12 @@ class AdaptationRun:
             return
         es = self.exemplar_set
         key = checkpoint_key(es.id, self.job_id, iteration)
-        metrics = {"mean_reward": self.mean_reward}
+        metrics: dict[str, Any] = {"mean_reward": self.mean_reward}
+        if self.guard is not None:  # the checkpoint's probe scores (flat: the API lists metrics as numbers)
+            rec = self.guard.observe(iteration, state["agent"])
+            metrics.update({"probe_corloc": rec["select"]["corloc"], "probe_mean_iou": rec["select"]["mean_iou"],
+                            "probe_held_corloc": rec["held"]["corloc"], "probe_gain": rec["gain"],
+                            "probe_noise": rec["noise"]})
         meta = {"job_id": str(self.job_id), "iteration": iteration, "metrics": metrics,
                 "resume": {k: v for k, v in state.items() if k != "agent"}}
         with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
@@ -198,6 +232,7 @@ class AdaptationRun:
                 heartbeat_at=utcnow()))
         self.parent_id = self.last_checkpoint_id = ckpt_id
         self.last_iteration = self.iteration = iteration
+        self.checkpoint_ids[iteration] = ckpt_id
 
     def _still_owned(self, s: Session) -> bool:
         owned = s.scalar(select(func.count()).select_from(AdaptationJob)
@@ -207,17 +242,28 @@ class AdaptationRun:
         return bool(owned)
 
     def finish(self, outcome: JobState, *, error: str | None = None) -> str:
-        """Record the outcome; on success, make the final checkpoint the set's active policy (unless told not,
-        or the active checkpoint changed while the job ran: a rollback made meanwhile stands)."""
-        job, ckpt_id = self.job, self.last_checkpoint_id
+        """Record the outcome and the guard's verdict; on success, make the checkpoint the guard picks for the
+        job's ``activate`` mode the set's active policy (``auto``: the best, only if it beat the start on the
+        probes; ``true``: the final one; ``false``: none), unless the active checkpoint changed while the job
+        ran: a rollback made meanwhile stands."""
+        job = self.job
+        verdict = validation = None
+        ckpt_id = None
+        if self.guard is not None:
+            decision = self.guard.decide(job.activate)
+            verdict, validation = decision["verdict"], decision["validation"]
+            if outcome == JobState.SUCCEEDED and decision["activate"] is not None:
+                ckpt_id = self.checkpoint_ids.get(decision["activate"])
+            validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
+                          "message": decision["message"]}
         with self.ctx.session_factory.begin() as s:
             if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,
                                         progress_iteration=self.iteration, mean_reward=self.mean_reward,
-                                        checkpoint_id=ckpt_id, error=error):
+                                        checkpoint_id=self.last_checkpoint_id, error=error, verdict=verdict,
+                                        validation=validation):
                 raise LeaseLost
-            activate = outcome == JobState.SUCCEEDED and job.activate and ckpt_id is not None
-            if activate and not jobstates.activate_job_result(s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id,
-                                                              base_checkpoint_id=job.base_checkpoint_id):
+            if ckpt_id is not None and not jobstates.activate_job_result(
+                    s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id, base_checkpoint_id=job.base_checkpoint_id):
                 log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
                          self.job_id, ckpt_id)
         log.info("job %s %s (attempt %d)", self.job_id, outcome, self.attempt)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import uuid
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Header, HTTPException, Query, Response, UploadFile, status
 from sqlalchemy.exc import IntegrityError
@@ -33,7 +33,9 @@ def to_public(job: AdaptationJob) -> AdaptationJobPublic:
         progress=Progress(iteration=job.progress_iteration, total=job.iterations, mean_reward=job.mean_reward),
         checkpoint_id=job.checkpoint_id, error=job.error,
         params=JobParams(iterations=job.iterations, learning_rate=job.learning_rate, seed=job.seed,
-                         activate=job.activate, num_images=job.num_images, base_checkpoint_id=job.base_checkpoint_id),
+                         activate=job.activate, num_images=job.num_images,  # type: ignore[arg-type]
+                         base_checkpoint_id=job.base_checkpoint_id),
+        verdict=job.verdict, validation=job.validation,  # type: ignore[arg-type]
         attempts=job.attempts, cancel_requested=job.cancel_requested, created_at=job.created_at,
         started_at=job.started_at, finished_at=job.finished_at)
 
@@ -66,7 +68,10 @@ def create_adaptation(
     iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1)] = None,
     learning_rate: Annotated[float | None, Form(gt=0, le=1)] = None,
     seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
-    activate: Annotated[bool, Form(description="Make the final checkpoint the set's active policy")] = True,
+    activate: Annotated[Literal["auto", "true", "false"], Form(description=(
+        "auto (default): make the best checkpoint the set's active policy only if it beats the starting policy "
+        "on the job's probes (labeled checks built from the set's exemplars and the uploaded images); true: the "
+        "final checkpoint, whatever the probes say; false: none"))] = "auto",
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
 ) -> AdaptationJobPublic:
     """Queue a test-time adaptation of the set's active policy on unlabeled images."""

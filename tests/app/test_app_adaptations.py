@@ -34,8 +34,9 @@ def test_create_poll_and_enqueue(client, settings):
     job = r.json()
     assert r.headers["location"] == f"/v1/adaptations/{job['id']}"
     assert job["status"] == "queued" and job["progress"] == {"iteration": 0, "total": 3, "mean_reward": None}
-    assert job["params"] == {"iterations": 3, "learning_rate": 0.01, "seed": 7, "activate": False, "num_images": 2,
+    assert job["params"] == {"iterations": 3, "learning_rate": 0.01, "seed": 7, "activate": "false", "num_images": 2,
                              "base_checkpoint_id": es["active_checkpoint_id"]}
+    assert job["verdict"] is None and job["validation"] is None  # until the job finished
     assert job["checkpoint_id"] is None and job["started_at"] is None and job["error"] is None
     assert client.get(f"/v1/adaptations/{job['id']}").json() == job
     listed = client.get(f"/v1/exemplar-sets/{es['id']}/adaptations").json()

@@ -25,7 +25,7 @@ RANKS = {
     "bundle": 3, "rollout": 3,
     "inference": 4,
     "features": 5, "policy": 5,
-    "evaluate": 6, "adapt": 6,
+    "evaluate": 6, "adapt": 6, "guard": 6,
     "train": 7,
     "experiments": 8,
     "cli": 9, "__main__": 9, "__init__": 0,

@@ -38,7 +38,8 @@ def ctx(settings):
 def new_job(client, set_id=None, **data):
     if set_id is None:
         set_id = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9))).json()["id"]
-    r = client.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"iterations": "3", "seed": "1", **data},
+    data = {"iterations": "3", "seed": "1", "activate": "true", **data}
+    r = client.post(f"/v1/exemplar-sets/{set_id}/adaptations", data=data,
                     files=files(*[png_bytes(84, 84, seed=i) for i in range(2)]))
     assert r.status_code == 202, r.text
     return r.json()

@@ -69,7 +69,8 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
         loc = c.post(f"/v1/exemplar-sets/{es['id']}/localize", files=files(png_bytes(100, 60)))
         assert loc.status_code == 200 and loc.json()["checkpoint_id"] == base_id
 
-        r = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=unlabeled(), data={"iterations": "4"},
+        r = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=unlabeled(),
+                   data={"iterations": "4", "activate": "true"},
                    headers={"Idempotency-Key": "e2e-1"})
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
@@ -89,7 +90,8 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
         assert len(loc.json()["results"][0]["trajectory"]) >= 2
 
         # the same Idempotency-Key and body give the same job, not a new one
-        again = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=unlabeled(), data={"iterations": "4"},
+        again = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=unlabeled(),
+                   data={"iterations": "4", "activate": "true"},
                        headers={"Idempotency-Key": "e2e-1"})
         assert again.status_code == 202 and again.json()["id"] == job_id
 
@@ -111,7 +113,7 @@ def test_kill_9_during_a_job_then_a_new_worker_resumes_it(stack):
     with api(stack) as c:
         es = register(c)
         r = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=unlabeled(),
-                   data={"iterations": str(iterations)})
+                   data={"iterations": str(iterations), "activate": "true"})
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
 

@@ -11,7 +11,8 @@ from worker.jobs import run_adaptation_job
 
 
 def post_job(client, set_id):
-    r = client.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"iterations": "4", "seed": "3"},
+    r = client.post(f"/v1/exemplar-sets/{set_id}/adaptations",
+                    data={"iterations": "4", "seed": "3", "activate": "true"},
                     files=files(*[png_bytes(84, 84, seed=i) for i in range(3)]))
     assert r.status_code == 202, r.text
     return r.json()

@@ -31,7 +31,9 @@ def test_checkpoint_files_carry_their_job_metrics_and_resume_state(client, setti
         for row in rows:
             agent, meta = read_checkpoint(ctx.store, blob=row.blob, sha256=row.sha256, bundle=bundle)
             assert meta["job_id"] == job["id"] and meta["iteration"] == row.iteration
-            assert meta["metrics"] == row.metrics and set(row.metrics) == {"mean_reward"}
+            assert meta["metrics"] == row.metrics
+            assert set(row.metrics) == {"mean_reward", "probe_corloc", "probe_mean_iou", "probe_held_corloc",
+                                        "probe_gain", "probe_noise"}
             assert set(meta["resume"]) == {"iteration", "optimizer", "rng"}  # the agent is the file's own part
             assert meta["resume"]["iteration"] == row.iteration
             assert set(agent) == set(bundle.new_agent().state_dict())

@@ -27,7 +27,7 @@ def ctx(settings):
 def new_job(client, set_id=None, **data):
     if set_id is None:
         set_id = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9))).json()["id"]
-    data = {"iterations": "5", "seed": "3", **data}
+    data = {"iterations": "5", "seed": "3", "activate": "true", **data}  # true: these tests follow the final checkpoint
     r = client.post(f"/v1/exemplar-sets/{set_id}/adaptations", data=data,
                     files=files(*[png_bytes(84, 84, seed=i) for i in range(3)], png_bytes(120, 90, seed=5)))
     assert r.status_code == 202, r.text
@@ -63,7 +63,8 @@ def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
 
     public = client.get(f"/v1/checkpoints/{ckpts[-1].id}").json()
     assert public["kind"] == "adapted" and public["active"] and public["job_id"] == job["id"]
-    assert set(public["metrics"]) == {"mean_reward"}
+    assert set(public["metrics"]) == {"mean_reward", "probe_corloc", "probe_mean_iou", "probe_held_corloc",
+                                      "probe_gain", "probe_noise"}
     loaded = ctx.bundles.get(es["bundle"]).bundle
     agent, meta = read_checkpoint(ctx.store, blob=ckpts[-1].blob, sha256=public["sha256"], bundle=loaded)
     assert meta["iteration"] == 5 and set(meta["resume"]) >= {"optimizer", "rng", "iteration"}

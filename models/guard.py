@@ -1,0 +1,167 @@
+"""The guard of an adaptation: the starting policy and every checkpoint are scored on labeled probes
+(``models.data.probes``, and the set's labeled examples), so a job can tell -- without asking the user
+for anything -- whether adapting made its answers better, and activate a checkpoint only then.
+
+The probes are split once, at random: the *selection* half chooses the best checkpoint and decides;
+the *held-out* half only reports (its numbers are not used to choose, so they are not flattered by
+the choice) and must not fall. A checkpoint is activated under ``activate=auto`` only when its
+selection CorLoc beats the start by more than the probes' noise: twice the standard error of the
+paired difference (each probe scored by both policies), and at least one probe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.bundle import Bundle
+from models.core.boxes import paired_iou
+from models.data.types import LabeledImages
+from models.evaluate import ranking_metrics, training_candidates
+from models.features import features_of
+from models.inference import Localizer
+
+VERDICTS = ("improved", "no better", "worse", "reward unreliable")
+ACTIVATE_MODES = ("auto", "true", "false")
+
+
+@dataclass
+class GuardConfig:
+    select_fraction: float = 0.5
+    """Share of the probes that choose and decide; the rest are held out and only report."""
+    patience: int = 2
+    """Stop early after this many checkpoints in a row below the best so far by more than the noise."""
+    min_faithfulness: float = 0.3
+    """The reward is called unreliable when -Spearman(distance to the prototype, IoU) on the probes is
+    below this: the embedding barely orders boxes by overlap, so the reward cannot be trusted."""
+
+
+@dataclass
+class Guard:
+    """Scores policies on ``probes`` with the set's ``prototype`` and keeps the job's record."""
+
+    bundle: Bundle
+    prototype: Tensor
+    probes: LabeledImages
+    generator: torch.Generator
+    cfg: GuardConfig = field(default_factory=GuardConfig)
+    counts: dict[str, int] = field(default_factory=dict)
+    """Where the probes came from (e.g. ``{"labeled": 3, "synthetic": 128}``), reported with them."""
+
+    def __post_init__(self) -> None:
+        n = len(self.probes)
+        if n < 2:
+            raise ValueError(f"the guard needs at least 2 probes, got {n}")
+        perm = torch.randperm(n, generator=self.generator)
+        k = min(n - 1, max(1, round(n * self.cfg.select_fraction)))
+        self.select, self.held = perm[:k].sort().values, perm[k:].sort().values
+        self.loc = Localizer(self.bundle, self.bundle.device)
+        self.feats = features_of(self.bundle, self.probes.images)  # the backbone once; every policy reuses it
+        rank = ranking_metrics(self.bundle, LabeledImages(self.probes.images, self.probes.boxes, self.feats),
+                               self.prototype, seed=0, candidates=training_candidates(self.bundle))
+        self.faithfulness = {"ordacc": round(rank["ordacc"], 2), "spearman": round(rank["spearman"], 4)}
+        self.base: dict[str, Any] | None = None
+        self.checkpoints: list[dict[str, Any]] = []
+        self._base_hits: Tensor | None = None
+        self._best: tuple[float, float, int] | None = None  # (select corloc, select iou, index)
+        self._falling = 0
+
+    @torch.no_grad()
+    def _hits(self, agent_state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """-> (hit ``[n]`` bool: IoU >= 0.5, IoU ``[n]``) of the greedy answer, as localize serves it."""
+        agent = self.loc.agent(agent_state)
+        boxes = torch.cat([self.loc.run_features(self.feats[i:i + 64], self.prototype, agent).boxes[-1].cpu()
+                           for i in range(0, len(self.feats), 64)])
+        iou = paired_iou(boxes, self.probes.boxes)
+        return iou >= 0.5, iou
+
+    def _summary(self, hits: Tensor, iou: Tensor, idx: Tensor) -> dict[str, float]:
+        return {"corloc": round(float(hits[idx].float().mean() * 100), 2),
+                "mean_iou": round(float(iou[idx].mean()), 4), "n": len(idx)}
+
+    def _noise(self, hits: Tensor) -> float:
+        """Twice the standard error of the paired CorLoc difference against the start on the selection
+        probes, in points, and at least one probe's worth."""
+        d = (hits[self.select].float() - self._base_hits[self.select].float())
+        n = len(d)
+        se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else 1.0
+        return round(max(2 * se, 1.0 / n) * 100, 2)
+
+    def start(self, agent_state: dict[str, Tensor] | None) -> dict[str, Any]:
+        """Score the starting policy -> its record."""
+        hits, iou = self._hits(agent_state)
+        self._base_hits = hits
+        self.base = {"select": self._summary(hits, iou, self.select), "held": self._summary(hits, iou, self.held)}
+        return self.base
+
+    def observe(self, iteration: int, agent_state: dict[str, Tensor]) -> dict[str, Any]:
+        """Score a checkpoint -> its record (``select``, ``held``, ``gain``, ``noise``)."""
+        if self.base is None:
+            raise RuntimeError("call start() with the starting policy first")
+        hits, iou = self._hits(agent_state)
+        rec = {"iteration": iteration, "select": self._summary(hits, iou, self.select),
+               "held": self._summary(hits, iou, self.held)}
+        rec["gain"] = round(rec["select"]["corloc"] - self.base["select"]["corloc"], 2)
+        rec["noise"] = self._noise(hits)
+        self.checkpoints.append(rec)
+        key = (rec["select"]["corloc"], rec["select"]["mean_iou"])
+        if self._best is None or key > self._best[:2]:
+            self._best = (*key, len(self.checkpoints) - 1)
+            self._falling = 0
+        elif rec["select"]["corloc"] < self._best[0] - rec["noise"]:
+            self._falling += 1
+        else:
+            self._falling = 0
+        return rec
+
+    @property
+    def should_stop(self) -> bool:
+        """Probes kept falling for ``patience`` checkpoints in a row."""
+        return self._falling >= self.cfg.patience
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        return None if self._best is None else self.checkpoints[self._best[2]]
+
+    def decide(self, mode: str = "auto") -> dict[str, Any]:
+        """The job's verdict and what to activate -> ``{"verdict", "message", "activate": iteration | None,
+        "validation": {...}}``. ``mode``: ``auto`` (the best checkpoint, only if it beats the start), ``true``
+        (the last checkpoint, whatever the probes say), ``false`` (none)."""
+        if mode not in ACTIVATE_MODES:
+            raise ValueError(f"activate must be one of {ACTIVATE_MODES}, got {mode!r}")
+        best, last = self.best, (self.checkpoints[-1] if self.checkpoints else None)
+        base = self.base or {}
+        improved = (best is not None and best["gain"] > best["noise"]
+                    and best["held"]["corloc"] >= base["held"]["corloc"])
+        unreliable = -self.faithfulness["spearman"] < self.cfg.min_faithfulness
+        if improved:
+            verdict = "improved"
+            message = (f"probe CorLoc {base['select']['corloc']} -> {best['select']['corloc']} at iteration "
+                       f"{best['iteration']} (noise {best['noise']}); held-out probes "
+                       f"{base['held']['corloc']} -> {best['held']['corloc']}")
+        elif unreliable:
+            verdict = "reward unreliable"
+            message = (f"the embedding barely orders boxes by overlap on the probes (Spearman "
+                       f"{self.faithfulness['spearman']}): adaptation's reward cannot be trusted for these "
+                       "objects, and no checkpoint beat the starting policy")
+        elif last is not None and last["gain"] < -last["noise"]:
+            verdict = "worse"
+            message = (f"adapting lowered probe CorLoc {base['select']['corloc']} -> {last['select']['corloc']}; "
+                       "the starting policy is better")
+        else:
+            verdict = "no better"
+            message = "no checkpoint beat the starting policy on the probes by more than their noise"
+        if mode == "auto":
+            activate = best["iteration"] if improved else None
+        elif mode == "true":
+            activate = last["iteration"] if last is not None else None
+        else:
+            activate = None
+        validation = {"probes": {**self.counts, "select": len(self.select), "held": len(self.held)},
+                      "faithfulness": self.faithfulness, "base": self.base, "best": best,
+                      "checkpoints": self.checkpoints, "stopped_early": self.should_stop}
+        return {"verdict": verdict, "message": message, "activate": activate, "validation": validation}

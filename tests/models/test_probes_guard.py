@@ -1,0 +1,133 @@
+"""Probe synthesis against exact boxes, and the guard's decisions on scored checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+from models.bundle import new_bundle
+from models.data.probes import _feathered, erase_boxes, paste_probes
+from models.guard import Guard, GuardConfig
+from models.presets import mnist_config
+
+
+def test_pasted_probes_hold_the_crop_exactly_inside_their_box():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.zeros(3, 1, 40, 40)
+    crop = torch.ones(1, 10, 5)  # tall and thin: the aspect is kept
+    probes = paste_probes([crop], images, 20, object_side=10, generator=gen, scale=(1.0, 1.6), feather=0)
+    for img, box in zip(probes.images, probes.boxes, strict=True):
+        x1, y1, x2, y2 = (int(v) for v in box)
+        assert 0 <= x1 < x2 <= 40 and 0 <= y1 < y2 <= 40
+        h, w = y2 - y1, x2 - x1
+        assert 10 <= h <= 16 and abs(w - h / 2) <= 1  # long side 10 x [1, 1.6], aspect 2:1
+        inside = torch.zeros(40, 40, dtype=torch.bool)
+        inside[y1:y2, x1:x2] = True
+        assert torch.all(img[0][inside] == 1) and torch.all(img[0][~inside] == 0)  # ink exactly in the box
+    assert len({tuple(b.tolist()) for b in probes.boxes}) > 10  # places and scales vary
+
+
+def test_soft_edges_ramp_up_over_the_feather_and_keep_the_box():
+    alpha = _feathered(10, 10, 2)[0]
+    assert alpha[5, 5] == 1 and 0 < alpha[0, 5] < alpha[1, 5] <= 1 and alpha[0, 0] <= alpha[0, 5]
+    images = torch.zeros(1, 1, 30, 30)
+    probes = paste_probes([torch.ones(1, 10, 10)], images, 4, object_side=10, scale=(1.0, 1.0), feather=2,
+                          generator=torch.Generator().manual_seed(1))
+    for img, box in zip(probes.images, probes.boxes, strict=True):
+        x1, y1, x2, y2 = (int(v) for v in box)
+        assert img[0, y1:y2, x1:x2].min() > 0 and img[0, (y1 + y2) // 2, (x1 + x2) // 2] == 1
+        assert img.sum() < 100  # the border is blended, not pasted at full strength
+
+
+def test_erase_boxes_fills_each_box_from_another_image():
+    images = torch.stack([torch.full((1, 20, 20), float(i)) for i in range(4)])
+    boxes = torch.tensor([[2.0, 3.0, 8.0, 9.0]]).expand(4, 4)
+    out = erase_boxes(images, boxes, torch.Generator().manual_seed(0))
+    for i in range(4):
+        region = out[i, 0, 3:9, 2:8]
+        assert region.unique().numel() == 1 and float(region[0, 0]) != i  # another image's pixels
+        rest = out[i, 0].clone()
+        rest[3:9, 2:8] = i
+        assert torch.all(rest == i)  # outside the box: untouched
+    assert torch.equal(images[:, 0, 0, 0], torch.arange(4.0))  # the input is not changed
+
+
+class _Scripted(Guard):
+    """A guard whose policies' hits are given (no network): ``hits[name]`` is a bool tensor over the probes."""
+
+    def __init__(self, hits: dict, n: int, cfg: GuardConfig | None = None, spearman: float = -0.9):
+        self.hits, self.cfg = hits, cfg or GuardConfig()
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        k = n // 2
+        self.select, self.held = perm[:k].sort().values, perm[k:].sort().values
+        self.faithfulness = {"ordacc": 90.0, "spearman": spearman}
+        self.counts = {"synthetic": n}
+        self.base, self.checkpoints, self._base_hits, self._best, self._falling = None, [], None, None, 0
+
+    def _hits(self, agent_state):
+        h = self.hits[agent_state]
+        return h, h.float()
+
+
+def _hits(n: int, rate: float, seed: int) -> torch.Tensor:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < rate
+
+
+def test_the_guard_activates_only_a_clear_gain_and_says_why():
+    n = 200
+    base, better, same = _hits(n, 0.5, 1), _hits(n, 0.9, 2), _hits(n, 0.5, 1)
+    g = _Scripted({"start": base, "better": better, "same": same}, n)
+    g.start("start")
+    g.observe(10, "same")
+    g.observe(20, "better")
+    d = g.decide("auto")
+    assert d["verdict"] == "improved" and d["activate"] == 20 and d["validation"]["best"]["iteration"] == 20
+    assert d["validation"]["probes"] == {"synthetic": n, "select": 100, "held": 100}
+    assert g.decide("false")["activate"] is None and g.decide("true")["activate"] == 20
+
+    g = _Scripted({"start": base, "same": same}, n)
+    g.start("start")
+    g.observe(10, "same")
+    d = g.decide("auto")
+    assert d["verdict"] == "no better" and d["activate"] is None
+    assert g.decide("true")["activate"] == 10  # forced: the final checkpoint, whatever the probes say
+
+
+def test_a_policy_that_gets_worse_is_refused_and_stops_the_job_early():
+    n = 200
+    base = _hits(n, 0.8, 1)
+    worse = {f"w{i}": _hits(n, 0.3, 10 + i) for i in range(3)}
+    g = _Scripted({"start": base, **worse}, n, GuardConfig(patience=2))
+    g.start("start")
+    g.observe(10, "start")  # the first checkpoint equals the start: the best so far
+    assert not g.should_stop
+    g.observe(20, "w0")
+    assert not g.should_stop
+    g.observe(30, "w1")
+    assert g.should_stop  # two checkpoints in a row below the best by more than the noise
+    d = g.decide("auto")
+    assert d["verdict"] == "worse" and d["activate"] is None and d["validation"]["stopped_early"]
+
+
+def test_an_unfaithful_reward_is_reported_when_nothing_improved():
+    n = 100
+    base = _hits(n, 0.5, 1)
+    g = _Scripted({"start": base, "same": base}, n, spearman=-0.05)
+    g.start("start")
+    g.observe(5, "same")
+    d = g.decide("auto")
+    assert d["verdict"] == "reward unreliable" and d["activate"] is None and "Spearman" in d["message"]
+
+
+def test_the_guard_scores_the_served_answer_on_a_real_bundle():
+    """End to end on a tiny random bundle: the start and a checkpoint are scored on every probe, split once."""
+    bundle = new_bundle("tiny", mnist_config(), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.rand(6, 1, 84, 84, generator=gen) * 0.2
+    probes = paste_probes([torch.ones(1, 20, 14)], images, 24, object_side=28, generator=gen)
+    g = Guard(bundle, torch.zeros(bundle.prototype_dim), probes, gen, counts={"synthetic": 24})
+    base = g.start(None)
+    assert base["select"]["n"] + base["held"]["n"] == 24 and 0 <= base["select"]["corloc"] <= 100
+    rec = g.observe(1, bundle.agent_state)  # the same policy: no gain, no noise
+    assert rec["gain"] == 0 and rec["select"] == base["select"]
+    assert set(g.faithfulness) == {"ordacc", "spearman"}
+    assert g.decide("auto")["activate"] is None
