@@ -20,13 +20,31 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.core.boxes import paired_iou
+from models.data.probes import erase_boxes, paste_probes
 from models.data.types import LabeledImages
 from models.evaluate import ranking_metrics, training_candidates
 from models.features import features_of
 from models.inference import Localizer
 
 VERDICTS = ("improved", "no better", "worse", "reward unreliable")
+PROBE_SCALE = (0.6, 1.2)
+"""Pasted crops' long side, as a factor of the bundle's ``exemplar_size`` (the scale its agent sees objects)."""
 ACTIVATE_MODES = ("auto", "true", "false")
+
+
+@torch.no_grad()
+def synthetic_probes(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Tensor,
+                     agent_state: dict[str, Tensor] | None, n: int, generator: torch.Generator) -> LabeledImages:
+    """``n`` probes from a job's exemplar ``crops`` and unlabeled ``images01 [N, C, S, S]``: where the starting
+    policy answers in each image is covered with the same region of another image (so a probe holds one
+    object, the pasted one, as far as that policy can tell), then a crop is pasted at a random place and
+    scale (``PROBE_SCALE``) with soft edges (``models.data.probes``)."""
+    loc = Localizer(bundle, bundle.device)
+    answers = torch.cat([loc.run(images01[i:i + 256], prototype, loc.agent(agent_state)).boxes[-1].cpu()
+                         for i in range(0, len(images01), 256)])
+    backgrounds = erase_boxes(images01, answers, generator)
+    return paste_probes(crops, backgrounds, n, object_side=bundle.config.input.exemplar_size, scale=PROBE_SCALE,
+                        generator=generator)
 
 
 @dataclass

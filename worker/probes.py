@@ -1,10 +1,7 @@
 """The probes of an adaptation job, built from what the client gave (``models.guard`` scores on them):
 
 - the set's labeled examples (exemplars uploaded as whole images with boxes), at the bundle's input size;
-- synthetic probes: the set's exemplar crops pasted into the job's own images at random places and
-  scales with soft edges (``models.data.probes``), after the region where the starting policy answers
-  in each image is covered with the same region of another image (so a probe holds one object, the
-  pasted one, as far as that policy can tell).
+- synthetic probes: the set's exemplar crops pasted into the job's own images (``models.guard.synthetic_probes``).
 """
 
 from __future__ import annotations
@@ -21,12 +18,9 @@ from app.images import cut_box
 from app.storage import BlobStore
 from app.tables import Exemplar
 from models.bundle import Bundle
-from models.data.probes import erase_boxes, paste_probes
 from models.data.types import LabeledImages
-from models.inference import Localizer, pil_to_tensor, preprocess
-
-PROBE_SCALE = (0.6, 1.2)
-"""Pasted crops' long side, as a factor of the bundle's ``exemplar_size`` (the scale its agent sees objects)."""
+from models.guard import synthetic_probes
+from models.inference import pil_to_tensor, preprocess
 
 
 def job_probes(session: Session, store: BlobStore, *, set_id, bundle: Bundle, prototype: Tensor,  # noqa: ANN001
@@ -52,10 +46,6 @@ def job_probes(session: Session, store: BlobStore, *, set_id, bundle: Bundle, pr
         k = torch.cat([scales, scales], dim=1)
         parts.append(LabeledImages(batch, torch.tensor(boxes, dtype=torch.float32) / k))
     if synthetic > 0:
-        loc = Localizer(bundle, bundle.device)
-        answers = loc.run(images01, prototype, loc.agent(agent_state)).boxes[-1].cpu()
-        backgrounds = erase_boxes(images01, answers, generator)
-        parts.append(paste_probes(crops, backgrounds, synthetic, object_side=spec.exemplar_size, scale=PROBE_SCALE,
-                                  generator=generator))
+        parts.append(synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, generator))
     probes = LabeledImages(torch.cat([p.images for p in parts]), torch.cat([p.boxes for p in parts]))
     return probes, {"labeled": len(whole), "synthetic": synthetic if synthetic > 0 else 0}

@@ -78,6 +78,11 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
         job = wait_for_job(c, job_id, stack=stack)
         assert job["status"] == "succeeded", (job, stack.logs())
         assert job["progress"]["iteration"] == 4 and job["attempts"] == 1
+        # the job checked itself on its probes; activate=true still activates the final checkpoint
+        v = job["validation"]
+        assert job["verdict"] in ("improved", "no better", "worse", "reward unreliable") and v["message"]
+        assert v["probes"]["synthetic"] == 128 and v["probes"]["select"] + v["probes"]["held"] == 128
+        assert [c["iteration"] for c in v["checkpoints"]] == [2, 4] and v["activated_iteration"] == 4
 
         ckpts = c.get(f"/v1/exemplar-sets/{es['id']}/checkpoints").json()["data"]
         assert [(k["kind"], k["iteration"]) for k in ckpts] == [("base", 0), ("adapted", 2), ("adapted", 4)]
