@@ -24,7 +24,7 @@ from models.data import photo_cache_dir
 from models.data.cmnist import BACKGROUNDS
 from models.evaluate import evaluate_corloc, ordacc_all
 from models.experiments.cmnist import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
-from models.experiments.datasets import CMnistKind, PhotoKind
+from models.experiments.datasets import CMnistKind, GlyphKind, PhotoKind
 from models.experiments.report import mean_std, summarize
 from models.features import prototype_of
 from models.inference import Localizer, resolve_device
@@ -52,10 +52,12 @@ def _bar_logger(total: int, desc: str, key: str):
     return log, bar
 
 
-def _kind(a: argparse.Namespace) -> CMnistKind | PhotoKind:
-    """The dataset kind a command runs on (``--data``), with its target (``--digit`` / ``--class``)."""
+def _kind(a: argparse.Namespace) -> CMnistKind | GlyphKind | PhotoKind:
+    """The dataset kind a command runs on (``--data``), with its target (``--digit`` / ``--glyph`` / ``--class``)."""
     if a.data == "cmnist":
         return CMnistKind(a.digit, a.background)
+    if a.data == "glyphs":
+        return GlyphKind(a.glyph, a.background)
     from models.data.photos import load_manifest
     from models.experiments.photos import PhotoTrainSetup
 
@@ -273,9 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--device", default="auto", help="auto | cpu | cuda")
         if digit is not None:
-            sp.add_argument("--data", default="cmnist", choices=("cmnist", "photos"),
-                            help="the dataset kind: cMNIST (--digit, --background) or the offline photos (--class)")
+            sp.add_argument("--data", default="cmnist", choices=("cmnist", "glyphs", "photos"),
+                            help="the dataset kind: cMNIST (--digit, --background), glyphs on cMNIST canvases "
+                                 "(--glyph, --background) or the offline photos (--class)")
             sp.add_argument("--digit", type=int, default=digit, choices=range(10))
+            sp.add_argument("--glyph", default="A", help="the glyph class, one character (--data glyphs)")
             sp.add_argument("--background", default="patch", choices=BACKGROUNDS)
             sp.add_argument("--class", dest="class_name", default="mammals", help="photo class (--data photos)")
             sp.add_argument("--cache", default=str(photo_cache_dir()),

@@ -4,7 +4,9 @@ A kind draws the images of each role of the protocol -- ``train`` / ``val`` / ``
 1-2 and model selection), ``exemplars`` / ``unlabeled`` / ``test`` (a target: its exemplar crops, the
 unlabeled images adaptation sees, the held-out test images) -- and names its networks and training
 defaults. The draws are the ones the protocols of ``models.experiments.cmnist`` / ``.photos`` make, so a
-command and a benchmark table see the same images for the same seed.
+command and a benchmark table see the same images for the same seed. ``GlyphKind`` (letters and symbols
+on cMNIST canvases, ``models.data.glyphs``) follows ``CMnistKind``'s draws with the cMNIST networks, so
+a cMNIST bundle can be evaluated and adapted on objects that are not digits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.config import ModelConfig
+from models.data.glyphs import glyphs
 from models.data.photos import generate
 from models.data.types import LabeledImages
 from models.evaluate import rect_candidates
@@ -69,6 +72,51 @@ class CMnistKind:
                     "exemplars": ("train", seed + 1000), "unlabeled": ("train", seed + 1000),
                     "test": ("test", seed)}[_role(role)]
         return cmnist(d, split, n, bg, s, offset=after if role in ("val_exemplars", "unlabeled") else 0)
+
+
+@dataclass
+class GlyphKind:
+    """Glyphs (``models.data.glyphs``): the character ``char`` on the ``background``, on cMNIST canvases with
+    the cMNIST networks and training defaults; test images from the held-out test fonts.
+
+    The seeds and slices are ``CMnistKind``'s: ``exemplars`` and ``unlabeled`` are disjoint slices of one
+    train-font draw (seed + 1000), ``val_exemplars`` follows ``val`` in one draw, ``test`` is its own draw."""
+
+    char: str = "A"
+    background: str = "patch"
+    name: str = "glyphs"
+
+    def describe(self) -> str:
+        return f"glyph {self.char!r} {self.background}"
+
+    def meta(self) -> dict[str, Any]:
+        return {"glyph": self.char, "background": self.background}
+
+    def sizes(self) -> dict[str, int]:
+        return CMnistKind().sizes()
+
+    def model_config(self) -> ModelConfig:
+        return mnist_config()
+
+    def embedding_config(self) -> EmbeddingTrainConfig:
+        return TrainSetup().embedding
+
+    def agent_config(self) -> AgentTrainConfig:
+        return TrainSetup().agent
+
+    def candidates(self, bundle: Bundle) -> Tensor | None:
+        return None  # stage 1's default squares, as cMNIST
+
+    def select_with_exemplars(self) -> bool:
+        return False
+
+    def draw(self, bundle: Bundle, role: str, n: int, seed: int, after: int = 0) -> LabeledImages:
+        """``n`` images of ``role``; ``after`` as in ``CMnistKind.draw`` (how many the earlier role took)."""
+        split, s = {"train": ("train", seed), "val": ("val", seed), "val_exemplars": ("val", seed),
+                    "exemplars": ("train", seed + 1000), "unlabeled": ("train", seed + 1000),
+                    "test": ("test", seed)}[_role(role)]
+        return glyphs(self.char, split, n, self.background, s,
+                      offset=after if role in ("val_exemplars", "unlabeled") else 0)
 
 
 @dataclass

@@ -1,0 +1,134 @@
+"""Guarded adaptation, target by target: what a user gets with the service's default job (``activate=auto``)
+against the starting policy, policy-only adaptation (the final checkpoint, what ``activate=true`` gives),
+template matching and the ranking baseline, with the probes' own scores beside the test CorLoc.
+
+Each target: 5 exemplar crops and 64 unlabeled images (disjoint draws of the train split, the service's
+default job size), 200 test images (the test split). The job runs as the worker runs it: 128 synthetic
+probes (``models.guard.synthetic_probes``), the service's defaults (200 iterations, lr 1e-3, batch 32, a
+checkpoint every 25), every checkpoint scored, early stop, ``decide("auto")``. One JSON object on stdout.
+
+    python benchmarks/guarded_adaptation.py --suite digits --seeds 0 1 2 > runs/guard-digits.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from app.config import Settings
+from models.adapt import AdaptConfig, adapt
+from models.bundle import load_bundle
+from models.core.metrics import corloc, spearman
+from models.data.types import exemplar_crops
+from models.evaluate import evaluate_corloc, ranking
+from models.experiments.baselines import template_matching
+from models.experiments.datasets import CMnistKind, GlyphKind, PhotoKind
+from models.experiments.report import summarize
+from models.features import prototype_of
+from models.guard import Guard, synthetic_probes
+
+SUITES = {
+    "digits": ("mnist-digit4", [CMnistKind(d, "patch") for d in (0, 1, 2, 3, 5, 6, 7, 8, 9)]),
+    "backgrounds": ("mnist-digit4", [CMnistKind(2, bg) for bg in ("patch", "clutter", "impulse", "gaussian")]),
+    "glyphs": ("mnist-digit4", [GlyphKind(c, "patch") for c in ("A", "K", "R", "e", "#", "&", "@", "?")]),
+}
+
+
+def photo_suite(classes: list[str]) -> tuple[str, list]:
+    from models.data.photos import load_manifest
+
+    manifest = load_manifest()
+    return "photo-mammals", [PhotoKind(c, manifest) for c in classes]
+
+
+def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int) -> dict:
+    t0 = time.perf_counter()
+    ex = kind.draw(bundle, "exemplars", 5, seed)
+    unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
+    test = kind.draw(bundle, "test", n_test, seed)
+    proto = prototype_of(bundle, ex)
+    gen = torch.Generator().manual_seed(seed)
+    probes = synthetic_probes(bundle, proto, exemplar_crops(ex), unl.images, None, settings.synthetic_probes, gen)
+    guard = Guard(bundle, proto, probes, gen, counts={"synthetic": settings.synthetic_probes})
+    guard.start(None)
+    states = {}
+
+    def on_checkpoint(state: dict) -> None:
+        states[state["iteration"]] = state["agent"]
+        guard.observe(state["iteration"], state["agent"])
+
+    cfg = AdaptConfig(iterations=settings.default_iterations, lr=settings.default_learning_rate, seed=seed,
+                      batch_size=min(settings.adapt_batch_size, len(unl)), checkpoint_every=settings.checkpoint_every)
+    t1 = time.perf_counter()
+    adapt(bundle, proto, unl.images, cfg, device=bundle.device, on_checkpoint=on_checkpoint,
+          should_stop=lambda: guard.should_stop)
+    adapt_s = time.perf_counter() - t1
+    d = guard.decide("auto")
+    job_s = time.perf_counter() - t0
+
+    def test_corloc(state) -> float:  # noqa: ANN001
+        return evaluate_corloc(bundle, bundle.new_agent(state), test, proto)[0]
+
+    before = test_corloc(None)
+    per_ckpt = {it: test_corloc(s) for it, s in states.items()}
+    last = max(per_ckpt)
+    crops = exemplar_crops(ex)
+    k = min(n_ranking, len(test))
+    t2 = time.perf_counter()
+    tm = corloc(template_matching(test.images, crops), test.boxes)
+    tm_s = time.perf_counter() - t2
+    row = {"target": kind.describe(), "seed": seed, **kind.meta(),
+           "corloc_before": before, "corloc_after_policy": per_ckpt[last],
+           "corloc_after_guard": per_ckpt[d["activate"]] if d["activate"] is not None else before,
+           "corloc_template": tm, "corloc_ranking": corloc(ranking(bundle, test.subset(torch.arange(k)), proto),
+                                                          test.boxes[:k]),
+           "corloc_probe_before": guard.base["select"]["corloc"],
+           "corloc_probe_best": (d["validation"]["best"] or guard.base)["select"]["corloc"],
+           "verdict": d["verdict"], "activated": d["activate"], "stopped_early": d["validation"]["stopped_early"],
+           "last_iteration": last, "faithfulness_spearman": guard.faithfulness["spearman"],
+           "checkpoints": [{"iteration": c["iteration"], "probe_select": c["select"]["corloc"],
+                            "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]]}
+                           for c in guard.checkpoints],
+           "adapt_seconds": round(adapt_s, 2), "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
+    print(json.dumps({k: v for k, v in row.items() if k != "checkpoints"}), file=sys.stderr, flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--suite", choices=(*SUITES, "photos"), required=True)
+    p.add_argument("--classes", nargs="+", default=["birds", "fish", "fruit", "vegetables", "flowers"],
+                   help="photo classes (--suite photos)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--n-test", type=int, default=200)
+    p.add_argument("--ranking-images", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
+    bundle = load_bundle(f"bundles/{name}.pt", "cpu")
+    settings = Settings()
+    t0 = time.perf_counter()
+    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images) for seed in a.seeds for kind in kinds]
+    gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
+                           r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)
+    ckpt_probe = torch.tensor([c["probe_select"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
+    ckpt_test = torch.tensor([c["test"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
+    worst = min(r["corloc_after_guard"] - r["corloc_before"] for r in rows)
+    out = {"suite": a.suite, "bundle": name, "seeds": a.seeds, "command": " ".join(["python", *sys.argv]),
+           "wall_seconds": round(time.perf_counter() - t0, 1), "rows": rows,
+           "summary": summarize(rows, "target"),
+           "worst_guarded_change": round(worst, 2),
+           "probe_vs_test": {
+               "spearman_checkpoints": round(float(spearman(ckpt_probe[None], ckpt_test[None])[0]), 3),
+               "spearman_gains": round(float(spearman(gains[None, :, 0], gains[None, :, 1])[0]), 3)
+               if len(rows) > 2 else None}}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

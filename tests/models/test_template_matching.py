@@ -1,0 +1,111 @@
+"""The template-matching baseline (``models.experiments.baselines``): its normalized cross-correlation
+against a slow loop written out here, exact boxes where the answer is known, and batch independence."""
+
+import pytest
+import torch
+
+from models.core.metrics import corloc
+from models.data.glyphs import glyphs
+from models.data.types import exemplar_crops
+from models.experiments.baselines import TEMPLATE_SCALES, ncc_map, scaled_template, template_matching
+
+
+def slow_ncc(image: torch.Tensor, template: torch.Tensor, x: int, y: int, min_std: float = 1e-3) -> float:
+    """TM_CCOEFF_NORMED at one position, with explicit loops: per-channel means, sums over the channels."""
+    c, h, w = template.shape
+    t_mean = [sum(float(template[k, i, j]) for i in range(h) for j in range(w)) / (h * w) for k in range(c)]
+    w_mean = [sum(float(image[k, y + i, x + j]) for i in range(h) for j in range(w)) / (h * w) for k in range(c)]
+    num = tt = ww = 0.0
+    for k in range(c):
+        for i in range(h):
+            for j in range(w):
+                a = float(template[k, i, j]) - t_mean[k]
+                b = float(image[k, y + i, x + j]) - w_mean[k]
+                num, tt, ww = num + a * b, tt + a * a, ww + b * b
+    if ww < c * h * w * min_std ** 2:
+        return 0.0
+    return num / (tt * ww) ** 0.5
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_ncc_matches_the_slow_reference(channels):
+    g = torch.Generator().manual_seed(channels)
+    images = torch.rand(2, channels, 9, 11, generator=g, dtype=torch.float64)
+    images[1, :, :4, :5] = 0.25  # a flat corner: windows inside it score 0
+    template = torch.rand(channels, 4, 3, generator=g, dtype=torch.float64)
+    fast = ncc_map(images, template)
+    assert fast.shape == (2, 6, 9)
+    for n in range(2):
+        for y, x in [(0, 0), (0, 8), (5, 0), (5, 8), (2, 3), (4, 6), (1, 1)]:
+            assert float(fast[n, y, x]) == pytest.approx(slow_ncc(images[n], template, x, y), abs=1e-9)
+    assert float(fast[1, 0, 0]) == 0.0 and float(fast[1, 0, 1]) == 0.0
+
+
+def test_ncc_is_one_where_the_template_was_cut_and_ignores_brightness_and_contrast():
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(1, 1, 20, 20, generator=g, dtype=torch.float64)
+    template = image[0, :, 6:13, 3:8].clone()
+    score = ncc_map(image, template)
+    assert float(score[0, 6, 3]) == pytest.approx(1.0, abs=1e-9)
+    assert int(score.flatten().argmax()) == 6 * score.shape[-1] + 3
+    assert float(ncc_map(image, 0.5 * template + 0.3)[0, 6, 3]) == pytest.approx(1.0, abs=1e-9)
+    assert torch.equal(ncc_map(image, torch.full_like(template, 0.4)), torch.zeros(1, 14, 16, dtype=torch.float64))
+
+
+def paste_in_noise(crop: torch.Tensor, boxes: list[tuple[int, int]], size: int = 48, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    images = 0.5 * torch.rand(len(boxes), crop.shape[0], size, size, generator=g)
+    h, w = crop.shape[-2:]
+    for i, (x, y) in enumerate(boxes):
+        images[i, :, y:y + h, x:x + w] = crop
+    return images
+
+
+def test_a_crop_pasted_into_noise_is_found_at_its_box():
+    g = torch.Generator().manual_seed(1)
+    crop = (torch.rand(1, 11, 7, generator=g) > 0.5).float()  # a sharp object, unlike the noise
+    where = [(0, 0), (41, 37), (17, 5), (30, 20)]
+    images = paste_in_noise(crop, where)
+    boxes, scores = template_matching(images, [crop], return_scores=True)
+    assert boxes.tolist() == [[x, y, x + 7, y + 11] for x, y in where]
+    assert torch.allclose(scores, torch.ones(4), atol=1e-5)
+    # vectorized over the batch: each image alone gets the same answer
+    for i in range(len(where)):
+        assert torch.equal(template_matching(images[i:i + 1], [crop]), boxes[i:i + 1])
+
+
+def test_the_right_scale_and_exemplar_win():
+    g = torch.Generator().manual_seed(2)
+    crop = (torch.rand(3, 12, 16, generator=g) > 0.5).float()
+    other = (torch.rand(3, 10, 10, generator=g) > 0.5).float()
+    bigger = scaled_template(crop, 1.33)  # the object is a third larger than the exemplar
+    assert bigger.shape == (3, 16, 21)
+    images = paste_in_noise(bigger, [(5, 9), (20, 30)], size=56)
+    boxes = template_matching(images, [other, crop], scales=TEMPLATE_SCALES)
+    assert boxes.tolist() == [[5, 9, 26, 25], [20, 30, 41, 46]]
+    # an absolute reference side: the long side is scale x ref_side
+    assert scaled_template(crop, 0.5, ref_side=32).shape == (3, 12, 16)
+    assert scaled_template(crop, 1.0, ref_side=24).shape == (3, 18, 24)
+
+
+def test_templates_too_large_are_skipped_and_errors():
+    crop = torch.rand(1, 10, 10)
+    images = paste_in_noise(crop, [(1, 2)], size=12)
+    assert template_matching(images, [crop], scales=(1.0, 1.33)).tolist() == [[1, 2, 11, 12]]
+    with pytest.raises(ValueError, match="larger"):
+        template_matching(images, [crop], scales=(1.5,))
+    with pytest.raises(ValueError, match="at least one"):
+        template_matching(images, [])
+    with pytest.raises(ValueError, match="channel"):
+        ncc_map(images, torch.rand(3, 4, 4))
+
+
+def test_template_matching_finds_glyphs_on_patches():
+    """The benchmark's setting in small: exemplar crops of one glyph class (train fonts) find it in test
+    images (held-out fonts) on the patch background."""
+    torch.set_num_threads(1)
+    ex = glyphs("K", "train", 5, "patch", seed=1000)
+    test = glyphs("K", "test", 24, "patch", seed=0)
+    boxes = template_matching(test.images, exemplar_crops(ex))
+    assert boxes.shape == (24, 4)
+    assert corloc(boxes, test.boxes) >= 75
