@@ -28,7 +28,7 @@ from app.inference import (
     read_checkpoint,
 )
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
-from app.routes.uploads import read_images
+from app.routes.uploads import check_text, read_images
 from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
 from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
 from app.tables import Checkpoint, ExemplarSet
@@ -152,6 +152,7 @@ def create_exemplar_set(
 
     With ``boxes``, the files are whole images and the crops are cut from the boxes; the images are kept with
     their boxes as the set's labeled examples. Everything is checked before anything is written."""
+    check_text(name, "name")
     images = read_images(files, settings)
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else [None] * len(images)
     loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)

@@ -14,12 +14,29 @@ REJECTION_STATUS = {
 }
 
 
+MAX_FILENAME = 255
+"""Longest filename kept (the column's width): a longer one is refused, not cut."""
+
+
+def check_text(value: str | None, what: str) -> None:
+    """Refuse text that a database cannot store the same everywhere: PostgreSQL rejects NUL bytes in text,
+    SQLite keeps them, so both refuse them here (422), before anything is written."""
+    if value is not None and "\x00" in value:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{what} contains a NUL byte (\\x00); remove it")
+
+
 def check_file_count(files: list[UploadFile], settings: Settings, *, max_files: int | None = None) -> None:
+    """At least one file, at most the limit, and filenames that can be stored (no NUL, at most 255 characters)."""
     limit = min(settings.max_files_per_request, max_files or settings.max_files_per_request)
     if not files:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "at least one file is required")
     if len(files) > limit:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"{len(files)} files; at most {limit} per request")
+    for i, f in enumerate(files, 1):
+        check_text(f.filename, f"the filename of file {i}")
+        if f.filename is not None and len(f.filename) > MAX_FILENAME:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"the filename of file {i} has {len(f.filename)} characters; at most {MAX_FILENAME}")
 
 
 def read_raw(files: list[UploadFile], settings: Settings) -> list[bytes]:

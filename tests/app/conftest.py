@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for serv
 from service_fixtures import (  # noqa: E402,F401 -- fixtures are used by name
     bundle_dir,
     client,
+    db_settings,
     postgres_admin_url,
     postgres_url,
     redis_prefix,

@@ -1,0 +1,51 @@
+"""Text that one database stores and the other refuses (a NUL byte: PostgreSQL rejects it, SQLite keeps it) is
+a 422 on both, before anything is written; so is a filename longer than its column."""
+
+import pytest
+from fastapi.testclient import TestClient
+from service_fixtures import files, png_bytes
+
+from app.main import create_app
+
+
+@pytest.fixture
+def api(db_settings):
+    app = create_app(db_settings)
+    with TestClient(app) as c:
+        yield c
+    app.state.engine.dispose()
+
+
+def raw_multipart(filename: bytes, data: bytes) -> tuple[bytes, dict]:
+    """A multipart body written by hand, so the filename's bytes reach the server as they are (a client
+    library may escape a NUL)."""
+    b = b"qlocboundary"
+    body = (b"--" + b + b'\r\nContent-Disposition: form-data; name="files"; filename="' + filename
+            + b'"\r\nContent-Type: image/png\r\n\r\n' + data + b"\r\n--" + b + b"--\r\n")
+    return body, {"content-type": "multipart/form-data; boundary=qlocboundary"}
+
+
+def blob_files(settings) -> set:
+    return {p for p in settings.storage_dir.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["name", "filename", "long filename"])
+def test_unstorable_text_is_a_422_on_both_databases_and_nothing_is_written(api, db_settings, where):
+    before = blob_files(db_settings)
+    if where == "name":
+        r = api.post("/v1/exemplar-sets", files=files(png_bytes(28, 28)), data={"name": "fo\x00ur"})
+    elif where == "filename":
+        body, headers = raw_multipart(b"crop\x00.png", png_bytes(28, 28))
+        r = api.post("/v1/exemplar-sets", content=body, headers=headers)
+    else:
+        r = api.post("/v1/exemplar-sets", files=[("files", ("c" * 300 + ".png", png_bytes(28, 28), "image/png"))])
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert ("NUL" in detail) if where != "long filename" else ("at most 255" in detail)
+    assert api.get("/v1/exemplar-sets").json()["data"] == [] and blob_files(db_settings) == before
+    # an adaptation upload with such a filename is refused the same way
+    ok = api.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()
+    body, headers = raw_multipart(b"u\x00.png", png_bytes())
+    r = api.post(f"/v1/exemplar-sets/{ok['id']}/adaptations", content=body, headers=headers)
+    assert r.status_code == 422 and "NUL" in r.json()["detail"]
+    assert api.get(f"/v1/exemplar-sets/{ok['id']}/adaptations").json()["data"] == []
