@@ -45,7 +45,7 @@ def photo_suite(classes: list[str]) -> tuple[str, list]:
     return "photo-mammals", [PhotoKind(c, manifest) for c in classes]
 
 
-def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int) -> dict:
+def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True) -> dict:
     t0 = time.perf_counter()
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
@@ -79,7 +79,7 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
     crops = exemplar_crops(ex)
     k = min(n_ranking, len(test))
     t2 = time.perf_counter()
-    tm = corloc(template_matching(test.images, crops), test.boxes)
+    tm = corloc(template_matching(test.images, crops), test.boxes) if template else float("nan")
     tm_s = time.perf_counter() - t2
     row = {"target": kind.describe(), "seed": seed, **kind.meta(),
            "corloc_before": before, "corloc_after_policy": per_ckpt[last],
@@ -107,13 +107,16 @@ def main() -> None:
     p.add_argument("--n-test", type=int, default=200)
     p.add_argument("--ranking-images", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-template", action="store_true",
+                   help="skip template matching (full-resolution NCC of 224-px photos takes minutes per image set)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
     bundle = load_bundle(f"bundles/{name}.pt", "cpu")
     settings = Settings()
     t0 = time.perf_counter()
-    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images) for seed in a.seeds for kind in kinds]
+    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template)
+            for seed in a.seeds for kind in kinds]
     gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
                            r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)
     ckpt_probe = torch.tensor([c["probe_select"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)

@@ -3,10 +3,10 @@
 for anything -- whether adapting made its answers better, and activate a checkpoint only then.
 
 The probes are split once, at random: the *selection* half chooses the best checkpoint and decides;
-the *held-out* half only reports (its numbers are not used to choose, so they are not flattered by
-the choice) and must not fall. A checkpoint is activated under ``activate=auto`` only when its
-selection CorLoc beats the start by more than the probes' noise: twice the standard error of the
-paired difference (each probe scored by both policies), and at least one probe.
+the *held-out* half is not used to choose, so it can confirm the choice without flattering it. A
+checkpoint is activated under ``activate=auto`` only when its selection CorLoc beats the start by more
+than twice the standard error of the paired difference (each probe scored by both policies, and at
+least one probe), *and* its held-out CorLoc beats the start's by more than one standard error there.
 """
 
 from __future__ import annotations
@@ -101,13 +101,14 @@ class Guard:
         return {"corloc": round(float(hits[idx].float().mean() * 100), 2),
                 "mean_iou": round(float(iou[idx].mean()), 4), "n": len(idx)}
 
-    def _noise(self, hits: Tensor) -> float:
-        """Twice the standard error of the paired CorLoc difference against the start on the selection
-        probes, in points, and at least one probe's worth."""
-        d = (hits[self.select].float() - self._base_hits[self.select].float())
+    def _noise(self, hits: Tensor, idx: Tensor | None = None, k: float = 2.0) -> float:
+        """``k`` standard errors of the paired CorLoc difference against the start on the probes ``idx``
+        (default: the selection half), in points, and at least one probe's worth."""
+        idx = self.select if idx is None else idx
+        d = (hits[idx].float() - self._base_hits[idx].float())
         n = len(d)
         se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else 1.0
-        return round(max(2 * se, 1.0 / n) * 100, 2)
+        return round(max(k * se, 1.0 / n) * 100, 2)
 
     def start(self, agent_state: dict[str, Tensor] | None) -> dict[str, Any]:
         """Score the starting policy -> its record."""
@@ -125,6 +126,8 @@ class Guard:
                "held": self._summary(hits, iou, self.held)}
         rec["gain"] = round(rec["select"]["corloc"] - self.base["select"]["corloc"], 2)
         rec["noise"] = self._noise(hits)
+        rec["held_gain"] = round(rec["held"]["corloc"] - self.base["held"]["corloc"], 2)
+        rec["held_noise"] = self._noise(hits, self.held, k=1.0)
         self.checkpoints.append(rec)
         key = (rec["select"]["corloc"], rec["select"]["mean_iou"])
         if self._best is None or key > self._best[:2]:
@@ -153,14 +156,14 @@ class Guard:
             raise ValueError(f"activate must be one of {ACTIVATE_MODES}, got {mode!r}")
         best, last = self.best, (self.checkpoints[-1] if self.checkpoints else None)
         base = self.base or {}
-        improved = (best is not None and best["gain"] > best["noise"]
-                    and best["held"]["corloc"] >= base["held"]["corloc"])
+        improved = (best is not None and best["gain"] > best["noise"]  # chosen on the selection half ...
+                    and best["held_gain"] > best["held_noise"])  # ... and confirmed on the held-out half
         unreliable = -self.faithfulness["spearman"] < self.cfg.min_faithfulness
         if improved:
             verdict = "improved"
             message = (f"probe CorLoc {base['select']['corloc']} -> {best['select']['corloc']} at iteration "
-                       f"{best['iteration']} (noise {best['noise']}); held-out probes "
-                       f"{base['held']['corloc']} -> {best['held']['corloc']}")
+                       f"{best['iteration']} (noise {best['noise']}), confirmed on held-out probes "
+                       f"{base['held']['corloc']} -> {best['held']['corloc']} (noise {best['held_noise']})")
         elif unreliable:
             verdict = "reward unreliable"
             message = (f"the embedding barely orders boxes by overlap on the probes (Spearman "
