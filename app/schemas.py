@@ -115,7 +115,7 @@ class CheckpointScore(PolicyScore):
     gain: float = Field(description="Selection CorLoc minus the starting policy's, in points")
     noise: float = Field(description="Twice the standard error of that paired difference, in points")
     held_gain: float = Field(description="Held-out CorLoc minus the starting policy's, in points")
-    held_noise: float = Field(description="One standard error of that paired difference, in points")
+    held_noise: float = Field(description="Twice the standard error of that paired difference, in points")
 
 
 class Validation(BaseModel):
