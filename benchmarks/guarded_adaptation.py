@@ -79,7 +79,7 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
     crops = exemplar_crops(ex)
     k = min(n_ranking, len(test))
     t2 = time.perf_counter()
-    tm = corloc(template_matching(test.images, crops), test.boxes) if template else float("nan")
+    tm = corloc(template_matching(test.images, crops), test.boxes) if template else None
     tm_s = time.perf_counter() - t2
     row = {"target": kind.describe(), "seed": seed, **kind.meta(),
            "corloc_before": before, "corloc_after_policy": per_ckpt[last],
@@ -94,6 +94,8 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
                             "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]]}
                            for c in guard.checkpoints],
            "adapt_seconds": round(adapt_s, 2), "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
+    if tm is None:  # not run: left out, so the summary's means stay numbers
+        del row["corloc_template"]
     print(json.dumps({k: v for k, v in row.items() if k != "checkpoints"}), file=sys.stderr, flush=True)
     return row
 
