@@ -39,10 +39,6 @@ def rect_candidates(bundle: Bundle, sides: int = 10, stride: int | None = None) 
     return candidate_boxes(c.input.size, c.env.min_side, sides=sides, stride=stride, max_aspect=2.5, min_fraction=0.75)
 
 
-def _device(bundle: Bundle) -> torch.device:
-    return bundle.device
-
-
 @torch.no_grad()
 def evaluate_ordacc(bundle: Bundle, data: LabeledImages, anchor: str = "proto", group_size: int = 5,
                     pairs: int = 32, seed: int = 0, batch: int = 100, candidates: Tensor | None = None) -> float:
@@ -58,7 +54,7 @@ def ordacc_all(bundle: Bundle, data: LabeledImages, anchors: tuple[str, ...] = (
     """OrdAcc (%) for several anchors from one pass over ``data`` -> ``{anchor: ordacc}``."""
     emb = bundle.embedder.eval()
     gen = torch.Generator().manual_seed(seed)
-    dev = _device(bundle)
+    dev = bundle.device
     cands = training_candidates(bundle) if candidates is None else candidates
     gts, poss, negs = [], [], []
     for i in range(0, len(data), batch):
@@ -121,7 +117,7 @@ def localize_boxes(bundle: Bundle, agent: Agent, data: LabeledImages, prototype:
     samples)) or on the images (``batch`` default 256). ``samples > 0``: the best-of-(1 + samples) search
     (greedy episode included); ``nearest``: the visited box nearest the prototype is the answer;
     ``deterministic=False``: one sampled episode."""
-    loc = Localizer(bundle, device=_device(bundle))
+    loc = Localizer(bundle, device=bundle.device)
     agent.eval()
     if samples > 0:
         gen = torch.Generator().manual_seed(seed)
@@ -156,7 +152,7 @@ def ranking(bundle: Bundle, data: LabeledImages, prototype: Tensor, candidates: 
     image, or not at all when ``data`` carries features), ``batch`` images and ``chunk`` candidates at a time.
     """
     cands = ranking_candidates(bundle) if candidates is None else candidates  # [K, 4]
-    dev = _device(bundle)
+    dev = bundle.device
     cands, proto = cands.to(dev), prototype.to(dev)
     out = []
     for i in range(0, len(data), batch):

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.data.types import LabeledImages, exemplar_crops
-from models.inference import Localizer, exemplar_canvas, normalize
+from models.inference import exemplar_canvas, normalize
 
 
 @torch.no_grad()
@@ -41,14 +41,18 @@ def with_features(bundle: Bundle, data: LabeledImages, crops: bool = False, batc
     return out
 
 
-def crop_embeddings(bundle: Bundle, data: LabeledImages) -> Tensor:
-    """Embedding of each ground-truth crop of ``data`` pasted as an exemplar canvas (as ``Localizer``
-    embeds a client's exemplars) -> ``[N, D]`` on the embedder's device, without gradient."""
-    with torch.no_grad():
+def crop_embeddings(bundle: Bundle, data: LabeledImages, idx: Tensor | None = None, *, grad: bool = False) -> Tensor:
+    """Embedding of each ground-truth crop of ``data`` (or of its images ``idx``) pasted as an exemplar canvas,
+    as ``Localizer`` embeds a client's exemplars -> ``[N, D]`` on the embedder's device; ``grad`` keeps the
+    gradient (stage 1's ``shuffle_exemplar`` anchor). Uses the carried crop features when there are any."""
+    data = data if idx is None else data.subset(idx)
+    emb, spec = bundle.embedder, bundle.config.input
+    with torch.set_grad_enabled(grad):
         if data.crop_feats is not None and data.crop_boxes is not None:
-            return bundle.embedder.embed(data.crop_feats, data.crop_boxes[:, None])[:, 0]
-        loc = Localizer(bundle, device=bundle.device)
-        return loc.embed_crops(exemplar_crops(data))
+            return emb.embed(data.crop_feats, data.crop_boxes[:, None])[:, 0]
+        canvases, boxes = exemplar_canvas(exemplar_crops(data), spec)
+        feats = emb.features(normalize(canvases.to(bundle.device), spec))
+        return emb.embed(feats, boxes.to(bundle.device)[:, None])[:, 0]
 
 
 def prototype_of(bundle: Bundle, data: LabeledImages) -> Tensor:

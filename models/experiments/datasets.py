@@ -31,19 +31,12 @@ from models.train.embedding import EmbeddingTrainConfig
 ROLES = ("train", "val", "val_exemplars", "exemplars", "unlabeled", "test")
 
 
-@dataclass
-class CMnistKind:
-    """Corrupted MNIST: ``digit`` on the ``background``; test images from MNIST's test file."""
+class _CanvasKind:
+    """What cMNIST and glyphs share: the cMNIST networks, training defaults and data discipline
+    (``exemplars`` and ``unlabeled`` are disjoint slices of one train draw at seed + 1000, ``val_exemplars``
+    follows ``val`` in one draw, ``test`` is its own draw). A kind supplies ``_images``."""
 
-    digit: int = 4
-    background: str = "patch"
-    name: str = "cmnist"
-
-    def describe(self) -> str:
-        return f"cMNIST digit {self.digit} {self.background}"
-
-    def meta(self) -> dict[str, Any]:
-        return {"digit": self.digit, "background": self.background}
+    background: str
 
     def sizes(self) -> dict[str, int]:
         s = TrainSetup()
@@ -64,23 +57,40 @@ class CMnistKind:
     def select_with_exemplars(self) -> bool:
         return False  # stage 1 keeps the best OrdAcc with group prototypes
 
+    def _images(self, split: str, n: int, seed: int, offset: int) -> LabeledImages:
+        raise NotImplementedError
+
     def draw(self, bundle: Bundle, role: str, n: int, seed: int, after: int = 0) -> LabeledImages:
         """``n`` images of ``role``; ``after``: how many images of the same draw an earlier role took
         (``val_exemplars`` after ``val``, ``unlabeled`` after ``exemplars``), so the two never overlap."""
-        d, bg = self.digit, self.background
         split, s = {"train": ("train", seed), "val": ("val", seed), "val_exemplars": ("val", seed),
                     "exemplars": ("train", seed + 1000), "unlabeled": ("train", seed + 1000),
                     "test": ("test", seed)}[_role(role)]
-        return cmnist(d, split, n, bg, s, offset=after if role in ("val_exemplars", "unlabeled") else 0)
+        return self._images(split, n, s, after if role in ("val_exemplars", "unlabeled") else 0)
 
 
 @dataclass
-class GlyphKind:
-    """Glyphs (``models.data.glyphs``): the character ``char`` on the ``background``, on cMNIST canvases with
-    the cMNIST networks and training defaults; test images from the held-out test fonts.
+class CMnistKind(_CanvasKind):
+    """Corrupted MNIST: ``digit`` on the ``background``; test images from MNIST's test file."""
 
-    The seeds and slices are ``CMnistKind``'s: ``exemplars`` and ``unlabeled`` are disjoint slices of one
-    train-font draw (seed + 1000), ``val_exemplars`` follows ``val`` in one draw, ``test`` is its own draw."""
+    digit: int = 4
+    background: str = "patch"
+    name: str = "cmnist"
+
+    def describe(self) -> str:
+        return f"cMNIST digit {self.digit} {self.background}"
+
+    def meta(self) -> dict[str, Any]:
+        return {"digit": self.digit, "background": self.background}
+
+    def _images(self, split: str, n: int, seed: int, offset: int) -> LabeledImages:
+        return cmnist(self.digit, split, n, self.background, seed, offset=offset)
+
+
+@dataclass
+class GlyphKind(_CanvasKind):
+    """Glyphs (``models.data.glyphs``): the character ``char`` on the ``background``, on cMNIST canvases with
+    the cMNIST networks, training defaults and seeds; test images from the held-out test fonts."""
 
     char: str = "A"
     background: str = "patch"
@@ -92,31 +102,8 @@ class GlyphKind:
     def meta(self) -> dict[str, Any]:
         return {"glyph": self.char, "background": self.background}
 
-    def sizes(self) -> dict[str, int]:
-        return CMnistKind().sizes()
-
-    def model_config(self) -> ModelConfig:
-        return mnist_config()
-
-    def embedding_config(self) -> EmbeddingTrainConfig:
-        return TrainSetup().embedding
-
-    def agent_config(self) -> AgentTrainConfig:
-        return TrainSetup().agent
-
-    def candidates(self, bundle: Bundle) -> Tensor | None:
-        return None  # stage 1's default squares, as cMNIST
-
-    def select_with_exemplars(self) -> bool:
-        return False
-
-    def draw(self, bundle: Bundle, role: str, n: int, seed: int, after: int = 0) -> LabeledImages:
-        """``n`` images of ``role``; ``after`` as in ``CMnistKind.draw`` (how many the earlier role took)."""
-        split, s = {"train": ("train", seed), "val": ("val", seed), "val_exemplars": ("val", seed),
-                    "exemplars": ("train", seed + 1000), "unlabeled": ("train", seed + 1000),
-                    "test": ("test", seed)}[_role(role)]
-        return glyphs(self.char, split, n, self.background, s,
-                      offset=after if role in ("val_exemplars", "unlabeled") else 0)
+    def _images(self, split: str, n: int, seed: int, offset: int) -> LabeledImages:
+        return glyphs(self.char, split, n, self.background, seed, offset=offset)
 
 
 @dataclass

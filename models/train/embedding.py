@@ -22,10 +22,10 @@ from models.backbones import build_decoder
 from models.bundle import Bundle
 from models.core.ordinal import ANCHORS, anchors_for, sample_pairs, triplet_loss
 from models.core.seeding import seeded
-from models.data.types import LabeledImages, exemplar_crops
+from models.data.types import LabeledImages
 from models.evaluate import evaluate_ordacc, ranking_metrics, training_candidates
-from models.features import prototype_of
-from models.inference import exemplar_canvas, normalize
+from models.features import crop_embeddings, prototype_of
+from models.inference import normalize
 
 EMBEDDING_ANCHORS = (*ANCHORS, "shuffle_exemplar")
 """``ANCHORS`` of ``models.core.ordinal`` on the in-image ground-truth embeddings, or ``shuffle_exemplar``:
@@ -53,16 +53,6 @@ class EmbeddingTrainConfig:
     """0 turns the autoencoder off (frozen photo backbones train the head with the triplet loss only)."""
     eval_every: int = 10
     seed: int = 0
-
-
-def _crop_embeddings(bundle: Bundle, data: LabeledImages, idx: Tensor) -> Tensor:
-    """Exemplar-canvas embeddings of the ground-truth crops of images ``idx``, with the head's gradient."""
-    emb = bundle.embedder
-    if data.crop_feats is not None and data.crop_boxes is not None:
-        return emb.embed(data.crop_feats[idx.to(data.crop_feats.device)], data.crop_boxes[idx][:, None])[:, 0]
-    canvases, boxes = exemplar_canvas(exemplar_crops(data.subset(idx)), bundle.config.input)
-    dev = bundle.device
-    return emb.embed(emb.features(normalize(canvases.to(dev), bundle.config.input)), boxes.to(dev)[:, None])[:, 0]
 
 
 def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig, *,
@@ -110,7 +100,8 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
                     feats = emb.features(normalize(x01, bundle.config.input))
                 out = emb.embed(feats, torch.cat([gt[:, None], pairs.pos, pairs.neg], 1).to(dev))  # [b, 1+2P, D]
                 if cfg.anchor == "shuffle_exemplar":
-                    anchor = anchors_for("shuffle_proto", _crop_embeddings(bundle, train, idx), cfg.group_size, gen)
+                    crops = crop_embeddings(bundle, train, idx, grad=True)
+                    anchor = anchors_for("shuffle_proto", crops, cfg.group_size, gen)
                 else:
                     anchor = anchors_for(cfg.anchor, out[:, 0], cfg.group_size, gen)
                 trip = triplet_loss(anchor, out[:, 1:1 + P], out[:, 1 + P:], cfg.margin)
