@@ -42,14 +42,59 @@ class Settings(BaseSettings):
     """Default of localize's ``nearest``: answer with the visited box nearest the exemplars instead of the
     episode's last box. Unset: each bundle's own default (``env.answer``: on for photo bundles)."""
 
+    # --- where the model runs for requests (localize, exemplar-set prototypes, bundle checks)
+    inference: Literal["local", "workers"] = "local"
+    """``local``: in the API process (the API loads the bundles). ``workers``: on Celery workers consuming
+    ``localize_queue``, answered through ``result_backend``; the API then loads no bundle (no GPU, no model).
+    A localize worker batches concurrent calls as the API does in local mode, by its own ``batch_window_ms``,
+    ``batch_max_images`` and ``inference_queue_images``."""
+    localize_queue: str = Field("qloc-localize", pattern=r"^[A-Za-z0-9_.:-]{1,100}$")
+    """Celery queue of the localize / prototype / bundle-check tasks (``inference=workers``)."""
+    result_backend: str | None = None
+    """Celery result backend the API reads the workers' answers from, e.g. ``redis://redis:6379/1``;
+    required with ``inference=workers``."""
+    localize_timeout: float = Field(30.0, gt=0, le=3600)
+    """Seconds the API waits for a worker's answer (``inference=workers``); then 503 + ``Retry-After``."""
+
+    # --- localize in the API process (inference=local): one engine thread, calls batched across requests
+    batch_window_ms: float = Field(0.0, ge=0, le=1000)
+    """Milliseconds an idle engine holds a localize call back so that others run with it as one batch. 0:
+    it starts at once (a lone client waits for nothing); calls that arrive while a batch runs are gathered
+    into the next one anyway (continuous batching)."""
+    batch_max_images: int = Field(64, ge=1, le=4096)
+    """Most images the engine runs in one forward pass (a single larger call still runs whole)."""
+    inference_queue_images: int = Field(256, ge=1)
+    """Images that may wait for the engine (not counting the batch it runs); a localize call that would pass
+    it is answered 503 with ``Retry-After`` at once, rather than wait without bound."""
+    inference_threads: int = Field(0, ge=0, le=1024)
+    """torch's intra-op threads in the API process. 0: half the cores (at least 1), the other half left to
+    HTTP, decoding and the database: on 2 cores, 1 thread answers 32 concurrent clients faster than 2
+    (BENCHMARKS.md, "Localize under concurrent clients")."""
+
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    metrics_auth: bool = True
+    """With API keys set, ``/metrics`` needs one too (false: open to any scraper, as without keys)."""
 
     # --- upload limits
     max_file_bytes: int = Field(10 * MiB, ge=1)
     max_image_pixels: int = Field(16_000_000, ge=1)
     """Width x height above which an image is refused before decoding (decompression bombs)."""
     max_files_per_request: int = Field(64, ge=1)
+    max_request_pixels: int = Field(256_000_000, ge=1)
+    """Width x height summed over a request's images (read from their headers, before decoding): above it, 413.
+    The default takes 16 images at ``max_image_pixels``; it bounds the decoding work of one request."""
+    decode_max_side: int = Field(896, ge=32)
+    """Images are decoded downscaled to at most this longer side (a JPEG by its decoder, never at full
+    resolution): 4x the largest shipped bundle input (224 px photos; cMNIST takes 84), so the bundle's own
+    antialiased resize still starts from 4x its size. Boxes and sizes stay in the full image's pixels. Crops
+    cut from whole images with ``boxes`` are cut from a decode fine enough that the crop keeps up to this side."""
+    max_pool_images: int = Field(2000, ge=0)
+    """Images an exemplar set's pool may hold (``POST /v1/exemplar-sets/{id}/images``, localize's ``keep``):
+    a request that would pass it is refused whole (409). Every pool image may go into one job, whose worker
+    holds them all in memory (preprocessed to the bundle's input: 28 KiB each for cMNIST, 588 KiB for photos)."""
+    max_pool_bytes: int = Field(1024 * MiB, ge=0)
+    """Bytes (as uploaded) an exemplar set's pool may hold, refused like ``max_pool_images``."""
 
     # --- job limits
     default_iterations: int = Field(200, ge=1)
@@ -61,15 +106,27 @@ class Settings(BaseSettings):
     synthetic_probes: int = Field(128, ge=8, le=4096)
     """Synthetic probes per job: the set's exemplar crops pasted into the job's images, boxes known. With the
     set's labeled examples they score the starting policy and every checkpoint (``activate=auto``)."""
+    reward_repair: bool = True
+    """Before adapting the policy, train the projection head on as many other synthetic probes (stage 1's ordinal
+    loss, the backbone frozen) and keep it when held-out probes say it orders boxes better (``models.repair``):
+    the reward then transfers to objects the bundle never saw. Checkpoints carry the head and prototype."""
+    repair_epochs: int = Field(30, ge=1, le=500)
+    """Epochs of reward repair over its probes (128 by default: a few seconds on a GPU, about a minute on a CPU
+    core for the cMNIST bundle)."""
     job_soft_time_limit: float = Field(3600.0, gt=0)
     """Seconds; the job is marked failed (its checkpoints kept) when it runs longer."""
     job_time_limit: float = Field(3660.0, gt=0)
     """Seconds; the worker process is killed past this (the reaper then fails or resumes the job)."""
-    heartbeat_interval: float = Field(5.0, gt=0)
-    heartbeat_timeout: float = Field(60.0, gt=0)
-    """A running job whose heartbeat is older than this is considered abandoned by a dead worker."""
-    reaper_interval: float = Field(15.0, gt=0)
-    """Seconds between two rounds of each worker's reaper (abandoned running jobs, unsent queued ones)."""
+    heartbeat_interval: float = Field(2.0, gt=0)
+    """Seconds between two heartbeats of a running job (a thread of its run; progress writes renew it too)."""
+    heartbeat_timeout: float = Field(10.0, gt=0)
+    """A running job whose heartbeat is older than this is considered abandoned by a dead worker (at least
+    twice ``heartbeat_interval``; the default lets 4 beats in a row be late: a busy CPU, a slow database).
+    Compared across machines: worker clocks must agree (NTP) to well within it."""
+    reaper_interval: float = Field(2.0, gt=0)
+    """Seconds between two rounds of each worker's reaper (abandoned running jobs, unsent queued ones); a
+    worker also runs one as soon as it is ready. A dead worker's job resumes within about
+    ``heartbeat_timeout`` + ``reaper_interval`` (BENCHMARKS.md, "Recovery after kill -9")."""
     enqueue_grace: float = Field(30.0, gt=0)
     """Seconds a new job may stay ``queued`` with no confirmed send (``enqueued_at`` NULL) before the reaper
     sends its task itself: the API died between committing the job and sending it. Longer than a send
@@ -92,12 +149,19 @@ class Settings(BaseSettings):
     def _check_limits(self) -> Settings:
         if self.job_time_limit <= self.job_soft_time_limit:
             raise ValueError("job_time_limit (hard) must exceed job_soft_time_limit")
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be at least twice heartbeat_interval (one late beat "
+                             "must not lose a live job's lease)")
         if self.default_iterations > self.max_iterations:
             raise ValueError("default_iterations must not exceed max_iterations")
         if any(len(k) < 16 for k in self.api_keys):
             raise ValueError("API keys must be at least 16 characters long")
+        if self.inference == "workers" and not self.result_backend:
+            raise ValueError("QLOC_INFERENCE=workers needs QLOC_RESULT_BACKEND (e.g. redis://redis:6379/1): the API "
+                             "reads the localize workers' answers there; set it, or use QLOC_INFERENCE=local")
+        if self.localize_queue == self.queue:
+            raise ValueError("QLOC_LOCALIZE_QUEUE must differ from QLOC_QUEUE: localize requests must not wait "
+                             "behind adaptation jobs")
         return self
 
     @property

@@ -15,6 +15,7 @@ from app.tables import (
     Exemplar,
     ExemplarSet,
     JobImage,
+    PoolImage,
     utcnow,
 )
 
@@ -109,6 +110,7 @@ def delete_exemplar_set(session: Session, *, set_id: uuid.UUID) -> None:
     session.execute(delete(Checkpoint).where(Checkpoint.exemplar_set_id == set_id))
     session.execute(delete(JobImage).where(JobImage.job_id.in_(jobs)))
     session.execute(delete(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id))
+    session.execute(delete(PoolImage).where(PoolImage.exemplar_set_id == set_id))
     session.execute(delete(Exemplar).where(Exemplar.exemplar_set_id == set_id))
     session.execute(delete(ExemplarSet).where(ExemplarSet.id == set_id))
 

@@ -16,10 +16,12 @@ from app.config import Settings
 from app.inference import BundleRegistry
 from app.metrics import Metrics
 from app.queue import JobQueue
+from app.serving import InferenceBackend
 from app.storage import BlobStore
 
 
-def get_settings_dep(request: Request) -> Settings:
+# The plain getters are async: FastAPI runs each sync dependency on a thread of its pool (a hop per request).
+async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -34,32 +36,39 @@ def get_session(request: Request) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def get_store(request: Request) -> BlobStore:
+async def get_store(request: Request) -> BlobStore:
     return request.app.state.store
 
 
 StoreDep = Annotated[BlobStore, Depends(get_store)]
 
 
-def get_bundles(request: Request) -> BundleRegistry:
+async def get_bundles(request: Request) -> BundleRegistry:
     return request.app.state.bundles
 
 
 BundlesDep = Annotated[BundleRegistry, Depends(get_bundles)]
 
 
-def get_queue(request: Request) -> JobQueue:
+async def get_queue(request: Request) -> JobQueue:
     return request.app.state.queue
 
 
 QueueDep = Annotated[JobQueue, Depends(get_queue)]
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+async def get_inference(request: Request) -> InferenceBackend:
+    return request.app.state.inference
+
+
+InferenceDep = Annotated[InferenceBackend, Depends(get_inference)]
 
 _api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="One of QLOC_API_KEYS")
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <one of QLOC_API_KEYS>")
@@ -93,4 +102,10 @@ def get_caller(settings: SettingsDep, api_key: Annotated[str | None, Security(_a
     return Caller(owner_of(key))
 
 
-CallerDep = Annotated[Caller, Depends(get_caller)]
+async def caller_dep(settings: SettingsDep, api_key: Annotated[str | None, Security(_api_key_header)] = None,
+                     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None) -> Caller:
+    """``get_caller`` as a dependency, run on the event loop (no thread hop: it only compares keys)."""
+    return get_caller(settings, api_key, bearer)
+
+
+CallerDep = Annotated[Caller, Depends(caller_dep)]

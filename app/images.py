@@ -1,7 +1,18 @@
 """Decoding and validating uploaded images (PNG, JPEG; any mode PIL reads; any size up to the limits).
 
 Everything is checked before anything is stored: size in bytes, declared and actual format, pixel
-count read from the header (before decoding: decompression bombs), and a full decode (truncation).
+count read from the header (before decoding: decompression bombs), animation (an animated PNG is
+refused, not silently cut to its first frame), and a full decode (truncation).
+
+Images are decoded the way every viewer shows them, and small:
+
+- **EXIF orientation** is applied (the ``Orientation`` tag, as ``PIL.ImageOps.exif_transpose`` does): a
+  portrait phone JPEG whose pixels are stored sideways is analysed upright, its ``width`` / ``height``
+  are the upright frame's, and boxes (given or returned) are in that frame.
+- **Downscaled while decoding** to a longer side of at most ``max_side`` (``QLOC_DECODE_MAX_SIDE``): a
+  JPEG is decoded at 1/2, 1/4 or 1/8 scale by its decoder (``Image.draft``: the full-resolution pixels
+  never exist), any image is then resized (antialiased) to fit. ``DecodedImage`` keeps the full image's
+  size and maps boxes between its decoded pixels and the full image's (``box_to_full``).
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
+from typing import IO
 
 from PIL import Image, ImageFile
 
@@ -18,6 +30,17 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 FORMATS = {"PNG": ("image/png", ".png"), "JPEG": ("image/jpeg", ".jpg")}
 ACCEPTED_DECLARED_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/pjpeg", "application/octet-stream", ""}
 _OTHER_IMAGE_MAGIC = (b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF", b"\x00\x00\x01\x00")
+_PNG_MAGIC, _JPEG_MAGIC = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
+
+ORIENTATION = 0x0112
+"""The EXIF tag of the orientation the stored pixels are shown in."""
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+"""Orientation -> the transposition that shows the stored pixels upright (``PIL.ImageOps.exif_transpose``'s)."""
+_RESAMPLE = Image.Resampling.BICUBIC
+
+Box = tuple[float, float, float, float]
 
 
 class ImageRejected(Exception):  # noqa: N818 -- a verdict, not a crash
@@ -40,19 +63,45 @@ class UploadLimits:
 class DecodedImage:
     filename: str | None
     data: bytes
-    """The bytes as uploaded (what gets stored)."""
+    """The bytes as uploaded (what gets stored); ``b""`` when the caller did not keep them."""
     image: Image.Image
-    """Fully decoded."""
+    """Decoded, EXIF orientation applied, its longer side at most the ``max_side`` it was decoded with."""
     format: str
     """``PNG`` or ``JPEG``."""
+    width: int
+    """Of the full image, upright (EXIF orientation applied): the frame of boxes given and returned."""
+    height: int
 
     @property
-    def width(self) -> int:
-        return self.image.width
+    def scale(self) -> tuple[float, float]:
+        """(full / decoded) along x and y: 1.0 for an image decoded at full resolution."""
+        return self.width / self.image.width, self.height / self.image.height
 
-    @property
-    def height(self) -> int:
-        return self.image.height
+    def box_to_full(self, box: Box) -> Box:
+        """A box in the pixels of ``image`` -> the same box in the full (upright) image's pixels."""
+        sx, sy = self.scale
+        return box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy
+
+    def box_to_decoded(self, box: Box) -> Box:
+        """A box in the full (upright) image's pixels -> the same box in the pixels of ``image``."""
+        sx, sy = self.scale
+        return box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy
+
+    def crop(self, box: Box, *, max_side: int | None) -> Image.Image:
+        """The crop inside ``box`` (full upright pixels) at the resolution it needs: the image is decoded again
+        from ``data`` at full resolution if the box's longer side is at most ``max_side`` (cut exactly as
+        ``cut_box`` cuts the full image), else just large enough that the crop's longer side is about
+        ``max_side``. One decode at a time; it is dropped once the crop is cut."""
+        if not self.data:
+            raise ValueError("crop needs the image's bytes (decode with keep_data)")
+        side = max(box[2] - box[0], box[3] - box[1])
+        need = None  # the longer side to decode the whole image at; None: full resolution
+        if max_side is not None and side > max_side:
+            need = math.ceil(max(self.width, self.height) * max_side / side)
+        if need is None and self.image.size == (self.width, self.height):
+            return cut_box(self.image, box)
+        again = open_stored(self.data, max_side=need)
+        return cut_box(again.image, again.box_to_decoded(box))
 
     @property
     def content_type(self) -> str:
@@ -63,8 +112,76 @@ class DecodedImage:
         return FORMATS[self.format][1]
 
 
-def decode_image(data: bytes, *, filename: str | None, declared_type: str | None, limits: UploadLimits) -> DecodedImage:
-    """Validate and decode one upload -> ``DecodedImage``; raises ``ImageRejected``."""
+def sniff_format(data: bytes, name: str) -> str:
+    """``PNG`` or ``JPEG`` from the first bytes; ``ImageRejected`` otherwise."""
+    if data.startswith(_PNG_MAGIC):
+        return "PNG"
+    if data.startswith(_JPEG_MAGIC):
+        return "JPEG"
+    if data.startswith(_OTHER_IMAGE_MAGIC):
+        raise ImageRejected("unsupported_type", f"{name}: only PNG and JPEG images are accepted")
+    raise ImageRejected("bad_image", f"{name}: not a PNG or JPEG image")
+
+
+def header_pixels(fp: IO[bytes]) -> int | None:
+    """Width x height read from the header of the image in ``fp`` (nothing decoded), or ``None`` if it cannot be
+    read (the decode then refuses the file with its reason). Reads from the current position, leaves it anywhere."""
+    head = fp.read(8)
+    if not (head.startswith(_PNG_MAGIC) or head.startswith(_JPEG_MAGIC)):
+        return None
+    fp.seek(-len(head), io.SEEK_CUR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(fp, formats=["PNG", "JPEG"])
+            w, h = img.size
+    except Exception:  # a broken header, or a bomb PIL will not even open: the decode refuses it, saying why
+        return None
+    return w * h
+
+
+def fit(size: tuple[int, int], max_side: int | None) -> tuple[int, int]:
+    """``size`` scaled (aspect kept, each side at least 1) so that its longer side is at most ``max_side``."""
+    w, h = size
+    if max_side is None or max(w, h) <= max_side:
+        return w, h
+    k = max_side / max(w, h)
+    return max(1, min(max_side, round(w * k))), max(1, min(max_side, round(h * k)))
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        value = img.getexif().get(ORIENTATION, 1)
+    except Exception:  # an unreadable EXIF block is not a reason to refuse the pixels: shown as stored
+        return 1
+    return value if value in _TRANSPOSE else 1
+
+
+def _decode(img: Image.Image, max_side: int | None) -> tuple[Image.Image, tuple[int, int]]:
+    """An opened image -> (decoded, upright, longer side at most ``max_side``; the full upright size)."""
+    w, h = img.size
+    target = fit((w, h), max_side)
+    if target != (w, h) and img.format in ("JPEG", "MPO"):
+        img.draft(img.mode, target)  # the decoder's own 1/2, 1/4, 1/8 scaling, never below target
+    img.load()
+    orientation = _orientation(img)
+    if img.size != target:
+        # Resampling a palette (or 1-bit) image would pick nearest pixels; a colour key would not survive it.
+        if img.mode in ("PA", "RGBA", "LA") or "transparency" in img.info:
+            img = img.convert("LA" if img.mode == "LA" else "RGBA")
+        elif img.mode in ("P", "1"):
+            img = img.convert("RGB" if img.mode == "P" else "L")
+        img = img.resize(target, _RESAMPLE, reducing_gap=2.0)
+    if orientation != 1:
+        img = img.transpose(_TRANSPOSE[orientation])
+    full = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+    return img, full
+
+
+def decode_image(data: bytes, *, filename: str | None, declared_type: str | None, limits: UploadLimits,
+                 max_side: int | None = None, keep_data: bool = True) -> DecodedImage:
+    """Validate and decode one upload -> ``DecodedImage`` (upright; longer side at most ``max_side``, ``None``:
+    full resolution); raises ``ImageRejected``. ``keep_data=False`` leaves ``data`` empty (nothing to store)."""
     name = filename or "upload"
     declared = (declared_type or "").split(";")[0].strip().lower()
     if declared not in ACCEPTED_DECLARED_TYPES:
@@ -73,14 +190,7 @@ def decode_image(data: bytes, *, filename: str | None, declared_type: str | None
         raise ImageRejected("bad_image", f"{name}: empty file")
     if len(data) > limits.max_file_bytes:
         raise ImageRejected("too_large", f"{name}: {len(data)} bytes, the limit is {limits.max_file_bytes}")
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        fmt = "PNG"
-    elif data.startswith(b"\xff\xd8\xff"):
-        fmt = "JPEG"
-    elif data.startswith(_OTHER_IMAGE_MAGIC):
-        raise ImageRejected("unsupported_type", f"{name}: only PNG and JPEG images are accepted")
-    else:
-        raise ImageRejected("bad_image", f"{name}: not a PNG or JPEG image")
+    fmt = sniff_format(data, name)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -90,23 +200,38 @@ def decode_image(data: bytes, *, filename: str | None, declared_type: str | None
                 raise ImageRejected("bad_image", f"{name}: image has no pixels")
             if w * h > limits.max_image_pixels:
                 raise ImageRejected("too_large", f"{name}: {w}x{h} pixels, the limit is {limits.max_image_pixels}")
-            img.load()
+            if fmt == "PNG" and getattr(img, "n_frames", 1) > 1:
+                raise ImageRejected("unsupported_type", (
+                    f"{name}: an animated PNG ({img.n_frames} frames); animated images are not accepted: send the "
+                    "frame to use as a still PNG"))
+            image, (full_w, full_h) = _decode(img, max_side)
     except ImageRejected:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageRejected("too_large", f"{name}: {e}") from e
     except Exception as e:  # PIL raises many types for broken files: SyntaxError, OSError, ValueError...
         raise ImageRejected("bad_image", f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
-    return DecodedImage(filename, data, img, fmt)
+    return DecodedImage(filename, data if keep_data else b"", image, fmt, full_w, full_h)
 
 
-def round_box(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
+def open_stored(data: bytes, *, max_side: int | None = None, filename: str | None = None) -> DecodedImage:
+    """An image stored after ``decode_image`` accepted it -> ``DecodedImage``, decoded the same way (upright,
+    longer side at most ``max_side``): what the worker sees is what the API saw. No limits are checked."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        img = Image.open(io.BytesIO(data))
+        fmt = "PNG" if img.format == "PNG" else "JPEG"
+        image, (w, h) = _decode(img, max_side)
+    return DecodedImage(filename, data, image, fmt, w, h)
+
+
+def round_box(box: Box) -> tuple[int, int, int, int]:
     """A box ``(x1, y1, x2, y2)`` in pixels -> its edges rounded to the nearest pixel edge (halves up)."""
     x1, y1, x2, y2 = (math.floor(v + 0.5) for v in box)
     return x1, y1, x2, y2
 
 
-def cut_box(image: Image.Image, box: tuple[float, float, float, float]) -> Image.Image:
+def cut_box(image: Image.Image, box: Box) -> Image.Image:
     """The crop of ``image`` inside ``box`` (in its pixels, edges rounded by ``round_box``): how an exemplar
     set's crops are cut from whole images with boxes. Mode, palette and transparency are kept."""
     return image.crop(round_box(box))

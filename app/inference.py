@@ -32,7 +32,7 @@ from torch import Tensor
 
 from app.storage import BlobStore
 from app.tables import ExemplarSet
-from models.bundle import Bundle, bundle_from_bytes, policy_from_bytes
+from models.bundle import Bundle, Reward, bundle_from_bytes, checkpoint_from_bytes, policy_from_bytes
 from models.inference import Localizer, resolve_device
 
 log = logging.getLogger(__name__)
@@ -192,3 +192,12 @@ def read_checkpoint(store: BlobStore, *, blob: str, sha256: str, bundle: Bundle,
     ``models.bundle.PolicyMismatch`` otherwise). The bytes checked are the bytes decoded (one read)."""
     data = store.read_verified(blob, sha256)
     return policy_from_bytes(data, bundle, source=source or f"checkpoint {blob}")
+
+
+def read_served_checkpoint(store: BlobStore, *, blob: str, sha256: str, bundle: Bundle, source: str | None = None
+                           ) -> tuple[dict[str, Tensor], Reward | None]:
+    """What serving a checkpoint needs: (agent state, the repaired reward it carries or ``None``), checked
+    as ``read_checkpoint`` checks."""
+    data = store.read_verified(blob, sha256)
+    agent, _, reward = checkpoint_from_bytes(data, bundle, source=source or f"checkpoint {blob}")
+    return agent, reward

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import web
 from app.config import Settings, get_settings
 from app.db import make_engine, make_sessionmaker
 from app.inference import BundleRegistry
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.queue import JobQueue
-from app.routes import adaptations, checkpoints, exemplar_sets, health
+from app.remote import WorkerInference
+from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, pool
+from app.serving import BatchedInference
 from app.storage import BlobStore
 
 log = logging.getLogger(__name__)
@@ -69,26 +74,43 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:  # load the default bundle now, not on the first request; /readyz reports a failure
-            app.state.bundles.get(settings.default_bundle)
+            if settings.inference == "local":  # workers mode: the API loads no bundle (app/remote.py)
+                app.state.bundles.get(settings.default_bundle)
         except Exception as e:
             log.warning("default bundle %r not loaded: %s", settings.default_bundle, e)
         yield
+        close = getattr(app.state.inference, "close", None)
+        if close is not None:  # the local engine thread: answers what waits, then stops
+            close()
         app.state.engine.dispose()
 
     app = FastAPI(
-        title="qloc", version="1.0.0", lifespan=lifespan,
+        title="qloc", version="1.0.0", lifespan=lifespan, docs_url=None, redoc_url=None,  # app.web serves them
         description="Query object localization: register exemplar crops, localize the object in images, "
                     "adapt the localization policy to your images without labels.")
     app.state.settings = settings
     app.state.engine = make_engine(settings.database_url)
     app.state.session_factory = make_sessionmaker(app.state.engine)
     app.state.store = BlobStore(settings.storage_dir)
-    app.state.bundles = BundleRegistry(settings.bundle_dir, settings.device)
+    # workers mode: this registry loads no model (the workers' do), so QLOC_DEVICE=cuda needs no GPU here
+    app.state.bundles = BundleRegistry(settings.bundle_dir,
+                                       settings.device if settings.inference == "local" else "cpu")
     app.state.queue = JobQueue(settings)
+    if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        torch.set_num_threads(settings.inference_threads or max(1, cores // 2))
+    app.state.inference = BatchedInference(
+        app.state.bundles, app.state.store, default_nearest=settings.localize_nearest,
+        window_s=settings.batch_window_ms / 1000, max_batch_images=settings.batch_max_images,
+        max_queue_images=settings.inference_queue_images)
+    app.state.remote = None  # QLOC_INFERENCE=workers: the model runs on the localize queue's workers
+    if settings.inference == "workers":
+        app.state.inference = app.state.remote = WorkerInference(settings, app.state.queue.celery)
     app.state.metrics = Metrics(app.state.session_factory)
     app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost: sees 413s
-    for module in (exemplar_sets, adaptations, checkpoints, health):
+    for module in (exemplar_sets, pool, adaptations, checkpoints, bundles, health):
         app.include_router(module.router)
+    web.install(app)  # the page at / and the API docs, offline
     return app
 

@@ -52,6 +52,12 @@ def create_celery(settings: Settings) -> Celery:
         worker_send_task_events=False,
         worker_hijack_root_logger=False,
     )
+    if settings.result_backend:  # QLOC_INFERENCE=workers: the localize tasks answer through it (app/remote.py)
+        app.conf.update(
+            result_backend=settings.result_backend, result_serializer="json", result_accept_content=["json"],
+            result_expires=int(settings.localize_timeout) + 300,  # an answer nobody read (the API gave up)
+            result_backend_transport_options={k: v for k, v in settings.broker_transport_options.items()
+                                              if k == "global_keyprefix"})
     return app
 
 
@@ -63,7 +69,7 @@ class JobQueue:
         self.celery = create_celery(settings)
 
     def enqueue_adaptation(self, job_id: object) -> None:
-        self.celery.send_task(ADAPT_TASK, args=[str(job_id)], queue=self.settings.queue)
+        self.celery.send_task(ADAPT_TASK, args=[str(job_id)], queue=self.settings.queue, ignore_result=True)
 
     def ping(self) -> None:
         """Raise unless the broker answers (a real round trip: the queue's length)."""

@@ -51,6 +51,10 @@ class ExemplarSetPublic(BaseModel):
     num_labeled: int = Field(description=(
         "Exemplars uploaded as whole images with the object's box (`boxes`): the set's labeled examples, which "
         "adaptation jobs use to check themselves. 0 for a set of plain crops."))
+    num_pool_images: int = Field(0, description=(
+        "Images in the set's pool (`/v1/exemplar-sets/{id}/images`): unlabeled images adaptation jobs may use "
+        "(`source=pool|both`), at most QLOC_MAX_POOL_IMAGES"))
+    pool_bytes: int = Field(0, description="Bytes of the pool's images as uploaded, at most QLOC_MAX_POOL_BYTES")
     bundle: str
     bundle_sha256: str | None = Field(description=(
         "sha256 of the bundle file that made the set's prototype. Once another file is installed under the "
@@ -80,6 +84,8 @@ class LocalizeResponse(BaseModel):
     samples: int = Field(description="Extra sampled episodes per image (best-of-N search); 0 = greedy only")
     nearest: bool = Field(description="The answer is the visited box nearest the exemplars, not the last one")
     results: list[LocalizationResult]
+    kept: list[uuid.UUID] | None = Field(None, description=(
+        "With `keep=true`: the ids of the pool images the uploaded images became, in upload order"))
 
 
 class Progress(BaseModel):
@@ -95,7 +101,10 @@ class JobParams(BaseModel):
     activate: Literal["auto", "true", "false"] = Field(
         description="auto: the best checkpoint, only if it beats the starting policy on the job's probes; "
                     "true: the final checkpoint, whatever the probes say; false: none")
-    num_images: int
+    num_images: int = Field(description="Images the job adapts on: its uploads and the pool images it took")
+    num_pool_images: int = Field(0, description=(
+        "Of num_images, those taken from the set's pool when the job was created (a snapshot: images added to "
+        "the pool later are not the job's)"))
     base_checkpoint_id: uuid.UUID | None
 
 
@@ -131,6 +140,13 @@ class Validation(BaseModel):
     stopped_early: bool
     activated_iteration: int | None = Field(description="The checkpoint the job made active, if any")
     message: str
+    reward: Literal["repaired head", "bundle head"] | None = Field(None, description=(
+        "The reward the job adapted the policy on: `repaired head` when reward repair (QLOC_REWARD_REPAIR) trained "
+        "the projection head on probes and held-out probes confirmed it orders boxes better (its checkpoints then "
+        "carry that head and prototype, and localize uses them), else `bundle head`. Null for jobs made before."))
+    repair: dict[str, Any] | None = Field(None, description=(
+        "What reward repair measured: `kept`, probe OrdAcc / Spearman `before` and `after`, `best_epoch`, "
+        "`epochs`, `train_probes`, `val_probes`, `seconds`. Null when repair is off."))
 
 
 class AdaptationJobPublic(BaseModel):
@@ -181,3 +197,34 @@ class HealthStatus(BaseModel):
 class ReadyStatus(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str]
+
+
+class PoolImagePublic(BaseModel):
+    """An unlabeled image in an exemplar set's pool."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: uuid.UUID
+    exemplar_set_id: uuid.UUID
+    filename: str | None
+    content_type: str
+    width: int
+    height: int
+    size: int = Field(description="Bytes as uploaded")
+    sha256: str
+    created_at: datetime
+
+
+class PoolState(BaseModel):
+    num_pool_images: int = Field(description="Images in the set's pool now")
+    pool_bytes: int = Field(description="Their bytes as uploaded")
+    max_pool_images: int = Field(description="The cap on images per pool (QLOC_MAX_POOL_IMAGES)")
+    max_pool_bytes: int = Field(description="The cap on bytes per pool (QLOC_MAX_POOL_BYTES)")
+
+
+class PoolImagesPublic(Page, PoolState):
+    data: list[PoolImagePublic]
+
+
+class PoolImagesAdded(PoolState):
+    data: list[PoolImagePublic] = Field(description="The images this request added, in upload order")

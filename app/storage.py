@@ -71,3 +71,8 @@ def job_image_key(set_id: object, job_id: object, position: int, ext: str) -> st
 
 def checkpoint_key(set_id: object, job_id: object, iteration: int) -> str:
     return f"{job_prefix(set_id, job_id)}/checkpoints/{iteration:07d}.pt"
+
+
+def pool_image_key(set_id: object, image_id: object, ext: str) -> str:
+    """An image of the set's pool: under the set's prefix, so deleting the set deletes it."""
+    return f"{exemplar_set_prefix(set_id)}/pool/{image_id}{ext}"

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -102,6 +103,11 @@ class ExemplarSet(Base):
     num_labeled: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Exemplars uploaded as whole images with the object's box (``Exemplar.box``): the set's labeled
     examples. 0 for a set of plain crops."""
+    num_pool_images: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Rows of ``pool_images`` of the set: changed only by a conditional UPDATE in the same transaction as the
+    rows (``app.pool``), which is also what serializes the pool's writers (the cap holds under concurrency)."""
+    pool_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """Sum of ``pool_images.size`` of the set, kept like ``num_pool_images``."""
     active_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -148,6 +154,29 @@ class Exemplar(Base):
         return (self.box_x1, self.box_y1, self.box_x2, self.box_y2)
 
 
+class PoolImage(Base):
+    """An unlabeled image in an exemplar set's pool: what adaptation jobs may use besides their own uploads.
+
+    Its file is under the set's blob prefix (``app.storage.pool_image_key``), so deleting the set deletes it."""
+
+    __tablename__ = "pool_images"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    exemplar_set_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("exemplar_sets.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer)
+    """Index in the request that added it; the pool's order is ``(created_at, position, id)``."""
+    filename: Mapped[str | None] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(50))
+    width: Mapped[int] = mapped_column(Integer)
+    height: Mapped[int] = mapped_column(Integer)
+    size: Mapped[int] = mapped_column(Integer)
+    """Bytes of the stored file."""
+    sha256: Mapped[str] = mapped_column(String(64))
+    blob: Mapped[str] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class AdaptationJob(Base):
     __tablename__ = "adaptation_jobs"
     __table_args__ = (
@@ -175,6 +204,10 @@ class AdaptationJob(Base):
     """``auto``: the best checkpoint, only if it beats the starting policy on the job's probes; ``true``: the
     final checkpoint, whatever the probes say; ``false``: none (``ACTIVATE_MODES``)."""
     num_images: Mapped[int] = mapped_column(Integer)
+    """All the job's images: its uploads and the pool images it took."""
+    num_pool_images: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Of ``num_images``, those taken from the set's pool when the job was created (a snapshot: ``job_images``
+    rows with ``pool_image_id``)."""
     base_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
     """The policy the job starts from: the set's active checkpoint when the job was created."""
@@ -216,6 +249,10 @@ class JobImage(Base):
     height: Mapped[int] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
     blob: Mapped[str] = mapped_column(String(500))
+    pool_image_id: Mapped[uuid.UUID | None] = mapped_column(
+        Uuid, ForeignKey("pool_images.id", ondelete="SET NULL"), index=True)
+    """For an image taken from the set's pool: that pool image (``blob`` is its file, not a copy). A pool image
+    named by a queued or running job is not deleted (409); NULL for the job's own uploads."""
 
 
 class Checkpoint(Base):

@@ -29,7 +29,7 @@ from models.experiments.baselines import template_matching
 from models.experiments.datasets import CMnistKind, GlyphKind, PhotoKind
 from models.experiments.report import summarize
 from models.features import prototype_of
-from models.guard import Guard, synthetic_probes
+from models.repair import RepairConfig, guarded_setup
 
 SUITES = {
     "digits": ("mnist-digit4", [CMnistKind(d, "patch") for d in (0, 1, 2, 3, 5, 6, 7, 8, 9)]),
@@ -45,16 +45,18 @@ def photo_suite(classes: list[str]) -> tuple[str, list]:
     return "photo-mammals", [PhotoKind(c, manifest) for c in classes]
 
 
-def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True) -> dict:
+def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
+               repair: RepairConfig | None = None) -> dict:
     t0 = time.perf_counter()
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
     test = kind.draw(bundle, "test", n_test, seed)
     proto = prototype_of(bundle, ex)
-    gen = torch.Generator().manual_seed(seed)
-    probes = synthetic_probes(bundle, proto, exemplar_crops(ex), unl.images, None, settings.synthetic_probes, gen)
-    guard = Guard(bundle, proto, probes, gen, counts={"synthetic": settings.synthetic_probes})
-    guard.start(None)
+    setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
+                          generator_seed=seed, repair=repair)
+    guard, rep = setup.guard, setup.repair
+    base_bundle, base_proto = bundle, proto
+    bundle, proto = setup.bundle, setup.prototype
     states = {}
 
     def on_checkpoint(state: dict) -> None:
@@ -73,7 +75,7 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
     def test_corloc(state) -> float:  # noqa: ANN001
         return evaluate_corloc(bundle, bundle.new_agent(state), test, proto)[0]
 
-    before = test_corloc(None)
+    before = evaluate_corloc(base_bundle, base_bundle.new_agent(None), test, base_proto)[0]
     per_ckpt = {it: test_corloc(s) for it, s in states.items()}
     last = max(per_ckpt)
     crops = exemplar_crops(ex)
@@ -84,8 +86,8 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
     row = {"target": kind.describe(), "seed": seed, **kind.meta(),
            "corloc_before": before, "corloc_after_policy": per_ckpt[last],
            "corloc_after_guard": per_ckpt[d["activate"]] if d["activate"] is not None else before,
-           "corloc_template": tm, "corloc_ranking": corloc(ranking(bundle, test.subset(torch.arange(k)), proto),
-                                                          test.boxes[:k]),
+           "corloc_template": tm,
+           "corloc_ranking": corloc(ranking(base_bundle, test.subset(torch.arange(k)), base_proto), test.boxes[:k]),
            "corloc_probe_before": guard.base["select"]["corloc"],
            "corloc_probe_best": (d["validation"]["best"] or guard.base)["select"]["corloc"],
            "verdict": d["verdict"], "activated": d["activate"], "stopped_early": d["validation"]["stopped_early"],
@@ -93,6 +95,7 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
            "checkpoints": [{"iteration": c["iteration"], "probe_select": c["select"]["corloc"],
                             "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]]}
                            for c in guard.checkpoints],
+           "reward": setup.reward, "repair": rep.record if rep is not None else None,
            "adapt_seconds": round(adapt_s, 2), "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
     if tm is None:  # not run: left out, so the summary's means stay numbers
         del row["corloc_template"]
@@ -109,15 +112,22 @@ def main() -> None:
     p.add_argument("--n-test", type=int, default=200)
     p.add_argument("--ranking-images", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repair", action="store_true", help="reward repair before the policy (models.repair)")
+    p.add_argument("--repair-epochs", type=int, default=RepairConfig.epochs)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kinds", nargs="+", help="only these targets of the suite (their describe() contains one)")
     p.add_argument("--no-template", action="store_true",
                    help="skip template matching (full-resolution NCC of 224-px photos takes minutes per image set)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
-    bundle = load_bundle(f"bundles/{name}.pt", "cpu")
+    if a.kinds:
+        kinds = [k for k in kinds if any(s in k.describe() for s in a.kinds)]
+    bundle = load_bundle(f"bundles/{name}.pt", a.device)
+    repair = RepairConfig(epochs=a.repair_epochs) if a.repair else None
     settings = Settings()
     t0 = time.perf_counter()
-    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template)
+    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair)
             for seed in a.seeds for kind in kinds]
     gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
                            r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)

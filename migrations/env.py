@@ -2,6 +2,10 @@
 
 ``render_as_batch`` lets the same migrations alter tables on SQLite (which rebuilds the table) and
 on PostgreSQL (plain ALTER TABLE).
+
+On SQLite, foreign keys are off while migrating: a batch rebuild drops the old table, and with them on,
+that drop cascades into every table referencing it (0006's downgrade emptied ``job_images`` that way).
+``PRAGMA foreign_key_check`` then checks the result before it is committed.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import logging.config
 
 from alembic import context
+from sqlalchemy import event, text
 
 from app.config import get_settings
 from app.db import make_engine
@@ -34,12 +39,23 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = make_engine(database_url())
+    sqlite = engine.dialect.name == "sqlite"
+    if sqlite:
+        @event.listens_for(engine, "connect")
+        def _no_cascades(dbapi_connection, _record) -> None:  # noqa: ANN001 -- after make_engine's own hook
+            cur = dbapi_connection.cursor()
+            cur.execute("PRAGMA foreign_keys=OFF")
+            cur.close()
     try:
         with engine.connect() as connection:
             context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True,
                               compare_type=True)
             with context.begin_transaction():
                 context.run_migrations()
+                if sqlite:
+                    broken = connection.execute(text("PRAGMA foreign_key_check")).fetchall()
+                    if broken:
+                        raise RuntimeError(f"migration left rows whose foreign keys point nowhere: {broken[:5]}")
     finally:
         engine.dispose()
 

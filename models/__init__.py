@@ -7,8 +7,8 @@
 3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search)
 4. ``inference`` (the one ``preprocess`` and ``Localizer``)
 5. ``features`` (backbone features, prototypes), ``policy`` (the policy-gradient step)
-6. ``evaluate`` (OrdAcc, CorLoc, ranking baseline), ``adapt`` (stage 3)
-7. ``train`` (stages 1 and 2)
+6. ``evaluate`` (OrdAcc, CorLoc, ranking baseline), ``adapt`` (stage 3), ``guard`` (probes decide)
+7. ``train`` (stages 1 and 2), ``repair`` (reward repair at test time: stage 1 on probes, head only)
 8. ``experiments`` (protocols, dataset kinds, fine-tune baseline, summary, provenance, speed)
 9. ``cli`` (``qloc``)
 

@@ -3,9 +3,13 @@
 Bundle: ``{"format": "qloc-bundle", "format_version", "name", "config", "embedder", "agent",
 "training"? (stage 1's decoder), "provenance"}``. Policy checkpoint: ``{"format": "qloc-policy",
 "format_version",
-"bundle", "bundle_sha256"?, "prototype_dim"?, "agent", "meta"}`` -- the agent only, plus the name of
+"bundle", "bundle_sha256"?, "prototype_dim"?, "agent", "reward"?, "meta"}`` -- the agent, plus the name of
 the bundle it belongs to and, when the writer knew them, the sha256 of that bundle's file and the
 dimension of its prototypes (files written before these two existed lack them, and still load).
+Format 2 adds ``"reward"``: ``{"head": state dict, "prototype": [D]}`` when the policy was adapted on a
+repaired reward (``models.repair``): the projection head it learned and the exemplars' prototype under
+that head, which serve the checkpoint in place of the bundle's head and the set's prototype. Format-1
+files (the agent only) load as before, with no reward of their own.
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
 
 A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
@@ -15,11 +19,12 @@ bundle of the same name (another file) or for prototypes of another dimension (`
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +34,11 @@ from torch import Tensor
 from models.config import ModelConfig
 from models.core.seeding import seeded
 from models.nets.agent import Agent
-from models.nets.embedding import RoIEmbedder
+from models.nets.embedding import ProjectionHead, RoIEmbedder
 
 FORMAT_VERSION = 1
+POLICY_FORMAT_VERSION = 2
+"""Policy checkpoints: 2 may carry a repaired reward (head + prototype); 1 is the agent only."""
 
 
 @dataclass
@@ -63,6 +70,17 @@ class Bundle:
     def prototype_dim(self) -> int:
         """Dimension of the embeddings the bundle makes, hence of an exemplar set's prototype."""
         return int(self.config.head.out_features)
+
+    def with_head(self, head: dict[str, Tensor]) -> Bundle:
+        """This bundle with another projection head (a checkpoint's repaired reward): the encoder is shared,
+        not copied, so serving a repaired checkpoint costs one head. The copy keeps no file identity of
+        its own beyond this bundle's (``sha256``: checkpoints of this bundle still check against it)."""
+        emb = copy.copy(self.embedder)
+        emb._modules = dict(self.embedder._modules)  # its own module table: the new head is not the original's
+        new_head = ProjectionHead(self.config.head)
+        new_head.load_state_dict(head)
+        emb.head = new_head.to(self.device).eval().requires_grad_(False)
+        return replace(self, embedder=emb)
 
     def new_agent(self, state: dict[str, Tensor] | None = None) -> Agent:
         """An ``Agent`` on the embedder's device, loaded with ``state`` (default: the base policy)."""
@@ -135,8 +153,9 @@ def _decode(data: bytes, kind: str, source: str) -> dict:
         raise ValueError(f"{source} is not a readable {kind} file: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != kind:
         raise ValueError(f"{source} is not a {kind} file")
-    if obj.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{source} has {kind} format {obj['format_version']}; this qloc reads <= {FORMAT_VERSION}")
+    newest = POLICY_FORMAT_VERSION if kind == "qloc-policy" else FORMAT_VERSION
+    if obj.get("format_version", 0) > newest:
+        raise ValueError(f"{source} has {kind} format {obj['format_version']}; this qloc reads <= {newest}")
     return obj
 
 
@@ -180,15 +199,33 @@ def load_policy(path: str | os.PathLike, bundle: Bundle | None = None) -> tuple[
 
 
 def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: dict[str, Any] | None = None,
-                    bundle_sha256: str | None = None, prototype_dim: int | None = None) -> bytes:
-    """The exact bytes ``save_policy`` writes (for callers with their own blob storage)."""
-    obj: dict[str, Any] = {"format": "qloc-policy", "format_version": FORMAT_VERSION, "bundle": bundle_name}
+                    bundle_sha256: str | None = None, prototype_dim: int | None = None,
+                    reward: Reward | None = None) -> bytes:
+    """The exact bytes ``save_policy`` writes (for callers with their own blob storage). ``reward``: the
+    repaired head and prototype the policy was adapted with (format 2); without it the file is format 1,
+    byte for byte what earlier versions wrote."""
+    version = POLICY_FORMAT_VERSION if reward is not None else 1
+    obj: dict[str, Any] = {"format": "qloc-policy", "format_version": version, "bundle": bundle_name}
     if bundle_sha256 is not None:
         obj["bundle_sha256"] = str(bundle_sha256)
     if prototype_dim is not None:
         obj["prototype_dim"] = int(prototype_dim)
-    obj.update({"agent": _cpu(agent_state), "meta": meta or {}})
+    obj["agent"] = _cpu(agent_state)
+    if reward is not None:
+        obj["reward"] = {"head": _cpu(reward.head), "prototype": reward.prototype.detach().cpu().float().clone()}
+    obj["meta"] = meta or {}
     return _to_bytes(obj)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A repaired reward carried by a checkpoint: the projection head's state and the prototype ``[D]``."""
+
+    head: dict[str, Tensor]
+    prototype: Tensor
+
+
+
 
 
 def _short(sha256: str) -> str:
@@ -200,6 +237,14 @@ def policy_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str 
     """-> (agent state dict, meta) of a policy file's bytes. With ``bundle``, raises ``PolicyMismatch``
     for a policy of another bundle name, of another file under that name (when the policy and the
     bundle both know their bundle's sha256), or of another prototype dimension (when recorded)."""
+    agent, meta, _ = checkpoint_from_bytes(data, bundle, source=source)
+    return agent, meta
+
+
+def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str = "policy"
+                          ) -> tuple[dict[str, Tensor], dict[str, Any], Reward | None]:
+    """``policy_from_bytes`` plus the repaired reward the file carries (format 2), or ``None``: then the
+    bundle's head and the set's prototype serve it."""
     obj = _decode(data, "qloc-policy", source)
     if bundle is not None:
         if obj["bundle"] != bundle.name:
@@ -215,4 +260,9 @@ def policy_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str 
             raise PolicyMismatch(
                 f"{source} is a policy for prototypes of dimension {int(dim)}, but bundle {bundle.name!r} "
                 f"makes prototypes of dimension {bundle.prototype_dim}")
-    return obj["agent"], obj.get("meta", {})
+    r = obj.get("reward")
+    reward = None if r is None else Reward(r["head"], r["prototype"])
+    if reward is not None and bundle is not None and reward.prototype.numel() != bundle.prototype_dim:
+        raise PolicyMismatch(f"{source} carries a prototype of dimension {reward.prototype.numel()}, but bundle "
+                             f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
+    return obj["agent"], obj.get("meta", {}), reward

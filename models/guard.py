@@ -36,15 +36,18 @@ ACTIVATE_MODES = ("auto", "true", "false")
 
 @torch.no_grad()
 def synthetic_probes(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Tensor,
-                     agent_state: dict[str, Tensor] | None, n: int, generator: torch.Generator) -> LabeledImages:
+                     agent_state: dict[str, Tensor] | None, n: int, generator: torch.Generator,
+                     erase: Tensor | None = None) -> LabeledImages:
     """``n`` probes from a job's exemplar ``crops`` and unlabeled ``images01 [N, C, S, S]``: where the starting
-    policy answers in each image is covered with the same region of another image (so a probe holds one
-    object, the pasted one, as far as that policy can tell), then a crop is pasted at a random place and
-    scale (``PROBE_SCALE``) with soft edges (``models.data.probes``)."""
-    loc = Localizer(bundle, bundle.device)
-    answers = torch.cat([loc.run(images01[i:i + 256], prototype, loc.agent(agent_state)).boxes[-1].cpu()
-                         for i in range(0, len(images01), 256)])
-    backgrounds = erase_boxes(images01, answers, generator)
+    policy answers in each image (or the boxes ``erase [N, 4]``: where a better reward finds the object) is
+    covered with the same region of another image (so a probe holds one object, the pasted one, as far as
+    that policy can tell), then a crop is pasted at a random place and scale (``PROBE_SCALE``) with soft
+    edges (``models.data.probes``)."""
+    if erase is None:
+        loc = Localizer(bundle, bundle.device)
+        erase = torch.cat([loc.run(images01[i:i + 256], prototype, loc.agent(agent_state)).boxes[-1].cpu()
+                           for i in range(0, len(images01), 256)])
+    backgrounds = erase_boxes(images01, erase, generator)
     return paste_probes(crops, backgrounds, n, object_side=bundle.config.input.exemplar_size, scale=PROBE_SCALE,
                         generator=generator)
 
@@ -89,6 +92,16 @@ class Guard:
         self._base_hits: Tensor | None = None
         self._best: tuple[float, float, int] | None = None  # (select corloc, select iou, index)
         self._falling = 0
+
+    def use_reward(self, bundle: Bundle, prototype: Tensor) -> None:
+        """Score the checkpoints observed from now on with ``bundle``'s head and ``prototype`` (a repaired
+        reward, ``models.repair``: the backbone, hence the cached features, is the same). The starting policy
+        keeps the score it had with the original head; the faithfulness reported becomes the new reward's."""
+        self.bundle, self.prototype = bundle, prototype
+        self.loc = Localizer(bundle, bundle.device)
+        rank = ranking_metrics(bundle, LabeledImages(self.probes.images, self.probes.boxes, self.feats), prototype,
+                               seed=0, candidates=training_candidates(bundle))
+        self.faithfulness = {"ordacc": round(rank["ordacc"], 2), "spearman": round(rank["spearman"], 4)}
 
     @torch.no_grad()
     def _hits(self, agent_state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:

@@ -178,21 +178,42 @@ class Localizer:
                  nearest: bool | None = None) -> list[Localization]:
         """Localize each image (any size) -> one ``Localization`` per image, in upload order.
 
-        ``samples``: extra sampled episodes per image for the best-of-N search; ``nearest``: answer with
-        the visited box nearest the prototype (see ``run``; ``None``: the bundle's default)."""
+        ``prototype``: ``[D]`` for every image, or ``[B, D]``, one per image (calls of several exemplar sets
+        run as one batch). ``samples``: extra sampled episodes per image for the best-of-N search;
+        ``nearest``: answer with the visited box nearest the prototype (see ``run``; ``None``: the bundle's
+        default)."""
         batch, scales = preprocess(images, self.spec)
+        return self.localize_batch(batch, scales, prototype, self.agent(agent_state), deterministic=deterministic,
+                                   trajectory=trajectory, seed=seed, samples=samples, nearest=nearest)
+
+    def localize_batch(self, batch01: Tensor, scales: Tensor, prototype: Tensor, agent: Agent, *,
+                       deterministic: bool = True, trajectory: bool = False, seed: int | None = None,
+                       samples: int = 0, nearest: bool | None = None) -> list[Localization]:
+        """``localize`` on images already preprocessed (``preprocess``: ``batch01 [B, C, S, S]``, ``scales [B, 2]``)
+        with an agent already built (``agent``): what a server that batches several requests runs.
+
+        ``prototype`` is ``[D]`` (shared) or ``[B, D]`` (one per image). A greedy episode depends on its own
+        image and prototype only, so the answers of a batch equal those of its images localized apart (to
+        float rounding); sampled episodes (``samples`` or ``deterministic=False``) share one random stream
+        across the batch."""
+        b = batch01.shape[0]
+        if prototype.dim() == 2 and prototype.shape[0] != b:
+            raise ValueError(f"prototype must be [D] or [{b}, D] (one per image), got {list(prototype.shape)}")
+        if prototype.dim() not in (1, 2):
+            raise ValueError(f"prototype must be [D] or [B, D], got {list(prototype.shape)}")
         gen = None
         if not deterministic:
             gen = torch.Generator(device=self.device).manual_seed(0 if seed is None else seed)
         elif samples > 0:
             gen = torch.Generator().manual_seed(0 if seed is None else seed)
-        ro = self.run(batch, prototype, self.agent(agent_state), deterministic=deterministic, generator=gen,
-                      samples=samples, nearest=nearest)
+        with torch.inference_mode():  # less per-op bookkeeping than no_grad: batch 1 is mostly that
+            ro = self.run(batch01, prototype, agent, deterministic=deterministic, generator=gen,
+                          samples=samples, nearest=nearest)
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
-        scores = ro.distances[-1].cpu()
-        out = []
-        for i in range(len(images)):
-            traj = [tuple(map(float, b)) for b in boxes[:, i]] if trajectory else None
-            out.append(Localization(tuple(map(float, boxes[-1, i])), float(scores[i]), traj))
-        return out
+        finals, scores = boxes[-1].tolist(), ro.distances[-1].cpu().tolist()  # one conversion for the batch
+        if not trajectory:
+            return [Localization(tuple(f), s) for f, s in zip(finals, scores, strict=True)]
+        paths = boxes.transpose(0, 1).tolist()  # [B][T+1][4]
+        return [Localization(tuple(f), s, [tuple(p) for p in path])
+                for f, s, path in zip(finals, scores, paths, strict=True)]

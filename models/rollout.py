@@ -133,17 +133,25 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     h_ref = None if reference is None else reference.initial_state(b, device=feats.device)
     boxes, dists = [env.boxes], [dist]
     actions, log_probs, entropies, step_rewards, kls = [], [], [], [], []
+    # Without gradient nor reference (inference), log-probabilities and entropies come from one log-softmax:
+    # the same numbers, without building a distribution at every step (a fixed cost that batch 1 feels).
+    track = torch.is_grad_enabled() or reference is not None
     for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
         offset = None if emb is None else emb - prototypes
         logits, h = agent(roi, h, offset)
-        dist_t = Categorical(logits=logits)
-        if reference is not None:
-            with torch.no_grad():
-                ref_logits, h_ref = reference(roi, h_ref, offset)
-            kls.append(torch.distributions.kl_divergence(dist_t, Categorical(logits=ref_logits)))
         a = select_actions(logits.detach(), deterministic, generator)
-        log_probs.append(dist_t.log_prob(a))
-        entropies.append(dist_t.entropy())
+        if track:
+            dist_t = Categorical(logits=logits)
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logits, h_ref = reference(roi, h_ref, offset)
+                kls.append(torch.distributions.kl_divergence(dist_t, Categorical(logits=ref_logits)))
+            log_probs.append(dist_t.log_prob(a))
+            entropies.append(dist_t.entropy())
+        else:
+            logp = logits.log_softmax(-1)
+            log_probs.append(logp.gather(1, a[:, None])[:, 0])
+            entropies.append(-(logp.exp() * logp).sum(-1))
         roi, emb, dist, r = env.step(a, dist, embed)
         actions.append(a)
         step_rewards.append(r)

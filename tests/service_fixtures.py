@@ -32,7 +32,7 @@ from sqlalchemy import func, select
 
 from app.config import Settings
 from app.db import make_engine, make_sessionmaker
-from app.tables import AdaptationJob, Checkpoint, Exemplar, ExemplarSet, JobImage
+from app.tables import AdaptationJob, Checkpoint, Exemplar, ExemplarSet, JobImage, PoolImage
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -87,7 +87,7 @@ def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settin
     values: dict[str, Any] = dict(
         database_url=f"sqlite:///{root}/qloc.db", broker_url=f"sqla+sqlite:///{root}/celery-broker.db",
         storage_dir=root / "blobs", bundle_dir=bundle_dir, default_bundle=TEST_BUNDLES[0], device="cpu",
-        checkpoint_every=2, default_iterations=4, max_iterations=50, adapt_batch_size=4,
+        checkpoint_every=2, default_iterations=4, max_iterations=50, adapt_batch_size=4, repair_epochs=3,
         heartbeat_interval=0.3, heartbeat_timeout=2.0, reaper_interval=0.5, job_soft_time_limit=120,
         job_time_limit=150, max_files_per_request=8, max_file_bytes=200_000, max_image_pixels=1_000_000)
     values.update(overrides)
@@ -224,7 +224,7 @@ def row_counts(database_url: str) -> dict[str, int]:
     try:
         with make_sessionmaker(engine)() as s:
             return {t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0
-                    for t in (ExemplarSet, Exemplar, AdaptationJob, JobImage, Checkpoint)}
+                    for t in (ExemplarSet, Exemplar, AdaptationJob, JobImage, Checkpoint, PoolImage)}
     finally:
         engine.dispose()
 

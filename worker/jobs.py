@@ -10,7 +10,6 @@ written twice (``(job_id, iteration)`` is unique).
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -18,24 +17,24 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-import torch
 from celery.exceptions import SoftTimeLimitExceeded
-from PIL import Image
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 from torch import Tensor
 
 from app import jobstates
-from app.inference import bundle_for_set, prototype_from_bytes, read_checkpoint
+from app.images import open_stored
+from app.inference import bundle_for_set, prototype_from_bytes, read_checkpoint, read_served_checkpoint
 from app.jobstates import JobState
 from app.storage import checkpoint_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
-from models.bundle import Bundle, policy_to_bytes
+from models.bundle import Bundle, Reward, policy_to_bytes
 from models.guard import Guard
 from models.inference import preprocess
+from models.repair import Guarded, RepairConfig, guarded_setup
 from worker.context import WorkerContext
-from worker.probes import job_probes
+from worker.probes import set_examples
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,7 @@ class AdaptationRun:
         self.iteration = 0
         self._last_sync = 0.0
         self.guard: Guard | None = None
+        self.setup: Guarded | None = None
         self.checkpoint_ids: dict[int, uuid.UUID] = {}
 
     # --- the run
@@ -115,8 +115,10 @@ class AdaptationRun:
         bundle = bundle_for_set(ctx.bundles, es).bundle  # refuses a set whose bundle file was replaced
 
         agent_state = None  # None = the bundle's base policy
+        start_reward = None  # a start checkpoint adapted on a repaired reward runs with its head and prototype
         if start is not None and start.kind != "base":
-            agent_state = read_checkpoint(ctx.store, blob=start.blob or "", sha256=start.sha256, bundle=bundle)[0]
+            agent_state, start_reward = read_served_checkpoint(ctx.store, blob=start.blob or "", sha256=start.sha256,
+                                                               bundle=bundle)
         resume = None
         self.parent_id = start.id if start is not None else None
         self.last_checkpoint_id: uuid.UUID | None = None
@@ -130,10 +132,16 @@ class AdaptationRun:
             log.info("job %s resumes from checkpoint %s at iteration %d", self.job_id, latest.id, latest.iteration)
         self.bundle = bundle
 
-        pils = [Image.open(io.BytesIO(ctx.store.read_verified(im.blob, im.sha256))) for im in images]
+        # Decoded as the API decodes uploads: upright (EXIF orientation), downscaled to decode_max_side.
+        pils = [open_stored(ctx.store.read_verified(im.blob, im.sha256), max_side=ctx.settings.decode_max_side).image
+                for im in images]
         images01, _ = preprocess(pils, bundle.config.input)  # [N, C, S, S] in [0, 1], as localize sees them
         prototype = prototype_from_bytes(es.prototype)
-        self.guard = self._guard(bundle, prototype, images01, agent_state)
+        if start_reward is not None:
+            bundle, prototype = bundle.with_head(start_reward.head), start_reward.prototype.float()
+        self.setup = self._setup(bundle, prototype, images01, agent_state)
+        self.guard = self.setup.guard
+        bundle, prototype = self.setup.bundle, self.setup.prototype  # the repaired reward, when it was kept
         if self.last_iteration < job.iterations and not self.guard.should_stop:
             cfg = AdaptConfig(iterations=job.iterations, lr=job.learning_rate, seed=job.seed,
                               checkpoint_every=ctx.settings.checkpoint_every,
@@ -150,25 +158,29 @@ class AdaptationRun:
                 self.save_checkpoint(result.iteration, {"iteration": result.iteration, "agent": result.agent_state})
         return self.finish(JobState.SUCCEEDED)
 
-    def _guard(self, bundle: Bundle, prototype: Tensor, images01: Tensor,
-               agent_state: dict[str, Tensor] | None) -> Guard:
-        """The job's probes and its guard, with the starting policy scored; a resumed run re-scores the
-        checkpoints the job already wrote (the guard's record is rebuilt, not stored half-way)."""
+    def _setup(self, bundle: Bundle, prototype: Tensor, images01: Tensor,
+               agent_state: dict[str, Tensor] | None) -> Guarded:
+        """The job's reward (repaired when ``QLOC_REWARD_REPAIR`` is on and the probes confirm it), its probes and
+        its guard, with the starting policy scored; a resumed run rebuilds them (seeded: the same) and re-scores
+        the checkpoints the job already wrote (the guard's record is rebuilt, not stored half-way)."""
         ctx = self.ctx
-        gen = torch.Generator().manual_seed(self.job.seed)
         with ctx.session_factory() as s:
-            probes, counts = job_probes(s, ctx.store, set_id=self.exemplar_set.id, bundle=bundle, prototype=prototype,
-                                        images01=images01, agent_state=agent_state,
-                                        synthetic=ctx.settings.synthetic_probes, generator=gen)
+            crops, labeled = set_examples(s, ctx.store, set_id=self.exemplar_set.id, spec=bundle.config.input,
+                                          max_side=ctx.settings.decode_max_side)
             done = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id)
                                   .order_by(Checkpoint.iteration)))
-        guard = Guard(bundle, prototype, probes, gen, counts=counts)
-        guard.start(agent_state)
+        repair = (RepairConfig(epochs=ctx.settings.repair_epochs) if ctx.settings.reward_repair else None)
+        setup = guarded_setup(bundle, prototype, crops, images01, agent_state, synthetic=ctx.settings.synthetic_probes,
+                              generator_seed=self.job.seed, labeled=labeled, repair=repair)
+        if setup.repair is not None:
+            log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,
+                     "kept" if setup.repair.kept else "not kept", setup.repair.record["before"]["ordacc"],
+                     setup.repair.record["after"]["ordacc"])
         for ckpt in done:
             agent = read_checkpoint(ctx.store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=bundle)[0]
-            guard.observe(ckpt.iteration, agent)
+            setup.guard.observe(ckpt.iteration, agent)
             self.checkpoint_ids[ckpt.iteration] = ckpt.id
-        return guard
+        return setup
 
     # --- callbacks from ``adapt``
 
@@ -217,9 +229,12 @@ class AdaptationRun:
         with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
             if not self._still_owned(s):
                 raise LeaseLost
+        reward = None
+        if self.setup is not None and self.setup.repair is not None and self.setup.repair.kept:
+            reward = Reward(self.setup.repair.head, self.setup.prototype)  # served with the policy it trained
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
-                                                      prototype_dim=self.bundle.prototype_dim))
+                                                      prototype_dim=self.bundle.prototype_dim, reward=reward))
         ckpt_id = uuid.uuid4()
         with self.ctx.session_factory.begin() as s:
             if not self._still_owned(s):
@@ -255,7 +270,7 @@ class AdaptationRun:
             if outcome == JobState.SUCCEEDED and decision["activate"] is not None:
                 ckpt_id = self.checkpoint_ids.get(decision["activate"])
             validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
-                          "message": decision["message"]}
+                          "message": decision["message"], **(self.setup.record if self.setup is not None else {})}
         with self.ctx.session_factory.begin() as s:
             if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,
                                         progress_iteration=self.iteration, mean_reward=self.mean_reward,

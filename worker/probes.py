@@ -1,51 +1,44 @@
-"""The probes of an adaptation job, built from what the client gave (``models.guard`` scores on them):
+"""What an adaptation job's probes are made of, read from the exemplar set (``models.repair.guarded_setup``
+makes the probes and the guard):
 
+- the set's exemplar crops (pasted into the job's own images as synthetic probes);
 - the set's labeled examples (exemplars uploaded as whole images with boxes), at the bundle's input size;
-- synthetic probes: the set's exemplar crops pasted into the job's own images (``models.guard.synthetic_probes``).
+  decoded as the API decodes them (upright: EXIF orientation applied; the boxes are in that frame).
 """
 
 from __future__ import annotations
 
-import io
-
 import torch
-from PIL import Image
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from app.images import cut_box
+from app.images import open_stored
 from app.storage import BlobStore
 from app.tables import Exemplar
-from models.bundle import Bundle
+from models.config import InputSpec
 from models.data.types import LabeledImages
-from models.guard import synthetic_probes
 from models.inference import pil_to_tensor, preprocess
 
 
-def job_probes(session: Session, store: BlobStore, *, set_id, bundle: Bundle, prototype: Tensor,  # noqa: ANN001
-               images01: Tensor, agent_state: dict[str, Tensor] | None, synthetic: int,
-               generator: torch.Generator) -> tuple[LabeledImages, dict[str, int]]:
-    """-> (probes at the input size, counts ``{"labeled", "synthetic"}``)."""
-    spec = bundle.config.input
+def set_examples(session: Session, store: BlobStore, *, set_id, spec: InputSpec,  # noqa: ANN001
+                 max_side: int | None = None) -> tuple[list[Tensor], LabeledImages | None]:
+    """-> (the set's exemplar crops ``[C, h, w]`` in [0, 1], its labeled examples at the input size or ``None``).
+    Images are decoded upright, downscaled to ``max_side`` (``QLOC_DECODE_MAX_SIDE``), crops cut from a decode
+    fine enough for them, one at a time."""
     rows = list(session.scalars(select(Exemplar).where(Exemplar.exemplar_set_id == set_id)
                                 .order_by(Exemplar.position)))
     crops, whole, boxes = [], [], []
     for row in rows:
-        with Image.open(io.BytesIO(store.read_verified(row.blob, row.sha256))) as im:
-            im.load()
-            if row.box is None:
-                crops.append(pil_to_tensor(im, spec.channels, spec.fill))
-            else:
-                crops.append(pil_to_tensor(cut_box(im, row.box), spec.channels, spec.fill))
-                whole.append(im.copy())
-                boxes.append(row.box)
-    parts = []
-    if whole:
-        batch, scales = preprocess(whole, spec)  # scales [L, 2] = (w / S, h / S)
-        k = torch.cat([scales, scales], dim=1)
-        parts.append(LabeledImages(batch, torch.tensor(boxes, dtype=torch.float32) / k))
-    if synthetic > 0:
-        parts.append(synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, generator))
-    probes = LabeledImages(torch.cat([p.images for p in parts]), torch.cat([p.boxes for p in parts]))
-    return probes, {"labeled": len(whole), "synthetic": synthetic if synthetic > 0 else 0}
+        im = open_stored(store.read_verified(row.blob, row.sha256), max_side=max_side)
+        if row.box is None:
+            crops.append(pil_to_tensor(im.image, spec.channels, spec.fill))
+        else:
+            crops.append(pil_to_tensor(im.crop(row.box, max_side=max_side), spec.channels, spec.fill))
+            whole.append(im.image)
+            boxes.append(im.box_to_decoded(row.box))  # in the decoded image's pixels, as preprocess's scales
+    if not whole:
+        return crops, None
+    batch, scales = preprocess(whole, spec)  # scales [L, 2] = (w / S, h / S) of the decoded images
+    k = torch.cat([scales, scales], dim=1)
+    return crops, LabeledImages(batch, torch.tensor(boxes, dtype=torch.float32) / k)

@@ -18,6 +18,10 @@ being still stale, and a send is claimed first by stamping ``enqueued_at`` where
 value this reaper read; only the reaper whose stamp landed sends, and it clears its stamp again when
 the send fails. A reaper dying between its stamp and its send delays the job by ``requeue_after``.
 A duplicate message is harmless: ``claim_job`` is conditional.
+
+A worker whose pool process died under a job (``kill -9``, the OOM killer) while the worker itself lives
+need not wait for the heartbeat to go stale: its main process knows which process ran which job, and
+``expire_lease`` makes that job claimable at once (``worker.celery_app``), before Celery requeues its message.
 """
 
 from __future__ import annotations
@@ -60,6 +64,23 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
     for job_id in failed:
         log.error("job %s: abandoned too often; marked failed", job_id)
     return requeued, failed
+
+
+def expire_lease(ctx: WorkerContext, job_id: uuid.UUID, worker: str, *, now: datetime | None = None) -> bool:
+    """The process named ``worker`` (``host:pid``, as ``claim_job`` records it) died running ``job_id``: date the
+    job's heartbeat a day back, so that the next claim or reaper round takes the job over at once -> whether
+    the job was still running under that process (a job claimed by another run since is left alone)."""
+    now = now or utcnow()
+    with ctx.session_factory.begin() as s:
+        res = s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id,
+                                                    AdaptationJob.status == JobState.RUNNING,
+                                                    AdaptationJob.worker == worker)
+                        .values(heartbeat_at=now - timedelta(days=1)))
+    expired = res.rowcount == 1  # type: ignore[attr-defined]
+    if expired:
+        log.warning("job %s: its process %s died; lease expired, the job resumes from its last checkpoint",
+                    job_id, worker)
+    return expired
 
 
 def jobs_to_send(ctx: WorkerContext, *, now: datetime | None = None) -> list[tuple[uuid.UUID, datetime | None]]:

@@ -11,12 +11,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Header, HTTPException, Query, Response, UploadFile, status
 from sqlalchemy.exc import IntegrityError
 
-from app import crud, jobstates
+from app import crud, jobstates, pool
 from app.deps import BundlesDep, CallerDep, QueueDep, SessionDep, SettingsDep, StoreDep
+from app.remote import RemoteDep, answer_refusal
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.exemplar_sets import set_bundle
 from app.routes.uploads import check_file_count, decode_all, read_raw
 from app.schemas import AdaptationJobPublic, AdaptationJobsPublic, JobParams, Progress
+from app.serving import InferenceRefused
 from app.storage import job_image_key, job_prefix
 from app.tables import AdaptationJob
 
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["adaptations"], responses=UNAUTHORIZED)
 
 JOB_NOT_FOUND = "adaptation job not found"
+EMPTY_POOL = ("no image to adapt on: no file was posted and the set's image pool is empty; add images with "
+              "POST /v1/exemplar-sets/{set_id}/images (or localize with keep=true), or post files")
 
 
 def to_public(job: AdaptationJob) -> AdaptationJobPublic:
@@ -34,6 +38,7 @@ def to_public(job: AdaptationJob) -> AdaptationJobPublic:
         checkpoint_id=job.checkpoint_id, error=job.error,
         params=JobParams(iterations=job.iterations, learning_rate=job.learning_rate, seed=job.seed,
                          activate=job.activate, num_images=job.num_images,  # type: ignore[arg-type]
+                         num_pool_images=job.num_pool_images,
                          base_checkpoint_id=job.base_checkpoint_id),
         verdict=job.verdict, validation=job.validation,  # type: ignore[arg-type]
         attempts=job.attempts, cancel_requested=job.cancel_requested, created_at=job.created_at,
@@ -59,12 +64,20 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
              responses={**UPLOAD_ERRORS, 404: error("Unknown exemplar set"),
                         409: error("Idempotency-Key reused with another request, or the set's bundle file was "
                                    "replaced since the set was made"),
-                        422: invalid("Invalid fields, no file, or more iterations than the server allows"),
-                        503: error("The job queue is unreachable, or the set's bundle cannot be loaded")})
+                        422: invalid("Invalid fields, no image to adapt on (no file, and an empty pool), files "
+                                     "with source=pool, or more iterations than the server allows"),
+                        503: error("The job queue is unreachable, or the set's bundle cannot be loaded (with "
+                                   "QLOC_INFERENCE=workers: or no localize worker answered the bundle check in "
+                                   "time)")})
 def create_adaptation(
     set_id: uuid.UUID, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
-    queue: QueueDep, bundles: BundlesDep, caller: CallerDep,
-    files: Annotated[list[UploadFile], File(description="Unlabeled images to adapt the set's policy on")],
+    queue: QueueDep, bundles: BundlesDep, caller: CallerDep, remote: RemoteDep,
+    files: Annotated[list[UploadFile] | None, File(description=(
+        "Unlabeled images to adapt the set's policy on (with source=files or both)"))] = None,
+    source: Annotated[Literal["files", "pool", "both"] | None, Form(description=(
+        "Which images the job adapts on: `files` (the ones posted), `pool` (every image of the set's pool, "
+        "`/v1/exemplar-sets/{id}/images`, as it is when the job is created: images added later are not the job's), "
+        "or `both`. Default: `files` when files are posted, else `pool`. A job needs at least one image."))] = None,
     iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1)] = None,
     learning_rate: Annotated[float | None, Form(gt=0, le=1)] = None,
     seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
@@ -74,7 +87,11 @@ def create_adaptation(
         "final checkpoint, whatever the probes say; false: none"))] = "auto",
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
 ) -> AdaptationJobPublic:
-    """Queue a test-time adaptation of the set's active policy on unlabeled images."""
+    """Queue a test-time adaptation of the set's active policy on unlabeled images: the posted files, the set's
+    image pool, or both (`source`).
+
+    A job on the pool takes the pool's images as they are when it is created (`params.num_pool_images`); while
+    it is queued or running, those images cannot be deleted from the pool (409)."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
@@ -84,14 +101,32 @@ def create_adaptation(
                             f"iterations must be at most {settings.max_iterations}")
     params = {"iterations": iterations, "seed": 0 if seed is None else seed, "activate": activate,
               "learning_rate": settings.default_learning_rate if learning_rate is None else learning_rate}
-    check_file_count(files, settings)
+    files = files or []
+    source = source or ("files" if files else "pool")
+    if source == "pool" and files:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            "source=pool adapts on the set's pool alone: post no files, or use source=both")
+    if source == "files" and not files:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            "at least one file is required with source=files (source=pool adapts on the set's pool)")
+    if files:
+        check_file_count(files, settings)
+    if source != "files" and not files and es.num_pool_images == 0:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, EMPTY_POOL.format(set_id=set_id))
     raw = read_raw(files, settings)
-    digest = request_digest(set_id, params, files, raw)
+    digest = request_digest(set_id, params if source == "files" else {**params, "source": source}, files, raw)
     if idempotency_key is not None:
         existing = crud.get_job_by_idempotency_key(session, owner=caller.owner, key=idempotency_key)
         if existing is not None:
             return replay(existing, digest, response)
-    set_bundle(bundles, es)  # 409 before anything is stored when the set's bundle was replaced
+    # 409 before anything is stored when the set's bundle was replaced (QLOC_INFERENCE=workers: a worker checks)
+    if remote is None:
+        set_bundle(bundles, es)
+    else:
+        try:
+            remote.check_bundle(es.bundle, sha256=es.bundle_sha256, prototype_dim=es.prototype_dim)
+        except InferenceRefused as e:
+            raise answer_refusal(e) from e
     images = decode_all(files, raw, settings)
     session.commit()  # end the read transaction while blobs are written
 
@@ -102,11 +137,20 @@ def create_adaptation(
             key = job_image_key(set_id, job_id, i, im.ext)
             blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, store.put(key, im.data),
                                       key))
+        if source != "files":  # the set's lock first (as every writer of the pool takes it): no deadlock
+            try:
+                pool.lock(session, set_id)
+            except pool.SetGone as e:
+                raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found") from e
         es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
         if es is None:  # deleted meanwhile
             raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
         job = crud.create_job(session, job_id=job_id, exemplar_set=es, owner=caller.owner,
                               idempotency_key=idempotency_key, request_sha256=digest, images=blobs, **params)
+        if source != "files":  # the pool as it is now, under the set's lock (pool.snapshot_into_job)
+            pool.snapshot_into_job(session, job=job, set_id=set_id)
+            if job.num_images == 0:  # emptied meanwhile
+                raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, EMPTY_POOL.format(set_id=set_id))
         session.commit()
     except IntegrityError:
         # The same Idempotency-Key won a race with this request: answer with its job.

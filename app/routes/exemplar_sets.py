@@ -11,28 +11,28 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from torch import Tensor
 
-from app import crud
+from app import crud, pool
 from app.config import MAX_SAMPLES
-from app.deps import BundlesDep, CallerDep, MetricsDep, SessionDep, SettingsDep, StoreDep
-from app.images import DecodedImage, cut_box
+from app.deps import BundlesDep, CallerDep, InferenceDep, MetricsDep, SessionDep, SettingsDep, StoreDep
+from app.images import DecodedImage
 from app.inference import (
     BundleMismatch,
     BundleRegistry,
     LoadedBundle,
     UnknownBundle,
     bundle_for_set,
-    prototype_from_bytes,
     prototype_to_bytes,
-    read_checkpoint,
 )
+from app.remote import MadePrototype, RemoteDep, answer_refusal
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.pool import add_to_pool
+from app.routes.pool import limits as pool_limits
 from app.routes.uploads import check_text, read_images
 from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
-from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
+from app.serving import CheckpointRef, InferenceRefused, LocalizeCall
+from app.storage import exemplar_key, exemplar_set_prefix
 from app.tables import Checkpoint, ExemplarSet
-from models.bundle import PolicyMismatch
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ MIN_BOX_SIDE = 2.0
 BOXES_FORMAT = "a JSON list of [x1, y1, x2, y2] (4 numbers, in the pixels of the uploaded image), one per file"
 BOXES_DESCRIPTION = (
     "Optional: the files are whole images, and this is the object's box in each: " + BOXES_FORMAT + ", in upload "
-    "order. Pixels of the image as uploaded: origin top-left, x right, y down; 0 <= x1 < x2 <= width, "
+    "order. Pixels of the full image as a viewer shows it (its EXIF orientation applied: a phone photo stored "
+    "sideways is upright): origin top-left, x right, y down; 0 <= x1 < x2 <= width, "
     f"0 <= y1 < y2 <= height, at least {MIN_BOX_SIDE:g} pixels on each side. The crops that make the prototype "
     "are cut from the boxes (edges rounded to the nearest pixel); the whole images are kept, with their boxes, "
     "as the set's labeled examples (`num_labeled`), which adaptation jobs use to check themselves. "
@@ -138,10 +139,11 @@ def parse_boxes(raw: str, images: list[DecodedImage]) -> list[Box]:
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
     **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, an unknown bundle, or boxes that are not one valid box "
                                   "inside each file"),
-    503: error("The default bundle is unavailable, or the bundle cannot be loaded")})
+    503: error("The default bundle is unavailable, or the bundle cannot be loaded; with QLOC_INFERENCE=workers, also: "
+               "no localize worker answered within QLOC_LOCALIZE_TIMEOUT seconds (with `Retry-After`)")})
 def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
-    caller: CallerDep,
+    caller: CallerDep, remote: RemoteDep,
     files: Annotated[list[UploadFile], File(description=(
         "1..64 PNG/JPEG crops of the object sought; with `boxes`, whole images that show it"))],
     name: Annotated[str | None, Form(max_length=200)] = None,
@@ -155,9 +157,19 @@ def create_exemplar_set(
     check_text(name, "name")
     images = read_images(files, settings)
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else [None] * len(images)
-    loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
-    crops = [im.image if box is None else cut_box(im.image, box) for im, box in zip(images, labels, strict=True)]
-    prototype = loaded.localizer.prototype(crops)  # [D]
+    if remote is None:  # QLOC_INFERENCE=local: the bundle is loaded here; workers: the worker checks it
+        loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
+    # A crop from a box is cut from a decode fine enough for it, one image at a time (app.images).
+    crops = [im.image if box is None else im.crop(box, max_side=settings.decode_max_side)
+             for im, box in zip(images, labels, strict=True)]
+    if remote is None:
+        prototype = loaded.localizer.prototype(crops)  # [D]
+        made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(prototype), int(prototype.numel()))
+    else:
+        try:
+            made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None)
+        except InferenceRefused as e:
+            raise answer_refusal(e) from e
     set_id = uuid.uuid4()
     try:
         blobs = []
@@ -165,9 +177,9 @@ def create_exemplar_set(
             key = exemplar_key(set_id, i, im.ext)
             sha = store.put(key, im.data)
             blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, sha, key, labels[i]))
-        es = crud.create_exemplar_set(session, set_id=set_id, owner=caller.owner, name=name, bundle=loaded.name,
-                                      bundle_sha256=loaded.sha256, prototype=prototype_to_bytes(prototype),
-                                      prototype_dim=int(prototype.numel()), exemplars=blobs)
+        es = crud.create_exemplar_set(session, set_id=set_id, owner=caller.owner, name=name, bundle=made.bundle,
+                                      bundle_sha256=made.bundle_sha256, prototype=made.prototype,
+                                      prototype_dim=made.prototype_dim, exemplars=blobs)
         session.commit()
     except BaseException:
         session.rollback()
@@ -227,12 +239,20 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpo
 
 @router.post("/{set_id}/localize", response_model=LocalizeResponse, response_model_exclude_none=True, responses={
     **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
-    409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set"),
-    422: invalid("Invalid fields, or no file"), 503: error("The set's bundle or checkpoint cannot be loaded")})
+    409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set; "
+               "or, with keep=true, the set's image pool has no room for the images (nothing computed or stored)"),
+    422: invalid("Invalid fields, or no file"),
+    503: error("The set's bundle or checkpoint cannot be loaded; or the model is busy: more images than "
+               "QLOC_INFERENCE_QUEUE_IMAGES would wait for it, answered at once with `Retry-After` (retry then); "
+               "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
+               "seconds (with `Retry-After`)")})
 def localize(
-    set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
-    caller: CallerDep, metrics: MetricsDep,
-    files: Annotated[list[UploadFile], File(description="Images to search (PNG/JPEG, any size)")],
+    set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, inference: InferenceDep, caller: CallerDep,
+    metrics: MetricsDep, store: StoreDep,
+    files: Annotated[list[UploadFile], File(description=(
+        "Images to search (PNG/JPEG, any size up to the limits; not animated). Each is seen upright (its EXIF "
+        "orientation applied) and decoded downscaled to QLOC_DECODE_MAX_SIDE; `width`, `height` and every box "
+        "are in the full upright image's pixels"))],
     checkpoint: CheckpointQuery = "active",
     trajectory: Annotated[bool, Query(description="Also return every box of the agent's episode")] = False,
     samples: Annotated[int | None, Query(ge=0, le=MAX_SAMPLES, description=(
@@ -245,8 +265,14 @@ def localize(
         "last box: the agent may walk past the object, on classes it was not trained on above all. Costs one "
         "head evaluation per step. With samples, over every visited box of every episode. Default: the "
         "server's setting (QLOC_LOCALIZE_NEAREST) if set, else the bundle's own (on for photo bundles)."))] = None,
+    keep: Annotated[bool, Query(description=(
+        "Also add the posted images to the set's image pool (`/v1/exemplar-sets/{id}/images`), for adaptation "
+        "jobs on the pool; their ids come back in `kept`. Opt-in, under the pool's caps: a pool without room for "
+        "them answers 409 before anything is computed or stored; only an answered request stores its images."))]
+    = False,
 ) -> LocalizeResponse:
-    """Localize the set's object in each image: one box per image, in the pixels as uploaded.
+    """Localize the set's object in each image: one box per image, in the pixels of the full image as a viewer
+    shows it (EXIF orientation applied), whatever resolution it was analysed at.
 
     A set is served only by the bundle file that made its prototype: once another file is installed under
     the bundle's name, it answers 409 (re-create the set from its crops) until that file is back."""
@@ -256,34 +282,26 @@ def localize(
     ckpt = resolve_checkpoint(session, es, checkpoint)
     session.commit()  # end the read transaction before the slow part
     n_samples = settings.localize_samples if samples is None else samples
-    images = read_images(files, settings)
+    images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
+    if keep:  # a full pool is refused before the work (add_to_pool decides for good after it)
+        try:
+            pool.check_room(es, images, pool_limits(settings))
+        except pool.PoolFull as e:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     metrics.localize_batch.observe(len(images))
-    loaded = set_bundle(bundles, es)
-    use_nearest = next(v for v in (nearest, settings.localize_nearest, loaded.localizer.default_nearest)
-                       if v is not None)
-    agent_state = None if ckpt.kind == "base" else load_policy_cached(bundles, store, ckpt, loaded)
-    results = loaded.localizer.localize([im.image for im in images], prototype_from_bytes(es.prototype),
-                                        agent_state, deterministic=True, trajectory=trajectory, samples=n_samples,
-                                        nearest=use_nearest)
+    call = LocalizeCall(
+        bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
+        checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
+        images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest)
+    try:
+        answer = inference.localize(call)
+    except InferenceRefused as e:
+        raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
+    kept = [r.id for r in add_to_pool(session, store, settings, es, images)] if keep else None
     return LocalizeResponse(
         exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=n_samples,
-        nearest=use_nearest,
-        results=[LocalizationResult(filename=im.filename, width=im.width, height=im.height, box=list(r.box),
-                                    score=r.score, trajectory=[list(b) for b in r.trajectory] if trajectory else None)
-                 for im, r in zip(images, results, strict=True)])
-
-
-def load_policy_cached(bundles: BundleRegistry, store: BlobStore, ckpt: Checkpoint, loaded: LoadedBundle
-                       ) -> dict[str, Tensor]:
-    def load() -> dict[str, Tensor]:
-        return read_checkpoint(store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=loaded.bundle,
-                               source=f"checkpoint {ckpt.id}")[0]
-
-    try:  # keyed by the bundle file too: another file under the same name checks the checkpoint again
-        return bundles.cached_policy((ckpt.id, loaded.sha256), load)
-    except PolicyMismatch as e:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"{e}; localize with checkpoint=base, or re-create the "
-                                                      "exemplar set from its crops") from e
-    except (OSError, ValueError) as e:
-        log.exception("checkpoint %s cannot be read", ckpt.id)
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"checkpoint {ckpt.id} cannot be read") from e
+        nearest=answer.nearest, kept=kept,
+        results=[LocalizationResult(filename=im.filename, width=im.width, height=im.height,
+                                    box=list(im.box_to_full(r.box)), score=r.score,
+                                    trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None)
+                 for im, r in zip(images, answer.results, strict=True)])

@@ -1,11 +1,19 @@
-"""Reading multipart image uploads in the routes: every file is checked before anything is stored."""
+"""Reading multipart image uploads in the routes: every file is checked before anything is stored.
+
+Memory is bounded by construction: the request's pixel count is read from the image headers and checked
+against ``max_request_pixels`` before anything is decoded, then the files are decoded one at a time,
+each downscaled while decoding to ``decode_max_side`` (``app.images``); a file's bytes are kept only when
+the route stores them.
+"""
 
 from __future__ import annotations
+
+import io
 
 from fastapi import HTTPException, UploadFile, status
 
 from app.config import Settings
-from app.images import DecodedImage, ImageRejected, UploadLimits, decode_image
+from app.images import DecodedImage, ImageRejected, UploadLimits, decode_image, header_pixels
 
 REJECTION_STATUS = {
     "bad_image": status.HTTP_400_BAD_REQUEST,
@@ -39,29 +47,65 @@ def check_file_count(files: list[UploadFile], settings: Settings, *, max_files: 
                                 f"the filename of file {i} has {len(f.filename)} characters; at most {MAX_FILENAME}")
 
 
+def _too_large(f: UploadFile, settings: Settings) -> HTTPException:
+    return HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
+                         f"{f.filename or 'upload'}: larger than {settings.max_file_bytes} bytes")
+
+
+def read_one(f: UploadFile, settings: Settings) -> bytes:
+    """One file's bytes, from its start, refusing it (413) if larger than the limit without reading all of it."""
+    f.file.seek(0)
+    data = f.file.read(settings.max_file_bytes + 1)
+    if len(data) > settings.max_file_bytes:
+        raise _too_large(f, settings)
+    return data
+
+
 def read_raw(files: list[UploadFile], settings: Settings) -> list[bytes]:
     """Each file's bytes, refusing one larger than the limit without reading all of it."""
-    out = []
-    for f in files:
-        data = f.file.read(settings.max_file_bytes + 1)
-        if len(data) > settings.max_file_bytes:
-            raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
-                                f"{f.filename or 'upload'}: larger than {settings.max_file_bytes} bytes")
-        out.append(data)
-    return out
+    return [read_one(f, settings) for f in files]
+
+
+def check_request_pixels(pixels: list[int | None], settings: Settings) -> None:
+    """413 when the images' pixels (from their headers; ``None``: unreadable, refused later) exceed the budget."""
+    total = sum(p for p in pixels if p is not None)
+    if total > settings.max_request_pixels:
+        n = len(pixels)
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, (
+            f"{n} image{'' if n == 1 else 's'} of {total:,} pixels in all (width x height, summed); the limit is "
+            f"{settings.max_request_pixels:,} pixels per request: send fewer or smaller images"))
+
+
+def _limits(settings: Settings) -> UploadLimits:
+    return UploadLimits(settings.max_file_bytes, settings.max_image_pixels)
+
+
+def decode_one(f: UploadFile, data: bytes, settings: Settings, *, keep_data: bool = True) -> DecodedImage:
+    try:
+        return decode_image(data, filename=f.filename, declared_type=f.content_type, limits=_limits(settings),
+                            max_side=settings.decode_max_side, keep_data=keep_data)
+    except ImageRejected as e:
+        raise HTTPException(REJECTION_STATUS[e.reason], e.detail) from e
 
 
 def decode_all(files: list[UploadFile], raw: list[bytes], settings: Settings) -> list[DecodedImage]:
-    limits = UploadLimits(settings.max_file_bytes, settings.max_image_pixels)
-    images = []
-    for f, data in zip(files, raw, strict=True):
-        try:
-            images.append(decode_image(data, filename=f.filename, declared_type=f.content_type, limits=limits))
-        except ImageRejected as e:
-            raise HTTPException(REJECTION_STATUS[e.reason], e.detail) from e
-    return images
+    """The files already read (``read_raw``) -> decoded, one at a time, after the request's pixel budget."""
+    check_request_pixels([header_pixels(io.BytesIO(data)) for data in raw], settings)
+    return [decode_one(f, data, settings) for f, data in zip(files, raw, strict=True)]
 
 
-def read_images(files: list[UploadFile], settings: Settings, *, max_files: int | None = None) -> list[DecodedImage]:
+def read_images(files: list[UploadFile], settings: Settings, *, max_files: int | None = None,
+                keep_data: bool = True) -> list[DecodedImage]:
+    """Check the files (count, names, bytes, the request's pixels from the headers), then read and decode them
+    one at a time. ``keep_data=False``: the bytes are dropped once decoded (a route that stores nothing)."""
     check_file_count(files, settings, max_files=max_files)
-    return decode_all(files, read_raw(files, settings), settings)
+    pixels = []
+    for f in files:
+        size = f.file.seek(0, 2)
+        if size > settings.max_file_bytes:
+            raise _too_large(f, settings)
+        f.file.seek(0)
+        pixels.append(header_pixels(f.file))
+    check_request_pixels(pixels, settings)
+    return [decode_one(f, read_one(f, settings), settings, keep_data=keep_data) for f in files]
+

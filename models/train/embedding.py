@@ -53,6 +53,9 @@ class EmbeddingTrainConfig:
     """0 turns the autoencoder off (frozen photo backbones train the head with the triplet loss only)."""
     eval_every: int = 10
     seed: int = 0
+    head_only: bool = False
+    """Train the projection head alone, the backbone frozen whatever the bundle's config says (reward repair
+    at test time, ``models.repair``)."""
 
 
 def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig, *,
@@ -71,7 +74,7 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
     with seeded(cfg.seed, dev):  # weight init of the decoder and dropout draw from torch's global generator
         gen = torch.Generator().manual_seed(cfg.seed)
         emb.requires_grad_(True)
-        frozen = bundle.config.encoder.frozen
+        frozen = bundle.config.encoder.frozen or cfg.head_only
         if frozen:
             emb.encoder.requires_grad_(False)
         decoder = build_decoder(bundle.config.encoder).to(dev) if cfg.recon_weight > 0 else None

@@ -1,17 +1,40 @@
 """Service fixtures, shared with the other service test directory through ``tests/service_fixtures.py``."""
 
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for service_fixtures
 
 from service_fixtures import (  # noqa: E402,F401 -- fixtures are used by name
+    PG_ADMIN_URL,
     bundle_dir,
     client,
     db_settings,
+    migrate,
     postgres_admin_url,
     postgres_url,
     redis_prefix,
     settings,
     versions,
 )
+
+
+@pytest.fixture(scope="module")
+def module_postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database shared by one test module (``postgres_url`` is one per test);
+    dropped afterwards. Its tests must not expect an empty database."""
+    import psycopg
+
+    admin = request.getfixturevalue("postgres_admin_url")
+    name = f"qloc_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+    migrate(url)
+    yield url
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -35,7 +35,7 @@ def test_create_poll_and_enqueue(client, settings):
     assert r.headers["location"] == f"/v1/adaptations/{job['id']}"
     assert job["status"] == "queued" and job["progress"] == {"iteration": 0, "total": 3, "mean_reward": None}
     assert job["params"] == {"iterations": 3, "learning_rate": 0.01, "seed": 7, "activate": "false", "num_images": 2,
-                             "base_checkpoint_id": es["active_checkpoint_id"]}
+                             "num_pool_images": 0, "base_checkpoint_id": es["active_checkpoint_id"]}
     assert job["verdict"] is None and job["validation"] is None  # until the job finished
     assert job["checkpoint_id"] is None and job["started_at"] is None and job["error"] is None
     assert client.get(f"/v1/adaptations/{job['id']}").json() == job

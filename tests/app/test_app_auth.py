@@ -23,10 +23,27 @@ def test_keys_are_required(keyed):
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert keyed.get("/v1/exemplar-sets", headers={"X-API-Key": KEY_A}).status_code == 200
     assert keyed.get("/v1/exemplar-sets", headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
-    # liveness, readiness and metrics stay open
+    # liveness and readiness stay open; metrics need a key too
     assert keyed.get("/healthz").status_code == 200
     assert keyed.get("/readyz").status_code == 200
-    assert keyed.get("/metrics").status_code == 200
+    assert keyed.get("/metrics").status_code == 401
+
+
+def test_metrics_need_a_key_when_keys_are_set(keyed, tmp_path, bundle_dir):
+    r = keyed.get("/metrics")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and r.json()["detail"]
+    assert keyed.get("/metrics", headers={"X-API-Key": "wrong-key-0123456789"}).status_code == 401
+    for headers in ({"X-API-Key": KEY_A}, {"Authorization": f"Bearer {KEY_B}"}):
+        r = keyed.get("/metrics", headers=headers)
+        assert r.status_code == 200 and "qloc_jobs{" in r.text, r.text
+    # without keys, open as before; with keys and QLOC_METRICS_AUTH=false, open to any scraper
+    for name, overrides in (("open", {}), ("scrape", {"api_keys": [KEY_A], "metrics_auth": False})):
+        s = make_test_settings(tmp_path / name, bundle_dir, **overrides)
+        migrate(s.database_url)
+        with TestClient(create_app(s)) as c:
+            r = c.get("/metrics")
+            assert r.status_code == 200 and "qloc_jobs{" in r.text, (name, r.text)
+            assert c.get("/v1/exemplar-sets").status_code == (401 if s.api_keys else 200)
 
 
 def test_another_keys_ids_answer_404(keyed):

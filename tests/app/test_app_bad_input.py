@@ -1,4 +1,8 @@
-"""Bad input gets the right 4xx and loses nothing: no row and no file is written."""
+"""Bad input gets the right 4xx and loses nothing: no row and no file is written.
+
+Every test runs on SQLite and on PostgreSQL (one database for the module: the tests compare row counts
+before and after, never expect an empty database).
+"""
 
 import io
 import struct
@@ -7,7 +11,7 @@ import zlib
 
 import pytest
 from PIL import Image
-from service_fixtures import files, png_bytes, row_counts, stored_files
+from service_fixtures import files, make_test_settings, migrate, png_bytes, row_counts, stored_files
 
 
 def bomb_png(width: int = 20_000, height: int = 20_000) -> bytes:
@@ -26,6 +30,14 @@ def gif_bytes() -> bytes:
     return buf.getvalue()
 
 
+def apng_bytes(frames: int = 3) -> bytes:
+    """An animated PNG: refused (415), not cut to its first frame."""
+    imgs = [Image.new("L", (10, 10), 60 * i) for i in range(frames)]
+    buf = io.BytesIO()
+    imgs[0].save(buf, "PNG", save_all=True, append_images=imgs[1:])
+    return buf.getvalue()
+
+
 GOOD = png_bytes(40, 40)
 # (case, multipart files, expected status); the settings allow 8 files of 200 kB, 1 Mpx each
 CASES = {
@@ -41,9 +53,20 @@ CASES = {
     "gif": (files(gif_bytes(), content_type="image/gif"), 415),
     "gif_declared_png": (files(gif_bytes()), 415),
     "declared_text": (files(GOOD, content_type="text/plain"), 415),
+    "animated_png": (files(GOOD, apng_bytes()), 415),
     "no_files": ([], 422),
     "wrong_field_name": (files(GOOD, field="file"), 422),
 }
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def settings(request, tmp_path, bundle_dir):
+    """The service's settings (``client`` follows them) on SQLite, then on PostgreSQL."""
+    if request.param == "sqlite":
+        s = make_test_settings(tmp_path, bundle_dir)
+        migrate(s.database_url)
+        return s
+    return make_test_settings(tmp_path, bundle_dir, database_url=request.getfixturevalue("module_postgres_url"))
 
 
 @pytest.fixture

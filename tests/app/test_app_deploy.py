@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_compose_file_parses_and_runs_the_scripts_modes():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"postgres", "redis", "migrate", "api", "worker"}
+    assert set(services) == {"postgres", "redis", "migrate", "api", "worker", "localize-worker"}
     assert services["migrate"]["command"] == ["scripts/run", "migrate"]
     assert services["api"]["command"] == ["scripts/run", "api"]
     assert services["worker"]["command"] == ["scripts/run", "worker"]
@@ -36,6 +36,14 @@ def test_compose_file_parses_and_runs_the_scripts_modes():
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["api"]["environment"]["QLOC_HOST"] == "0.0.0.0"
+    # localization on workers: the API holds no model; a worker consumes the localize queue, answers via Redis
+    api_env, localize = services["api"]["environment"], services["localize-worker"]
+    assert api_env["QLOC_INFERENCE"] == "workers" and api_env["QLOC_RESULT_BACKEND"].startswith("redis://")
+    cmd = localize["command"]
+    assert cmd[:4] == ["celery", "-A", "worker.celery_app", "worker"]
+    assert cmd[cmd.index("-Q") + 1] == api_env["QLOC_LOCALIZE_QUEUE"] and cmd[cmd.index("--pool") + 1] == "threads"
+    assert localize["environment"]["QLOC_RESULT_BACKEND"] == api_env["QLOC_RESULT_BACKEND"]
+    assert localize["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
 
 def test_image_runs_the_run_script():

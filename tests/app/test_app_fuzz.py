@@ -5,11 +5,15 @@ and a body that validates against the documented schema of that status (errors i
 is a JSON ``{"detail": ...}``). Path ids are mostly real ones (an existing set, its checkpoint and a
 job), and half the generated uploads are replaced by real PNGs, so the fuzzed bodies and queries reach
 the handlers and their success responses instead of stopping at 404 or 400.
+
+Both tests run on SQLite and on PostgreSQL (a database for the module, shared by its apps).
 """
 
 import collections
+import os
 import random
 import secrets
+import uuid
 
 import pytest
 import schemathesis
@@ -26,15 +30,29 @@ from service_fixtures import files, make_test_settings, migrate, png_bytes
 from app.main import create_app
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+EXAMPLES = int(os.environ.get("QLOC_FUZZ_EXAMPLES", "25"))
+"""Examples per operation and database (CI: 25; ``QLOC_FUZZ_EXAMPLES=500`` for a deep run)."""
 UPLOADS = ("POST /v1/exemplar-sets", "POST /v1/exemplar-sets/{set_id}/localize",
            "POST /v1/exemplar-sets/{set_id}/adaptations")
 
 
-@pytest.fixture(scope="module")
-def fuzz_app(tmp_path_factory, bundle_dir):
-    s = make_test_settings(tmp_path_factory.mktemp("fuzz"), bundle_dir)
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database(request):
+    return request.param
+
+
+def settings_on(database, request, root, bundle_dir, **overrides):
+    """Test settings under ``root`` on ``database`` (SQLite in ``root``, or the module's PostgreSQL), migrated."""
+    if database == "postgresql":
+        overrides["database_url"] = request.getfixturevalue("module_postgres_url")
+    s = make_test_settings(root, bundle_dir, **overrides)
     migrate(s.database_url)
-    app = create_app(s)
+    return s
+
+
+@pytest.fixture(scope="module")
+def fuzz_app(request, database, tmp_path_factory, bundle_dir):
+    app = create_app(settings_on(database, request, tmp_path_factory.mktemp("fuzz"), bundle_dir))
     with TestClient(app) as c:
         es = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()
         job = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=files(png_bytes())).json()
@@ -60,7 +78,7 @@ def test_responses_match_the_spec(fuzz_app):
 
     for operation in ops.values():
         @given(case=operation.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                   database=None)
         def check(case):
             rng = random.Random(repr(case.path_parameters) + repr(case.query))
@@ -83,11 +101,10 @@ def test_responses_match_the_spec(fuzz_app):
     assert statuses["GET /v1/checkpoints/{checkpoint_id}"][200] > 0
 
 
-def test_error_responses_match_the_spec(tmp_path, bundle_dir):
+def test_error_responses_match_the_spec(request, database, tmp_path, bundle_dir):
     """Each error the fuzz may miss, requested on purpose: documented status, JSON ``{"detail": ...}`` body."""
     key = secrets.token_hex(16)
-    s = make_test_settings(tmp_path, bundle_dir, max_files_per_request=2, max_file_bytes=20_000)
-    migrate(s.database_url)
+    s = settings_on(database, request, tmp_path, bundle_dir, max_files_per_request=2, max_file_bytes=20_000)
     cases = []  # (app, label, case kwargs, expected status)
     with TestClient(create_app(s)) as c:
         es = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()
@@ -114,12 +131,10 @@ def test_error_responses_match_the_spec(tmp_path, bundle_dir):
         (plain, "GET /v1/adaptations/{job_id}", dict(path_parameters={"job_id": es["id"]}), 404),
     ]
     # No default bundle: 503 from the routes that need it, and from /readyz.
-    no_bundle = create_app(make_test_settings(tmp_path / "nb", bundle_dir, default_bundle="missing"))
-    migrate(no_bundle.state.settings.database_url)
+    no_bundle = create_app(settings_on(database, request, tmp_path / "nb", bundle_dir, default_bundle="missing"))
     cases += [(no_bundle, "POST /v1/exemplar-sets", dict(body=good), 503), (no_bundle, "GET /readyz", {}, 503)]
     # API keys on: 401 without one, on every /v1 operation.
-    keyed = create_app(make_test_settings(tmp_path / "auth", bundle_dir, api_keys=[key]))
-    migrate(keyed.state.settings.database_url)
+    keyed = create_app(settings_on(database, request, tmp_path / "auth", bundle_dir, api_keys=[key]))
     cases += [(keyed, label, dict(path_parameters={**set_id, **job_id, "checkpoint_id": es["active_checkpoint_id"]},
                                   body=good if label in UPLOADS else None), 401)
               for label in operations(keyed) if label.split()[1].startswith("/v1")]
@@ -129,9 +144,10 @@ def test_error_responses_match_the_spec(tmp_path, bundle_dir):
     for app, label, kwargs, expected in cases:
         ops = by_app.setdefault(id(app), operations(app))
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        if "path_parameters" in kwargs:
-            names = {p.name for p in ops[label].path_parameters}
-            kwargs["path_parameters"] = {k: v for k, v in kwargs["path_parameters"].items() if k in names}
+        if "path_parameters" in kwargs:  # the operation's own; an id no case names is an unknown one
+            given_ids = kwargs["path_parameters"]
+            kwargs["path_parameters"] = {p.name: given_ids.get(p.name, str(uuid.uuid4()))
+                                         for p in ops[label].path_parameters}
         if "body" in kwargs:
             kwargs["media_type"] = "multipart/form-data"
         checks = CHECKS if expected < 500 else CHECKS[1:]  # a documented 503 is not a server error here

@@ -1,12 +1,17 @@
 """Decoding uploads: PNG and JPEG in any mode, everything else refused with the reason."""
 
 import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 from service_fixtures import jpeg_bytes, png_bytes
 
-from app.images import ImageRejected, UploadLimits, decode_image
+from app.images import ORIENTATION, ImageRejected, UploadLimits, decode_image, header_pixels, open_stored
 
 LIMITS = UploadLimits(max_file_bytes=1_000_000, max_image_pixels=100_000)
 
@@ -43,3 +48,159 @@ def test_rejections(data, declared, reason):
     with pytest.raises(ImageRejected) as e:
         decode_image(data, filename="x", declared_type=declared, limits=LIMITS)
     assert e.value.reason == reason
+
+
+# --- decoded upright and small: EXIF orientation, downscaling while decoding, animated PNGs
+
+def scene(width: int, height: int, box: tuple[int, int, int, int], seed: int = 0) -> Image.Image:
+    """An upright RGB scene: dark noise with a bright rectangle at ``box``."""
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((height, width, 3)) * 60).astype(np.uint8)
+    x1, y1, x2, y2 = box
+    arr[y1:y2, x1:x2] = (250, 240, 60)
+    return Image.fromarray(arr)
+
+
+def rotated_jpeg(upright: Image.Image, orientation: int = 6, quality: int = 95) -> bytes:
+    """A JPEG whose stored pixels are ``upright`` turned so that a viewer applying ``orientation`` shows it upright
+    (6: stored turned 90 degrees counter-clockwise, shown turned back clockwise)."""
+    inverse = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+    exif = Image.Exif()
+    exif[ORIENTATION] = orientation
+    buf = io.BytesIO()
+    upright.transpose(inverse[orientation]).save(buf, "JPEG", quality=quality, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def bright_box(img: Image.Image) -> tuple[int, int, int, int]:
+    """The bounding box of the bright pixels (the rectangle of ``scene``), in ``img``'s pixels."""
+    arr = np.asarray(img.convert("L"))
+    ys, xs = np.nonzero(arr > 150)
+    return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
+
+
+BIG = UploadLimits(max_file_bytes=50_000_000, max_image_pixels=20_000_000)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_orientation_is_applied(orientation):
+    box = (20, 10, 50, 30)  # in the upright frame: 120 x 80
+    data = rotated_jpeg(scene(120, 80, box), orientation)
+    stored = Image.open(io.BytesIO(data))
+    assert stored.size == ((80, 120) if orientation in (6, 8) else (120, 80))  # really stored turned
+    im = decode_image(data, filename="phone.jpg", declared_type="image/jpeg", limits=LIMITS)
+    assert (im.width, im.height) == (120, 80) and im.image.size == (120, 80)
+    assert bright_box(im.image) == box
+    assert np.array_equal(np.asarray(im.image), np.asarray(ImageOps.exif_transpose(stored)))  # PIL's own answer
+
+
+def test_a_box_in_the_upright_frame_cuts_the_object_from_a_rotated_jpeg():
+    box = (30, 20, 90, 60)
+    data = rotated_jpeg(scene(400, 300, box, seed=1), 6)
+    im = decode_image(data, filename=None, declared_type=None, limits=BIG, max_side=100)
+    assert (im.width, im.height) == (400, 300) and im.image.size == (100, 75)
+    crop = im.crop(box, max_side=100)  # the box is smaller than max_side: cut at full resolution
+    assert crop.size == (60, 40)
+    assert np.asarray(crop.convert("L")).mean() > 150  # the bright rectangle, not the dark noise
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_large_images_are_decoded_downscaled_and_boxes_map_back(fmt):
+    box = (1000, 600, 1800, 1000)
+    data = encode(scene(4000, 2000, box, seed=2), fmt)
+    im = decode_image(data, filename="big", declared_type=None, limits=BIG, max_side=500)
+    assert im.image.size == (500, 250) and (im.width, im.height) == (4000, 2000)
+    assert im.scale == (8.0, 8.0)
+    found = bright_box(im.image)
+    assert all(abs(a - b) <= 1 for a, b in zip(found, (125, 75, 225, 125), strict=True))
+    assert im.box_to_full((125, 75, 225, 125)) == box and im.box_to_decoded(box) == (125, 75, 225, 125)
+    # A crop larger than max_side is cut from a decode just fine enough: its longer side about max_side.
+    crop = im.crop((0, 0, 4000, 2000), max_side=500)
+    assert crop.size == (500, 250)
+    crop = im.crop(box, max_side=400)
+    assert crop.size == (400, 200)
+    crop = im.crop(box, max_side=None)
+    assert crop.size == (800, 400)
+
+
+def test_small_images_are_untouched():
+    data = encode(Image.new("P", (60, 40), 3), "PNG")
+    im = decode_image(data, filename=None, declared_type=None, limits=LIMITS, max_side=60)
+    assert im.image.mode == "P" and im.image.size == (60, 40) and im.scale == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("mode", ["P", "1", "LA", "RGBA", "I;16", "CMYK"])
+def test_every_mode_downscales(mode):
+    img = Image.new(mode, (300, 200))
+    if mode == "P":
+        img.info["transparency"] = 0
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    im = decode_image(encode(img, fmt), filename=None, declared_type=None, limits=LIMITS, max_side=90)
+    assert im.image.size == (90, 60) and (im.width, im.height) == (300, 200)
+    assert im.image.mode not in ("P", "1")  # resampled in a mode that interpolates
+
+
+def test_header_pixels_reads_only_the_header():
+    data = encode(scene(300, 200, (1, 1, 5, 5)), "JPEG")
+    assert header_pixels(io.BytesIO(data[:2000])) == 60_000  # the header alone is enough
+    assert header_pixels(io.BytesIO(b"GIF89a....")) is None
+    assert header_pixels(io.BytesIO(b"\x89PNG\r\n\x1a\n broken")) is None
+
+
+def apng(frames: int) -> bytes:
+    imgs = [Image.new("RGB", (20, 20), (60 * i, 0, 0)) for i in range(frames)]
+    buf = io.BytesIO()
+    imgs[0].save(buf, "PNG", save_all=True, append_images=imgs[1:])
+    return buf.getvalue()
+
+
+def test_animated_png_is_refused():
+    with pytest.raises(ImageRejected) as e:
+        decode_image(apng(3), filename="anim.png", declared_type="image/png", limits=LIMITS)
+    assert e.value.reason == "unsupported_type"
+    assert "animated" in e.value.detail and "3 frames" in e.value.detail and "still PNG" in e.value.detail
+    assert decode_image(apng(1), filename=None, declared_type=None, limits=LIMITS).image.size == (20, 20)
+
+
+def test_stored_images_decode_as_uploads_do():
+    data = rotated_jpeg(scene(120, 80, (20, 10, 50, 30)), 6)
+    up = decode_image(data, filename=None, declared_type=None, limits=LIMITS, max_side=60)
+    stored = open_stored(data, max_side=60)
+    assert (stored.width, stored.height, stored.format) == (120, 80, "JPEG")
+    assert np.array_equal(np.asarray(stored.image), np.asarray(up.image))
+
+
+def test_decoding_a_large_jpeg_never_holds_it_at_full_resolution(tmp_path):
+    """Peak memory of one decode, in a fresh process: a 4000x4000 RGB JPEG is 48 MB decoded at full
+    resolution; downscaled by the decoder (1/4 scale, then 896 px) it needs a few MB."""
+    path = tmp_path / "big.jpg"
+    scene(4000, 4000, (100, 100, 900, 900), seed=3).save(path, "JPEG", quality=90)
+    code = textwrap.dedent(f"""
+        import re, sys
+        from app.images import UploadLimits, decode_image
+
+        def peak_kib():  # this process's high-water RSS (ru_maxrss would include the parent's, across exec)
+            return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+
+        data = open({str(path)!r}, "rb").read()
+        limits = UploadLimits(50_000_000, 20_000_000)
+        decode_image(data, filename=None, declared_type=None, limits=limits, max_side=64)  # warm up
+        before = peak_kib()
+        im = decode_image(data, filename=None, declared_type=None, limits=limits, max_side=int(sys.argv[1]))
+        print((peak_kib() - before) // 1024, im.image.size)
+    """)
+    runs = {}
+    for side in ("896", "4000"):
+        out = subprocess.run([sys.executable, "-c", code, side], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[2]).stdout.split(maxsplit=1)
+        runs[side] = int(out[0]), out[1].strip()
+    assert runs["896"][1] == "(896, 896)" and runs["4000"][1] == "(4000, 4000)"
+    assert runs["4000"][0] >= 40  # MiB: the full-resolution decode, which the measure does see
+    assert runs["896"][0] <= 16, runs
+
+
+def test_a_truncated_jpeg_is_refused_when_decoded_downscaled_too():
+    data = encode(scene(4000, 2000, (10, 10, 90, 90), seed=4), "JPEG")
+    with pytest.raises(ImageRejected) as e:
+        decode_image(data[: len(data) // 2], filename="cut.jpg", declared_type=None, limits=BIG, max_side=500)
+    assert e.value.reason == "bad_image"

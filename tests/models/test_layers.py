@@ -26,7 +26,7 @@ RANKS = {
     "inference": 4,
     "features": 5, "policy": 5,
     "evaluate": 6, "adapt": 6, "guard": 6,
-    "train": 7,
+    "train": 7, "repair": 7,
     "experiments": 8,
     "cli": 9, "__main__": 9, "__init__": 0,
 }

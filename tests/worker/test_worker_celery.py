@@ -1,5 +1,7 @@
 """The Celery side: one configuration from the settings, a thin task that takes a job id."""
 
+import pytest
+
 from app.config import Settings
 from app.queue import ADAPT_TASK, broker_transport_options, create_celery
 
@@ -32,3 +34,23 @@ def test_the_task_is_thin_and_safe_to_redeliver():
     task = celery_app.tasks[ADAPT_TASK]
     assert task.run is adapt_job.run
     assert task.acks_late and task.reject_on_worker_lost and task.ignore_result
+
+
+def test_a_lost_pool_process_expires_its_jobs_lease():
+    """The adaptation task's requests are ``JobRequest``: the worker's main process expires the lease of a job
+    whose pool process died before Celery requeues the message (acks late, reject on worker lost)."""
+    from celery.utils.imports import symbol_by_name
+
+    from worker.celery_app import JobRequest, celery_app
+
+    task = celery_app.tasks[ADAPT_TASK]
+    assert symbol_by_name(task.Request) is JobRequest
+    assert celery_app.conf.worker_lost_wait <= 2  # Celery's default (10 s) would delay the resume by as much
+    assert task.acks_late and task.reject_on_worker_lost
+
+
+def test_recovery_timings():
+    s = Settings()
+    assert (s.heartbeat_interval, s.heartbeat_timeout, s.reaper_interval) == (2.0, 10.0, 2.0)
+    with pytest.raises(ValueError, match="at least twice heartbeat_interval"):
+        Settings(heartbeat_interval=5.0, heartbeat_timeout=9.0)

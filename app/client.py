@@ -1,0 +1,585 @@
+"""A Python client of the qloc v1 API.
+
+    from app.client import QlocClient
+
+    with QlocClient("http://127.0.0.1:8000", api_key=None) as qloc:
+        fours = qloc.create_exemplar_set(["crop1.png", "crop2.png"], name="fours")
+        answer = qloc.localize(fours.id, ["scene.png"], trajectory=True)
+        print(answer.results[0].box, answer.results[0].score)
+        job = qloc.wait(qloc.create_adaptation(fours.id, ["a.png", "b.png"], iterations=200))
+        print(job.status, job.verdict)
+
+Images are paths, bytes, PIL images or numpy arrays (``HxW`` or ``HxWxC``, uint8, or floats in [0, 1]).
+Every error the API answers raises ``QlocError`` with its status and ``detail``. Requests are retried on 503
+(honouring ``Retry-After``) and on connection errors; a new adaptation job carries an ``Idempotency-Key``,
+so a retried creation never starts a second job. Responses are parsed leniently: fields this client does
+not know are kept (``model.model_extra``), not refused.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import io
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "AdaptationJob", "Checkpoint", "ExemplarSet", "ImageInput", "LocalizeResponse", "Localization", "Page",
+    "PoolImage", "PoolImages", "QlocClient", "QlocError",
+]
+
+TERMINAL = frozenset({"succeeded", "failed", "canceled"})
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+# ---------------------------------------------------------------- errors
+
+
+class QlocError(Exception):
+    """An error answer of the API (``status`` and its ``detail``), or no answer at all (``status`` None)."""
+
+    def __init__(self, status: int | None, detail: Any, *, method: str = "", url: str = "",
+                 response: httpx.Response | None = None):
+        self.status = status
+        self.detail = detail
+        self.method = method
+        self.url = url
+        self.response = response
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f"{self.method} {self.url}: " if self.method else ""
+        if self.status is None:
+            return f"{where}{self.detail}"
+        return f"{where}HTTP {self.status}: {describe_detail(self.detail)}"
+
+
+def describe_detail(detail: Any) -> str:
+    """The API's ``detail`` as one line: a message, or FastAPI's list of validation issues."""
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        parts = []
+        for issue in detail:
+            if isinstance(issue, dict):
+                loc = ".".join(str(p) for p in issue.get("loc", []) if p not in ("body", "query"))
+                parts.append(f"{loc}: {issue.get('msg', issue)}" if loc else str(issue.get("msg", issue)))
+            else:
+                parts.append(str(issue))
+        return "; ".join(parts)
+    return str(detail)
+
+
+# ---------------------------------------------------------------- response models (lenient: extra fields kept)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ExemplarSet(_Model):
+    id: uuid.UUID
+    name: str | None = None
+    num_exemplars: int = 0
+    num_labeled: int = 0
+    bundle: str = ""
+    bundle_sha256: str | None = None
+    active_checkpoint_id: uuid.UUID | None = None
+    created_at: datetime | None = None
+
+
+class Localization(_Model):
+    filename: str | None = None
+    width: int
+    height: int
+    box: list[float]
+    """``[x1, y1, x2, y2]`` in the pixels of the image as sent."""
+    score: float
+    trajectory: list[list[float]] | None = None
+
+
+class LocalizeResponse(_Model):
+    exemplar_set_id: uuid.UUID
+    checkpoint_id: uuid.UUID
+    bundle: str = ""
+    samples: int = 0
+    nearest: bool = False
+    results: list[Localization]
+
+
+class Progress(_Model):
+    iteration: int = 0
+    total: int = 0
+    mean_reward: float | None = None
+
+
+class AdaptationJob(_Model):
+    id: uuid.UUID
+    exemplar_set_id: uuid.UUID
+    status: str
+    progress: Progress = Progress()
+    checkpoint_id: uuid.UUID | None = None
+    error: str | None = None
+    params: dict[str, Any] = {}
+    verdict: str | None = None
+    validation: dict[str, Any] | None = None
+    attempts: int = 0
+    cancel_requested: bool = False
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+
+class Checkpoint(_Model):
+    id: uuid.UUID
+    exemplar_set_id: uuid.UUID
+    parent_id: uuid.UUID | None = None
+    job_id: uuid.UUID | None = None
+    kind: str
+    iteration: int = 0
+    sha256: str = ""
+    metrics: dict[str, Any] = {}
+    active: bool = False
+    created_at: datetime | None = None
+
+
+class PoolImage(_Model):
+    id: uuid.UUID
+    exemplar_set_id: uuid.UUID
+    filename: str | None = None
+    content_type: str = ""
+    width: int = 0
+    height: int = 0
+    size: int = 0
+    sha256: str = ""
+    created_at: datetime | None = None
+
+
+class PoolImages(_Model):
+    """A page of a set's image pool (``count``/``limit``/``offset`` when listed), with the pool's totals as the
+    server gives them (in ``model_extra``)."""
+
+    data: list[PoolImage]
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class Page(_Model, Generic[T]):  # noqa: UP046 -- Python 3.11
+    data: list[T]
+    count: int
+    limit: int
+    offset: int
+
+
+# ---------------------------------------------------------------- images
+
+ImageInput = Any
+"""A path (``str`` / ``Path``), ``bytes``, a ``(filename, bytes)`` pair, a binary file object, a PIL image or a
+numpy array."""
+
+
+def _sniff(data: bytes) -> str:
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    return "image/png"  # PNG, or anything else: the API names what is wrong with it
+
+
+def _array_to_png(arr: Any) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(arr)
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[:, :, 0]
+    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (3, 4)):
+        raise ValueError(f"an image array is HxW or HxWx{{1,3,4}}; got shape {a.shape}")
+    if a.dtype != np.uint8:
+        if np.issubdtype(a.dtype, np.floating) and a.size and float(a.max()) <= 1.0 and float(a.min()) >= 0.0:
+            a = a * 255.0
+        a = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    return _pil_to_png(Image.fromarray(a))
+
+
+def _pil_to_png(img: Any) -> bytes:
+    if img.mode not in ("L", "RGB", "RGBA"):
+        img = img.convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def encode_image(image: ImageInput, index: int = 0) -> tuple[str, bytes, str]:
+    """One image -> ``(filename, bytes, content type)``, ready for a multipart upload."""
+    if isinstance(image, str | Path):
+        path = Path(image)
+        data = path.read_bytes()
+        return path.name, data, _sniff(data)
+    if isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+        ext = "jpg" if _sniff(data) == "image/jpeg" else "png"
+        return f"image{index}.{ext}", data, _sniff(data)
+    if _is_pair(image):
+        name, content = image
+        data = content.read() if hasattr(content, "read") else bytes(content)
+        return name, data, _sniff(data)
+    if hasattr(image, "read"):
+        data = image.read()
+        name = Path(str(getattr(image, "name", f"image{index}.png"))).name
+        return name, data, _sniff(data)
+    try:
+        from PIL import Image
+
+        if isinstance(image, Image.Image):
+            return f"image{index}.png", _pil_to_png(image), "image/png"
+    except ImportError:  # pragma: no cover - Pillow is a dependency of qloc
+        pass
+    if hasattr(image, "__array__") or isinstance(image, list):
+        return f"image{index}.png", _array_to_png(image), "image/png"
+    raise TypeError(f"cannot send {type(image).__name__} as an image: give a path, bytes, a PIL image or an array")
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+
+
+def _files(images: ImageInput | Sequence[ImageInput]) -> list[tuple[str, tuple[str, bytes, str]]]:
+    """One image or a list (or tuple) of images -> the multipart ``files`` fields. An array is one image: give
+    a list of arrays for several."""
+    many = isinstance(images, list) or (isinstance(images, tuple) and not _is_pair(images))
+    items = list(images) if many else [images]  # type: ignore[arg-type]
+    if not items:
+        raise ValueError("at least one image is needed")
+    return [("files", encode_image(im, i)) for i, im in enumerate(items)]
+
+
+# ---------------------------------------------------------------- progress
+
+
+class _SimpleBar:
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self._last = total, desc, 0, ""
+
+    def update_to(self, n: int, total: int, postfix: str) -> None:
+        self.n, self.total = n, total or self.total
+        width = 30
+        filled = int(width * self.n / self.total) if self.total else 0
+        line = f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} {postfix}"
+        if line != self._last:
+            print(line, end="", flush=True)
+            self._last = line
+
+    def close(self) -> None:
+        print(flush=True)
+
+
+class _TqdmBar:
+    def __init__(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="it")
+
+    def update_to(self, n: int, total: int, postfix: str) -> None:
+        if total and self.bar.total != total:
+            self.bar.total = total
+        self.bar.update(max(0, n - self.bar.n))
+        self.bar.set_postfix_str(postfix, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress_bar(total: int, desc: str) -> _SimpleBar | _TqdmBar:
+    try:
+        return _TqdmBar(total, desc)
+    except ImportError:
+        return _SimpleBar(total, desc)
+
+
+# ---------------------------------------------------------------- the client
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+class QlocClient:
+    """The qloc v1 API over httpx.
+
+    ``retries``: how many times a request is sent again after a 503 or a connection error (waiting
+    ``Retry-After`` when the server gives it, else ``backoff`` seconds doubling each time, at most
+    ``max_wait``). Only requests that are safe to repeat are retried after a connection error that may have
+    reached the server (reads, and job creations, which carry an ``Idempotency-Key``); a request that could
+    not connect at all is always retried. ``http_client``: an ``httpx.Client`` of your own (e.g. FastAPI's
+    ``TestClient``), used as it is, with its own base URL; the client then does not close it.
+    """
+
+    def __init__(self, base_url: str = DEFAULT_URL, *, api_key: str | None = None, timeout: float = 120.0,
+                 retries: int = 3, backoff: float = 0.5, max_wait: float = 30.0,
+                 http_client: httpx.Client | None = None, sleep: Callable[[float], None] = time.sleep):
+        self.api_key = api_key
+        self.retries = retries
+        self.backoff = backoff
+        self.max_wait = max_wait
+        self._sleep = sleep
+        self._own = http_client is None
+        self.http = http_client or httpx.Client(base_url=base_url, timeout=timeout)
+
+    def close(self) -> None:
+        if self._own:
+            self.http.close()
+
+    def __enter__(self) -> QlocClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ plumbing
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self.api_key:
+            headers["X-API-Key"] = self.api_key
+        headers.update(extra or {})
+        return headers
+
+    def _wait(self, attempt: int, response: httpx.Response | None) -> None:
+        delay = _retry_after(response) if response is not None else None
+        if delay is None:
+            delay = self.backoff * 2**attempt
+        self._sleep(min(delay, self.max_wait))
+
+    def request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
+                data: dict[str, Any] | None = None, files: list | None = None, headers: dict[str, str] | None = None,
+                idempotent: bool | None = None, on_503: Callable[[], dict[str, str] | None] | None = None,
+                ok: Iterable[int] = ()) -> httpx.Response:
+        """Send one API request with the retries -> the response; an error status raises ``QlocError``.
+
+        ``on_503`` is called before a retry after a 503 and returns new headers (``None``: do not retry)."""
+        safe = method in ("GET", "HEAD", "OPTIONS") if idempotent is None else idempotent
+        params = {k: v for k, v in (params or {}).items() if v is not None}
+        data = {k: str(v) for k, v in (data or {}).items() if v is not None}
+        hdrs = dict(headers or {})
+        attempt = 0
+        while True:
+            try:
+                r = self.http.request(method, path, params=params or None, data=data or None, files=files,
+                                      headers=self._headers(hdrs))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
+                if attempt >= self.retries:
+                    raise QlocError(None, f"cannot connect to the API ({type(e).__name__}: {e})", method=method,
+                                    url=str(path)) from e
+                self._wait(attempt, None)
+                attempt += 1
+                continue
+            except (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.WriteError) as e:
+                if not safe or attempt >= self.retries:
+                    raise QlocError(None, f"the connection failed ({type(e).__name__}: {e})", method=method,
+                                    url=str(path)) from e
+                self._wait(attempt, None)
+                attempt += 1
+                continue
+            if r.status_code == 503 and attempt < self.retries:
+                new_headers = on_503() if on_503 is not None else {}
+                if new_headers is not None:
+                    hdrs.update(new_headers)
+                    self._wait(attempt, r)
+                    attempt += 1
+                    continue
+            if r.is_success or r.status_code in set(ok):
+                return r
+            raise self._error(r)
+
+    @staticmethod
+    def _error(r: httpx.Response) -> QlocError:
+        try:
+            body = r.json()
+            detail = body.get("detail", body) if isinstance(body, dict) else body
+        except ValueError:
+            detail = r.text.strip()[:500] or r.reason_phrase
+        return QlocError(r.status_code, detail, method=r.request.method, url=str(r.request.url), response=r)
+
+    # ------------------------------------------------------------ health and bundles
+
+    def health(self) -> dict[str, Any]:
+        """``GET /healthz``: the process is up."""
+        return self.request("GET", "/healthz").json()
+
+    def ready(self) -> dict[str, Any]:
+        """``GET /readyz``: ``{"status": "ok" | "unavailable", "checks": {...}}`` (a 503 is answered, not raised)."""
+        return self.request("GET", "/readyz", ok=(503,), on_503=lambda: None).json()
+
+    def bundles(self) -> dict[str, Any]:
+        """``GET /v1/bundles``: ``{"data": [{"name", "default"}], "default": name}``."""
+        return self.request("GET", "/v1/bundles").json()
+
+    # ------------------------------------------------------------ exemplar sets
+
+    def create_exemplar_set(self, images: ImageInput | Sequence[ImageInput], *, name: str | None = None,
+                            bundle: str | None = None,
+                            boxes: Sequence[Sequence[float]] | None = None) -> ExemplarSet:
+        """Register exemplar crops; with ``boxes`` (one ``[x1, y1, x2, y2]`` per image), whole images whose
+        boxes are cut out, kept as the set's labeled examples."""
+        import json
+
+        data = {"name": name, "bundle": bundle,
+                "boxes": json.dumps([list(map(float, b)) for b in boxes]) if boxes is not None else None}
+        r = self.request("POST", "/v1/exemplar-sets", data=data, files=_files(images))
+        return ExemplarSet.model_validate(r.json())
+
+    def list_exemplar_sets(self, *, limit: int = 50, offset: int = 0) -> Page[ExemplarSet]:
+        r = self.request("GET", "/v1/exemplar-sets", params={"limit": limit, "offset": offset})
+        return Page[ExemplarSet].model_validate(r.json())
+
+    def get_exemplar_set(self, set_id: uuid.UUID | str) -> ExemplarSet:
+        return ExemplarSet.model_validate(self.request("GET", f"/v1/exemplar-sets/{set_id}").json())
+
+    def delete_exemplar_set(self, set_id: uuid.UUID | str) -> None:
+        """Delete the set with its exemplars, jobs and checkpoints (409 while it has unfinished jobs)."""
+        self.request("DELETE", f"/v1/exemplar-sets/{set_id}")
+
+    def localize(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput], *,
+                 checkpoint: str | uuid.UUID = "active", trajectory: bool = False, samples: int | None = None,
+                 nearest: bool | None = None, keep: bool | None = None, **options: Any) -> LocalizeResponse:
+        """One box per image, in its own pixels. ``checkpoint``: ``active``, ``base`` or a checkpoint id;
+        ``samples``: best-of-N search; ``nearest``: the visited box nearest the exemplars; ``keep``: also add
+        the images to the set's pool. Other query options the server knows pass through ``options``. Retried on
+        503 (the server computed nothing then), but not after a lost answer when ``keep`` is set."""
+        params: dict[str, Any] = {"checkpoint": str(checkpoint), "trajectory": _bool(trajectory),
+                                  "samples": samples, "nearest": None if nearest is None else _bool(nearest),
+                                  "keep": None if keep is None else _bool(keep)}
+        params.update({k: _bool(v) if isinstance(v, bool) else v for k, v in options.items()})
+        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/localize", params=params, files=_files(images),
+                         idempotent=not keep)
+        return LocalizeResponse.model_validate(r.json())
+
+    # ------------------------------------------------------------ adaptation jobs
+
+    def create_adaptation(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput] | None = None,
+                          *, source: Literal["files", "pool", "both"] | None = None, iterations: int | None = None,
+                          learning_rate: float | None = None, seed: int | None = None,
+                          activate: Literal["auto", "true", "false"] | bool = "auto",
+                          idempotency_key: str | None = None) -> AdaptationJob:
+        """Queue a test-time adaptation of the set's policy on unlabeled images -> the job (202): the ``images``
+        given, the set's pool (``source="pool"``, no images), or both (``source="both"``).
+
+        The request carries an ``Idempotency-Key`` (a new one unless given): a retry after a lost connection
+        gets the job the first try created. After a 503 (the queue was unreachable: the job it made failed),
+        a retry uses a new key when the key was generated here; a key of your own is never retried on 503."""
+        if isinstance(activate, bool):
+            activate = "true" if activate else "false"
+        own_key = idempotency_key is None
+        key = idempotency_key or str(uuid.uuid4())
+        data = {"source": source, "iterations": iterations, "learning_rate": learning_rate, "seed": seed,
+                "activate": activate}
+        files = _files(images) if images is not None else None
+        if files is None and source is None:
+            data["source"] = "pool"  # no images: the set's pool, said explicitly (a multipart body needs a field)
+        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/adaptations", data=data, files=files,
+                         headers={"Idempotency-Key": key}, idempotent=True,
+                         on_503=(lambda: {"Idempotency-Key": str(uuid.uuid4())}) if own_key else (lambda: None))
+        return AdaptationJob.model_validate(r.json())
+
+    def get_adaptation(self, job_id: uuid.UUID | str | AdaptationJob) -> AdaptationJob:
+        return AdaptationJob.model_validate(self.request("GET", f"/v1/adaptations/{_id(job_id)}").json())
+
+    def list_adaptations(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> Page[AdaptationJob]:
+        r = self.request("GET", f"/v1/exemplar-sets/{set_id}/adaptations", params={"limit": limit, "offset": offset})
+        return Page[AdaptationJob].model_validate(r.json())
+
+    def cancel_adaptation(self, job_id: uuid.UUID | str | AdaptationJob) -> AdaptationJob:
+        """Cancel a queued job at once, a running one between two iterations (409 once it finished)."""
+        r = self.request("POST", f"/v1/adaptations/{_id(job_id)}/cancel", idempotent=True)
+        return AdaptationJob.model_validate(r.json())
+
+    def wait(self, job: uuid.UUID | str | AdaptationJob, *, timeout: float | None = None, poll: float = 1.0,
+             progress: bool = True, on_update: Callable[[AdaptationJob], None] | None = None) -> AdaptationJob:
+        """Poll the job until it is ``succeeded``, ``failed`` or ``canceled`` -> its last state (not raised:
+        look at ``status``, ``error`` and ``verdict``). ``progress`` draws a bar (tqdm, else plain text);
+        ``timeout`` (seconds) raises ``TimeoutError`` with the job's last state."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        current = job if isinstance(job, AdaptationJob) else self.get_adaptation(job)
+        bar = _progress_bar(current.progress.total, f"job {str(current.id)[:8]}") if progress else None
+        try:
+            while True:
+                if bar is not None:
+                    reward = current.progress.mean_reward
+                    bar.update_to(current.progress.iteration, current.progress.total,
+                                  current.status + (f" reward {reward:.4f}" if reward is not None else ""))
+                if on_update is not None:
+                    on_update(current)
+                if current.done:
+                    return current
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {current.id} still {current.status} after {timeout}s")
+                self._sleep(poll)
+                current = self.get_adaptation(current.id)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    # ------------------------------------------------------------ the set's image pool
+
+    def add_pool_images(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput]) -> PoolImages:
+        """Add unlabeled images to the set's pool (for ``create_adaptation(source="pool")``) -> those added."""
+        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/images", files=_files(images))
+        return PoolImages.model_validate(r.json())
+
+    def list_pool_images(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> PoolImages:
+        r = self.request("GET", f"/v1/exemplar-sets/{set_id}/images", params={"limit": limit, "offset": offset})
+        return PoolImages.model_validate(r.json())
+
+    def delete_pool_image(self, set_id: uuid.UUID | str, image_id: uuid.UUID | str | PoolImage) -> None:
+        self.request("DELETE", f"/v1/exemplar-sets/{set_id}/images/{_id(image_id)}", idempotent=True)
+
+    def clear_pool(self, set_id: uuid.UUID | str) -> None:
+        """Empty the pool (409 while a queued or running job holds any of its images)."""
+        self.request("DELETE", f"/v1/exemplar-sets/{set_id}/images", idempotent=True)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def list_checkpoints(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> Page[Checkpoint]:
+        """The set's checkpoints, oldest first: its base policy, then those its jobs wrote (``parent_id``: lineage)."""
+        r = self.request("GET", f"/v1/exemplar-sets/{set_id}/checkpoints", params={"limit": limit, "offset": offset})
+        return Page[Checkpoint].model_validate(r.json())
+
+    def get_checkpoint(self, checkpoint_id: uuid.UUID | str) -> Checkpoint:
+        return Checkpoint.model_validate(self.request("GET", f"/v1/checkpoints/{checkpoint_id}").json())
+
+    def activate_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> ExemplarSet:
+        """Make the checkpoint its set's active policy (an older one: a rollback) -> the set."""
+        r = self.request("POST", f"/v1/checkpoints/{_id(checkpoint_id)}/activate", idempotent=True)
+        return ExemplarSet.model_validate(r.json())
+
+
+def _bool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def _id(x: Any) -> str:
+    return str(x.id) if isinstance(x, BaseModel) else str(x)

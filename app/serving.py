@@ -1,0 +1,287 @@
+"""Where localize requests are computed: the seam between the routes and the model.
+
+A route turns a request into a ``LocalizeCall`` (what to run: the set's bundle and prototype, the
+checkpoint, the decoded images, the options) and hands it to the app's ``InferenceBackend``, which
+answers a ``LocalizeAnswer`` or raises ``InferenceRefused`` (an HTTP status and a message for the
+client). ``LocalInference`` runs it in the calling thread; ``BatchedInference`` (the API's default)
+runs the calls of concurrent requests as few forward passes on one engine thread, with a bounded
+waiting room (503 + ``Retry-After`` past it); a worker-side batcher can reuse it as is (it needs a
+``BundleRegistry`` and a ``BlobStore``, no FastAPI). Other backends (on workers) keep the same contract,
+so the routes do not change with the deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from fastapi import status
+from PIL import Image
+from torch import Tensor
+
+from app.batching import Batcher, BatcherClosed, QueueFull
+from app.inference import (
+    BundleMismatch,
+    BundleRegistry,
+    LoadedBundle,
+    UnknownBundle,
+    prototype_from_bytes,
+    read_served_checkpoint,
+    short_sha,
+)
+from app.storage import BlobStore
+from models.bundle import PolicyMismatch, Reward
+from models.inference import Localization, Localizer, preprocess
+from models.nets.agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """An adapted checkpoint to run (the base policy is ``None`` in ``LocalizeCall.checkpoint``)."""
+
+    id: uuid.UUID
+    blob: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class LocalizeCall:
+    bundle: str
+    """The set's bundle name."""
+    bundle_sha256: str | None
+    """The bundle file that made the set's prototype (``None``: a set made before it was recorded)."""
+    prototype_dim: int
+    prototype: bytes
+    """float32 little-endian, as stored with the set."""
+    checkpoint: CheckpointRef | None
+    images: list[Image.Image] = field(repr=False)
+    trajectory: bool = False
+    samples: int = 0
+    nearest: bool | None = None
+    """``None``: the bundle's own default."""
+
+
+@dataclass(frozen=True)
+class LocalizeAnswer:
+    results: list[Localization]
+    """One per image, in the pixels of the images as given in the call."""
+    nearest: bool
+    """Whether the answers are the nearest visited boxes (the option as resolved)."""
+
+
+class InferenceRefused(Exception):  # noqa: N818 -- an answer for the client, not a crash
+    """The call cannot be served; ``status_code`` and ``detail`` are what the client gets."""
+
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None):
+        super().__init__(detail)
+        self.status_code, self.detail, self.headers = status_code, detail, headers
+
+
+class InferenceBackend(Protocol):
+    def localize(self, call: LocalizeCall) -> LocalizeAnswer: ...
+
+
+def resolve_bundle(bundles: BundleRegistry, name: str, *, sha256: str | None, prototype_dim: int | None
+                   ) -> LoadedBundle:
+    """The bundle file installed as ``name``, checked against what a set recorded; ``InferenceRefused`` otherwise."""
+    try:
+        loaded = bundles.get(name, expect_sha256=sha256)
+    except BundleMismatch as e:
+        raise InferenceRefused(status.HTTP_409_CONFLICT, str(e)) from e
+    except UnknownBundle as e:
+        raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, f"the set's bundle unavailable: {e}") from e
+    except (OSError, ValueError, RuntimeError) as e:
+        log.exception("bundle %s cannot be loaded", name)
+        raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, f"bundle {name!r} cannot be loaded") from e
+    if prototype_dim is not None and prototype_dim != loaded.bundle.prototype_dim:
+        raise InferenceRefused(status.HTTP_409_CONFLICT, (
+            f"bundle {name!r} (sha256 {short_sha(loaded.sha256)}) makes prototypes of dimension "
+            f"{loaded.bundle.prototype_dim}, but this exemplar set's prototype has dimension {prototype_dim}: it was "
+            "made by another bundle file of that name. Re-create the exemplar set from its crops."))
+    return loaded
+
+
+@dataclass(frozen=True)
+class Served:
+    """What runs a checkpoint: its agent, the localizer of its reward (the bundle's head, or the repaired head the
+    checkpoint carries) and the prototype under that head (``None``: the set's own)."""
+
+    agent: Agent
+    localizer: Localizer
+    prototype: Tensor | None
+
+
+def policy_state(bundles: BundleRegistry, store: BlobStore, ckpt: CheckpointRef | None, loaded: LoadedBundle
+                 ) -> tuple[dict[str, Tensor] | None, Reward | None]:
+    """(agent state, repaired reward) of ``ckpt`` for ``loaded`` (cached; ``(None, None)`` = the bundle's own)."""
+    if ckpt is None:
+        return None, None
+
+    def load() -> tuple[dict[str, Tensor], Reward | None]:
+        return read_served_checkpoint(store, blob=ckpt.blob, sha256=ckpt.sha256, bundle=loaded.bundle,
+                                      source=f"checkpoint {ckpt.id}")
+
+    try:  # keyed by the bundle file too: another file under the same name checks the checkpoint again
+        return bundles.cached_policy((ckpt.id, loaded.sha256), load)
+    except PolicyMismatch as e:
+        raise InferenceRefused(status.HTTP_409_CONFLICT, f"{e}; localize with checkpoint=base, or re-create the "
+                                                         "exemplar set from its crops") from e
+    except (OSError, ValueError) as e:
+        log.exception("checkpoint %s cannot be read", ckpt.id)
+        raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, f"checkpoint {ckpt.id} cannot be read") from e
+
+
+class LocalInference:
+    """Runs each call in the calling thread, in this process."""
+
+    def __init__(self, bundles: BundleRegistry, store: BlobStore, *, default_nearest: bool | None = None,
+                 agent_cache_size: int = 32):
+        self.bundles, self.store = bundles, store
+        self.default_nearest = default_nearest
+        """The server's ``QLOC_LOCALIZE_NEAREST``: used when the call leaves ``nearest`` unset."""
+        self._agents: OrderedDict[tuple[str, uuid.UUID | None], Agent] = OrderedDict()
+        self._agent_cache_size = agent_cache_size
+        self._agents_lock = threading.Lock()
+
+    def served(self, loaded: LoadedBundle, ckpt: CheckpointRef | None) -> Served:
+        """The agent of ``ckpt`` (``None``: the bundle's own) on ``loaded``, with its reward's localizer and
+        prototype, built once and kept (eval-mode modules used without gradient: threads may share them)."""
+        key = (loaded.sha256, None if ckpt is None else ckpt.id)
+        with self._agents_lock:
+            served = self._agents.get(key)
+            if served is not None:
+                self._agents.move_to_end(key)
+                return served
+        state, reward = policy_state(self.bundles, self.store, ckpt, loaded)
+        if reward is None:
+            served = Served(loaded.localizer.agent(state), loaded.localizer, None)
+        else:  # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype
+            localizer = Localizer(loaded.bundle.with_head(reward.head), loaded.localizer.device)
+            served = Served(localizer.agent(state), localizer, reward.prototype.float())
+        with self._agents_lock:
+            self._agents[key] = served
+            while len(self._agents) > self._agent_cache_size:
+                self._agents.popitem(last=False)
+        return served
+
+    def agent(self, loaded: LoadedBundle, ckpt: CheckpointRef | None) -> Agent:
+        """The agent of ``ckpt`` on ``loaded`` (``served``'s)."""
+        return self.served(loaded, ckpt).agent
+
+    def prepare(self, call: LocalizeCall) -> tuple[Hashable, Prepared]:
+        """Everything a call needs before the forward pass, checked (``InferenceRefused`` otherwise) and
+        preprocessed, with the key of the calls it may share a forward pass with."""
+        loaded = resolve_bundle(self.bundles, call.bundle, sha256=call.bundle_sha256,
+                                prototype_dim=call.prototype_dim)
+        served = self.served(loaded, call.checkpoint)
+        nearest = next(v for v in (call.nearest, self.default_nearest, loaded.localizer.default_nearest)
+                       if v is not None)
+        batch, scales = preprocess(call.images, loaded.localizer.spec)
+        prototype = served.prototype if served.prototype is not None else prototype_from_bytes(call.prototype)
+        prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
+                            nearest)
+        # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
+        key = (loaded.sha256, None if call.checkpoint is None else call.checkpoint.id, nearest,
+               object() if call.samples > 0 else 0)
+        return key, prepared
+
+    def localize(self, call: LocalizeCall) -> LocalizeAnswer:
+        _, prepared = self.prepare(call)
+        return run_prepared([prepared])[0]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A call ready for the forward pass: its images preprocessed, its agent built, its options resolved."""
+
+    localizer: Localizer
+    agent: Agent
+    batch: Tensor
+    """``[n, C, S, S]`` in [0, 1], the bundle's input."""
+    scales: Tensor
+    """``[n, 2]``: (w_i / S, h_i / S)."""
+    prototype: Tensor
+    """``[D]``."""
+    trajectory: bool
+    samples: int
+    nearest: bool
+
+
+def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
+    """Calls of one bundle file, agent and options (``LocalInference.prepare``'s key) -> one forward pass over
+    all their images, each image with its own call's prototype -> one answer per call.
+
+    Greedy episodes do not depend on the other images of the batch: the answers equal those of the calls
+    run one by one (to float rounding). A call with ``samples > 0`` must run alone (its random stream)."""
+    first = calls[0]
+    if len(calls) > 1 and any(c.samples > 0 for c in calls):
+        raise ValueError("a best-of-N search (samples > 0) runs alone")
+    counts = [c.batch.shape[0] for c in calls]
+    if len(calls) == 1:
+        batch, scales, prototypes = first.batch, first.scales, first.prototype
+    else:
+        batch, scales = torch.cat([c.batch for c in calls]), torch.cat([c.scales for c in calls])
+        prototypes = torch.stack([c.prototype for c in calls]).repeat_interleave(
+            torch.tensor(counts), dim=0)  # [B, D]: each image its call's prototype
+    results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
+                                             trajectory=any(c.trajectory for c in calls), samples=first.samples,
+                                             nearest=first.nearest)
+    answers, at = [], 0
+    for c, n in zip(calls, counts, strict=True):  # per call, not per image: slicing the batch's answers
+        mine = results[at:at + n]
+        at += n
+        if not c.trajectory and mine and mine[0].trajectory is not None:
+            mine = [Localization(r.box, r.score) for r in mine]
+        answers.append(LocalizeAnswer(mine, c.nearest))
+    return answers
+
+
+class BatchedInference(LocalInference):
+    """Runs calls on one engine thread, calls of several requests that fit together as one forward pass
+    (``app.batching.Batcher``; the embedded default).
+
+    The request thread checks and preprocesses its call (``prepare``), then waits for the engine, which runs
+    every waiting call of the same bundle file, checkpoint and ``nearest`` (prototypes may differ) at once, up
+    to ``max_batch_images``; an idle engine starts at once, or after ``window_s`` (see ``Batcher``). At most
+    ``max_queue_images`` images wait: past that a call is refused with 503 and ``Retry-After`` at once.
+    """
+
+    def __init__(self, bundles: BundleRegistry, store: BlobStore, *, default_nearest: bool | None = None,
+                 window_s: float = 0.0, max_batch_images: int = 64, max_queue_images: int = 256,
+                 retry_after_s: int = 1):
+        super().__init__(bundles, store, default_nearest=default_nearest)
+        self.retry_after_s = retry_after_s
+        self.batcher: Batcher[Prepared, LocalizeAnswer] = Batcher(
+            self.run_batch, window_s=window_s, max_batch=max_batch_images, max_queue=max_queue_images,
+            name="qloc-localize")
+
+    def run_batch(self, key: Hashable, calls: list[Prepared]) -> list[LocalizeAnswer]:
+        """What the engine thread runs for one batch (a subclass may wrap it)."""
+        return run_prepared(calls)
+
+    def localize(self, call: LocalizeCall) -> LocalizeAnswer:
+        key, prepared = self.prepare(call)
+        try:
+            future = self.batcher.submit(key, prepared, size=prepared.batch.shape[0])
+        except QueueFull as e:
+            raise InferenceRefused(
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                f"localize is busy: {self.batcher.waiting} images are waiting for the model, at most "
+                f"{self.batcher.max_queue} may (QLOC_INFERENCE_QUEUE_IMAGES); retry after "
+                f"{self.retry_after_s} s", headers={"Retry-After": str(self.retry_after_s)}) from e
+        except BatcherClosed as e:
+            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, "the server is shutting down; retry",
+                                   headers={"Retry-After": str(self.retry_after_s)}) from e
+        return future.result()
+
+    def close(self) -> None:
+        """Stop the engine thread once the calls already waiting are answered."""
+        self.batcher.close()

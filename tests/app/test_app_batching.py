@@ -1,0 +1,313 @@
+"""Batching across requests (``app.batching.Batcher``, ``app.serving.BatchedInference``) and the bound on
+waiting inference work (503 + ``Retry-After``).
+
+Concurrency is real (threads, the real engine thread, real HTTP through the app); the engine is held with
+an ``Event`` where a test needs calls to pile up, so no assertion depends on timing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+from service_fixtures import files, png_bytes
+
+from app.batching import Batcher, BatcherClosed, QueueFull
+from app.inference import BundleRegistry, prototype_to_bytes
+from app.main import create_app
+from app.serving import BatchedInference, LocalInference, LocalizeCall
+from app.storage import BlobStore
+
+
+def wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll ``cond`` (a state reached by other threads); fail after ``timeout``: a hang, not a timing check."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class HeldEngine:
+    """A ``run`` for ``Batcher`` that records its batches and blocks the first one until ``release``."""
+
+    def __init__(self, hold_first: bool = True):
+        self.batches: list[tuple[object, list]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+
+    def __call__(self, key, items):
+        self.batches.append((key, list(items)))
+        self.started.set()
+        self.release.wait(30)
+        return [f"{key}:{x}" for x in items]
+
+
+# --- Batcher
+
+
+def test_calls_that_arrive_while_a_batch_runs_run_together_by_key_in_order():
+    run = HeldEngine()
+    b = Batcher(run, max_batch=8, max_queue=100)
+    first = b.submit("a", 0)
+    assert run.started.wait(30)  # the engine was idle: the first call ran at once, alone
+    later = [b.submit("a", 1), b.submit("b", 2), b.submit("a", 3, size=2), b.submit("b", 4)]
+    assert b.waiting == 5
+    run.release.set()
+    assert [f.result(30) for f in [first, *later]] == ["a:0", "a:1", "b:2", "a:3", "b:4"]
+    assert [(k, items) for k, items in run.batches] == [("a", [0]), ("a", [1, 3]), ("b", [2, 4])]
+    assert (b.stats.batches, b.stats.items, b.stats.size, b.stats.largest) == (3, 5, 6, 3)
+    assert b.waiting == 0
+    b.close()
+
+
+def test_a_batch_stops_at_max_batch_and_the_rest_runs_next():
+    run = HeldEngine()
+    b = Batcher(run, max_batch=3, max_queue=100)
+    b.submit("k", "x")
+    assert run.started.wait(30)
+    fs = [b.submit("k", i, size=s) for i, s in enumerate([2, 2, 1, 5])]
+    run.release.set()
+    for f in fs:
+        f.result(30)
+    # first come, first served: 2 fits, the next 2 would pass 3, the 1 fits; the 5 (over max_batch) runs whole
+    assert [items for _, items in run.batches[1:]] == [[0, 2], [1], [3]]
+    b.close()
+
+
+def test_a_full_waiting_room_refuses_at_once_and_takes_calls_again_once_drained():
+    run = HeldEngine()
+    b = Batcher(run, max_batch=64, max_queue=4)
+    running = b.submit("k", "running", size=50)  # larger than the room: taken since nothing waits
+    assert run.started.wait(30)
+    waiting = [b.submit("k", 1, size=3), b.submit("k", 2, size=1)]
+    assert b.waiting == 4
+    with pytest.raises(QueueFull, match="4 waiting, at most 4"):
+        b.submit("k", 3)
+    with pytest.raises(QueueFull):
+        b.submit("other", 3)
+    assert b.stats.refused == 2
+    run.release.set()
+    assert running.result(30) == "k:running" and [f.result(30) for f in waiting] == ["k:1", "k:2"]
+    assert b.submit("k", 4, size=4).result(30) == "k:4"
+    b.close()
+
+
+def test_a_failing_batch_fails_its_callers_only_and_the_engine_goes_on():
+    def run(key, items):
+        if key == "boom":
+            raise RuntimeError("model exploded")
+        return [ValueError(f"bad {x}") if x < 0 else x * 10 for x in items]
+
+    b = Batcher(run)
+    with pytest.raises(RuntimeError, match="model exploded"):
+        b("boom", 1)
+    bad, good = b.submit("k", -1), b.submit("k", 2)
+    with pytest.raises(ValueError, match="bad -1"):
+        bad.result(30)
+    assert good.result(30) == 20
+    assert b("k", 3) == 30
+    b.close()
+
+
+def test_run_must_answer_one_result_per_item():
+    b = Batcher(lambda key, items: [])
+    with pytest.raises(RuntimeError, match="0 results for 1 items"):
+        b("k", 0)
+    b.close()
+
+
+def test_close_answers_what_waits_then_refuses():
+    run = HeldEngine()
+    b = Batcher(run)
+    first = b.submit("k", 1)
+    assert run.started.wait(30)
+    second = b.submit("k", 2)
+    closer = threading.Thread(target=b.close)
+    closer.start()
+    wait_until(lambda: b._closed, "close")
+    with pytest.raises(BatcherClosed):
+        b.submit("k", 3)
+    run.release.set()
+    closer.join(30)
+    assert (first.result(30), second.result(30)) == ("k:1", "k:2")
+    assert not b._thread.is_alive()
+
+
+def test_a_window_holds_an_idle_engines_first_call_until_the_batch_is_full():
+    run = HeldEngine(hold_first=False)
+    b = Batcher(run, window_s=60.0, max_batch=2)  # a full batch goes at once, whatever the window
+    f1 = b.submit("k", 1)
+    f2 = b.submit("k", 2)
+    assert (f1.result(30), f2.result(30)) == ("k:1", "k:2")
+    assert [items for _, items in run.batches] == [[1, 2]]
+    b.close()
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError):
+        Batcher(lambda k, i: i, max_batch=0)
+    with pytest.raises(ValueError):
+        Batcher(lambda k, i: i, window_s=-1)
+
+
+# --- BatchedInference
+
+
+class HeldInference(BatchedInference):
+    """The real backend, its engine held on its first batch until ``release``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.started, self.release = threading.Event(), threading.Event()
+        self.batch_calls: list[int] = []
+
+    def run_batch(self, key, calls):
+        self.batch_calls.append(len(calls))
+        self.started.set()
+        self.release.wait(30)
+        return super().run_batch(key, calls)
+
+
+def make_call(loaded, seed, n=2, **options):
+    crops = [pil_image(png_bytes(28, 28, seed=seed + 100))]
+    proto = loaded.localizer.prototype(crops)
+    ims = [pil_image(png_bytes(84 + 10 * (i % 2), 84, seed=seed * 10 + i)) for i in range(n)]
+    return LocalizeCall(bundle=loaded.name, bundle_sha256=loaded.sha256, prototype_dim=int(proto.numel()),
+                        prototype=prototype_to_bytes(proto), checkpoint=None, images=ims, **options)
+
+
+def pil_image(data):
+    import io
+
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(data))
+    im.load()
+    return im
+
+
+@pytest.fixture
+def backends(settings):
+    bundles = BundleRegistry(settings.bundle_dir, "cpu")
+    store = BlobStore(settings.storage_dir)
+    held = HeldInference(bundles, store, max_batch_images=64, max_queue_images=64)
+    yield bundles, LocalInference(bundles, store), held
+    held.release.set()
+    held.close()
+
+
+def test_concurrent_calls_of_different_sets_run_as_one_forward_and_answer_as_run_one_by_one(backends, settings):
+    bundles, local, held = backends
+    loaded = bundles.get(settings.default_bundle)
+    calls = [make_call(loaded, s, n=1 + s % 3, trajectory=s % 2 == 0) for s in range(6)]
+    with ThreadPoolExecutor(len(calls) + 1) as pool:
+        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
+        assert held.started.wait(30)
+        futures = [pool.submit(held.localize, c) for c in calls]
+        wait_until(lambda: held.batcher.waiting == sum(len(c.images) for c in calls), "the calls to queue")
+        held.release.set()
+        answers = [f.result(60) for f in futures]
+        blocker.result(60)
+    assert held.batch_calls == [1, len(calls)]  # the six calls (three prototypes' worth of sets): one forward
+    for call, answer in zip(calls, answers, strict=True):
+        alone = local.localize(call)
+        assert answer.nearest == alone.nearest
+        assert len(answer.results) == len(call.images)
+        for b, a in zip(answer.results, alone.results, strict=True):
+            assert b.box == pytest.approx(a.box, abs=1e-3) and b.score == pytest.approx(a.score, rel=1e-4)
+            assert (b.trajectory is None) == (not call.trajectory)
+            if call.trajectory:
+                assert b.trajectory == [pytest.approx(t, abs=1e-3) for t in a.trajectory]
+
+
+def test_calls_that_differ_in_computation_do_not_share_a_forward(backends, settings):
+    bundles, local, held = backends
+    loaded = bundles.get(settings.default_bundle)
+    calls = [make_call(loaded, 1), make_call(loaded, 2, nearest=True), make_call(loaded, 3, samples=2),
+             make_call(loaded, 4, samples=2), make_call(loaded, 5)]
+    with ThreadPoolExecutor(len(calls) + 1) as pool:
+        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
+        assert held.started.wait(30)
+        futures = [pool.submit(held.localize, c) for c in calls]
+        wait_until(lambda: held.batcher.waiting == 2 * len(calls), "the calls to queue")
+        held.release.set()
+        answers = [f.result(60) for f in futures]
+        blocker.result(60)
+    # greedy last-box calls 1 and 5 together; nearest alone; each best-of-N search alone (its random stream)
+    assert sorted(held.batch_calls) == [1, 1, 1, 1, 2]
+    for call, answer in zip(calls, answers, strict=True):
+        alone = local.localize(call)
+        assert [r.box for r in answer.results] == [pytest.approx(r.box, abs=1e-3) for r in alone.results]
+        assert answer.nearest == alone.nearest
+
+
+def test_the_agent_is_built_once_per_bundle_file_and_checkpoint(backends, settings):
+    bundles, local, _ = backends
+    loaded = bundles.get(settings.default_bundle)
+    assert local.agent(loaded, None) is local.agent(loaded, None)
+    assert not local.agent(loaded, None).training
+
+
+# --- through HTTP
+
+
+@pytest.fixture
+def held_api(settings):
+    s = settings.model_copy(update={"inference_queue_images": 3, "max_files_per_request": 4})
+    app = create_app(s)
+    with TestClient(app) as c:
+        held = HeldInference(app.state.bundles, app.state.store, max_queue_images=3)
+        app.state.inference = held
+        yield c, held
+        held.release.set()
+        held.close()
+
+
+def test_a_full_inference_queue_answers_503_with_retry_after_at_once(held_api):
+    c, held = held_api
+    set_id = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    with ThreadPoolExecutor(3) as pool:
+        running = pool.submit(c.post, url, files=files(png_bytes(seed=1)))
+        assert held.started.wait(30)
+        queued = pool.submit(c.post, url, files=files(png_bytes(seed=2), png_bytes(seed=3)))
+        wait_until(lambda: held.batcher.waiting == 2, "the second request to queue")
+        # 2 images wait; 2 more would pass the bound of 3: refused now, while the engine is still held
+        r = c.post(url, files=files(png_bytes(seed=4), png_bytes(seed=5)))
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        assert "busy" in r.json()["detail"] and "retry" in r.json()["detail"]
+        assert not held.release.is_set()
+        one = pool.submit(c.post, url, files=files(png_bytes(seed=6)))  # 1 more fits: it waits its turn
+        wait_until(lambda: held.batcher.waiting == 3, "the third request to queue")
+        held.release.set()
+        assert [f.result(60).status_code for f in (running, queued, one)] == [200, 200, 200]
+    assert [len(x["results"]) for x in (queued.result().json(), one.result().json())] == [2, 1]
+    assert held.batch_calls == [1, 2]  # the two waiting requests ran as one forward
+    r = c.post(url, files=files(png_bytes(seed=4), png_bytes(seed=5)))  # drained: taken again
+    assert r.status_code == 200
+
+
+def test_the_app_batches_by_default_and_stops_its_engine_on_shutdown(settings):
+    app = create_app(settings)
+    with TestClient(app) as c:
+        assert isinstance(app.state.inference, BatchedInference)
+        set_id = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
+        url = f"/v1/exemplar-sets/{set_id}/localize"
+        with ThreadPoolExecutor(8) as pool:
+            rs = list(pool.map(lambda i: c.post(url, files=files(png_bytes(seed=i))), range(16)))
+        assert [r.status_code for r in rs] == [200] * 16
+        for i, r in enumerate(rs[:3]):  # batched or alone: the same answers
+            alone = c.post(url, files=files(png_bytes(seed=i))).json()["results"][0]
+            got = r.json()["results"][0]
+            assert got["box"] == pytest.approx(alone["box"], abs=1e-3)
+            assert got["score"] == pytest.approx(alone["score"], rel=1e-4)
+        engine = app.state.inference.batcher._thread
+        assert engine.is_alive() and app.state.inference.batcher.stats.items == 19
+    assert not engine.is_alive()

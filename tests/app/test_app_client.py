@@ -1,0 +1,247 @@
+"""The Python client (``app.client``) against the real service: in process through FastAPI's TestClient, and
+over HTTP with a real uvicorn and Celery worker for ``wait``."""
+
+from __future__ import annotations
+
+import io
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from service_fixtures import Stack, files, free_port, make_test_settings, migrate, png_bytes
+
+from app.client import AdaptationJob, ExemplarSet, QlocClient, QlocError
+
+
+@pytest.fixture
+def qloc(client) -> QlocClient:  # type: ignore[no-untyped-def]
+    """The client over the app in process (the ``client`` fixture: embedded SQLite and broker)."""
+    return QlocClient(http_client=client, sleep=lambda s: None)
+
+
+def crop() -> bytes:
+    return png_bytes(28, 28, seed=9)
+
+
+def test_every_call_round_trips_through_the_api(qloc: QlocClient, tmp_path) -> None:
+    assert qloc.health() == {"status": "ok"}
+    assert qloc.ready()["status"] == "ok"
+    bundles = qloc.bundles()
+    assert bundles["default"] == "test-digits"
+    assert {b["name"]: b["default"] for b in bundles["data"]} == {"test-digits": True, "test-other": False}
+
+    # images as a path, bytes, a PIL image, a uint8 array and a float array
+    path = tmp_path / "crop.png"
+    path.write_bytes(crop())
+    pil = Image.open(io.BytesIO(png_bytes(30, 26, seed=3))).convert("RGB")
+    arr8 = np.asarray(Image.open(io.BytesIO(png_bytes(28, 28, seed=4))))
+    es = qloc.create_exemplar_set([path, crop(), pil, arr8, arr8.astype(np.float32) / 255.0], name="fours",
+                                  bundle="test-other")
+    assert isinstance(es, ExemplarSet) and es.name == "fours" and es.bundle == "test-other"
+    assert es.num_exemplars == 5 and es.num_labeled == 0
+    assert qloc.get_exemplar_set(es.id) == es
+    page = qloc.list_exemplar_sets(limit=10)
+    assert page.count == 1 and page.data[0].id == es.id
+
+    boxed = qloc.create_exemplar_set(png_bytes(84, 84, seed=1), boxes=[[10, 12, 50, 60]])
+    assert boxed.num_labeled == 1 and boxed.bundle == "test-digits"
+
+    scenes = [png_bytes(84, 84, seed=s) for s in (5, 6)]
+    answer = qloc.localize(es.id, scenes, trajectory=True)
+    assert answer.exemplar_set_id == es.id and len(answer.results) == 2
+    for r in answer.results:
+        assert (r.width, r.height) == (84, 84) and len(r.box) == 4
+        assert 0 <= r.box[0] < r.box[2] <= 84 and 0 <= r.box[1] < r.box[3] <= 84
+        assert r.trajectory and r.trajectory[0] == [0, 0, 84, 84] and len(r.trajectory) > 1
+    # the same call straight over HTTP answers the same boxes
+    raw = qloc.http.post(f"/v1/exemplar-sets/{es.id}/localize", files=files(*scenes)).json()
+    assert [r["box"] for r in raw["results"]] == [r.box for r in answer.results]
+    sampled = qloc.localize(es.id, scenes[0], samples=3, nearest=True, checkpoint="base")
+    assert sampled.samples == 3 and sampled.nearest is True and sampled.results[0].trajectory is None
+
+    job = qloc.create_adaptation(es.id, scenes, iterations=3, seed=7, activate=False)  # no worker: stays queued
+    assert isinstance(job, AdaptationJob) and job.status == "queued" and not job.done
+    assert job.params["iterations"] == 3 and job.params["activate"] == "false" and job.params["num_images"] == 2
+    assert qloc.get_adaptation(job.id).id == job.id
+    jobs = qloc.list_adaptations(es.id)
+    assert jobs.count == 1 and jobs.data[0].id == job.id
+    canceled = qloc.cancel_adaptation(job)
+    assert canceled.status == "canceled" and canceled.done
+    with pytest.raises(QlocError) as e:
+        qloc.cancel_adaptation(job.id)
+    assert e.value.status == 409 and "already finished" in e.value.detail
+
+    ckpts = qloc.list_checkpoints(es.id)
+    assert [c.kind for c in ckpts.data] == ["base"] and ckpts.data[0].active
+    base = qloc.get_checkpoint(ckpts.data[0].id)
+    assert base.exemplar_set_id == es.id and base.parent_id is None
+    assert qloc.activate_checkpoint(base).active_checkpoint_id == base.id
+
+    qloc.delete_exemplar_set(es.id)
+    with pytest.raises(QlocError) as e:
+        qloc.get_exemplar_set(es.id)
+    assert e.value.status == 404 and e.value.detail == "exemplar set not found"
+    assert "HTTP 404: exemplar set not found" in str(e.value)
+
+
+def test_an_idempotency_key_gives_back_the_same_job(qloc: QlocClient) -> None:
+    es = qloc.create_exemplar_set(crop())
+    first = qloc.create_adaptation(es.id, png_bytes(), iterations=2, idempotency_key="upload-42")
+    again = qloc.create_adaptation(es.id, png_bytes(), iterations=2, idempotency_key="upload-42")
+    assert again.id == first.id and qloc.list_adaptations(es.id).count == 1
+    with pytest.raises(QlocError) as e:  # the same key for another request
+        qloc.create_adaptation(es.id, png_bytes(), iterations=3, idempotency_key="upload-42")
+    assert e.value.status == 409 and "Idempotency-Key" in e.value.detail
+    other = qloc.create_adaptation(es.id, png_bytes(), iterations=2)  # a fresh key each call: a new job
+    assert other.id != first.id
+
+
+def test_the_image_pool(qloc: QlocClient) -> None:
+    es = qloc.create_exemplar_set(crop())
+    added = qloc.add_pool_images(es.id, [png_bytes(84, 84, seed=s) for s in (1, 2)])
+    assert [im.width for im in added.data] == [84, 84] and added.model_extra["num_pool_images"] == 2
+    kept = qloc.localize(es.id, png_bytes(84, 84, seed=3), keep=True)
+    assert len(kept.model_extra["kept"]) == 1
+    listed = qloc.list_pool_images(es.id)
+    assert len(listed.data) == 3 and listed.model_extra["count"] == 3
+    assert str(listed.data[2].id) == str(kept.model_extra["kept"][0])
+    qloc.delete_pool_image(es.id, listed.data[0])
+    job = qloc.create_adaptation(es.id, source="pool", iterations=2)  # no files: the pool's 2 images
+    assert job.params["num_images"] == 2
+    with pytest.raises(QlocError) as e:  # the queued job holds the pool's images
+        qloc.clear_pool(es.id)
+    assert e.value.status == 409
+    qloc.cancel_adaptation(job)
+    qloc.clear_pool(es.id)
+    assert qloc.list_pool_images(es.id).data == []
+    with pytest.raises(QlocError) as e:
+        qloc.create_adaptation(es.id)  # an empty pool and no files
+    assert e.value.status == 422 and "pool" in e.value.detail
+
+
+def test_api_errors_raise_qloc_error_with_the_detail(qloc: QlocClient) -> None:
+    with pytest.raises(QlocError) as e:
+        qloc.create_exemplar_set(("notes.png", b"these are not pixels"))
+    assert e.value.status == 400 and e.value.detail == "notes.png: not a PNG or JPEG image"
+    es = qloc.create_exemplar_set(crop())
+    with pytest.raises(QlocError) as e:
+        qloc.localize(es.id, crop(), samples=999)
+    assert e.value.status == 422 and isinstance(e.value.detail, list)
+    assert "samples" in str(e.value) and "less than or equal to 63" in str(e.value)
+    with pytest.raises(QlocError) as e:
+        qloc.create_exemplar_set(png_bytes(84, 84), boxes=[[0, 0, 500, 10]])
+    assert e.value.status == 422 and "inside" in str(e.value)
+    with pytest.raises(TypeError):
+        qloc.create_exemplar_set(object())
+
+
+def test_api_keys(tmp_path, bundle_dir) -> None:
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    settings = make_test_settings(tmp_path, bundle_dir, api_keys=["k" * 20, "m" * 20])
+    migrate(settings.database_url)
+    with TestClient(create_app(settings)) as c:
+        with pytest.raises(QlocError) as e:
+            QlocClient(http_client=c).list_exemplar_sets()
+        assert e.value.status == 401 and "API key" in e.value.detail
+        mine, theirs = QlocClient(http_client=c, api_key="k" * 20), QlocClient(http_client=c, api_key="m" * 20)
+        es = mine.create_exemplar_set(crop())
+        assert mine.list_exemplar_sets().count == 1 and theirs.list_exemplar_sets().count == 0
+        with pytest.raises(QlocError) as e:
+            theirs.localize(es.id, crop())
+        assert e.value.status == 404
+
+
+def test_a_503_is_retried_with_a_new_key_and_then_raised(tmp_path, bundle_dir) -> None:
+    """The broker is down: each try makes a job that fails (503); the client retries with a fresh
+    Idempotency-Key (the old one names a failed job), then raises the 503. A key of the caller's is not retried."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    settings = make_test_settings(tmp_path, bundle_dir, broker_url=f"redis://127.0.0.1:{free_port()}/0")
+    migrate(settings.database_url)
+    waits: list[float] = []
+    with TestClient(create_app(settings)) as c:
+        qloc = QlocClient(http_client=c, retries=2, backoff=0.25, sleep=waits.append)
+        es = qloc.create_exemplar_set(crop())
+        with pytest.raises(QlocError) as e:
+            qloc.create_adaptation(es.id, png_bytes())
+        assert e.value.status == 503 and "queue is unreachable" in e.value.detail
+        assert waits == [0.25, 0.5]
+        jobs = qloc.list_adaptations(es.id).data
+        assert len(jobs) == 3 and {j.status for j in jobs} == {"failed"}
+        waits.clear()
+        with pytest.raises(QlocError):
+            qloc.create_adaptation(es.id, png_bytes(), idempotency_key="mine")
+        assert waits == [] and qloc.list_adaptations(es.id).count == 4
+        assert qloc.ready()["status"] == "unavailable"  # readiness answers its 503, not raised
+
+
+def test_retry_after_is_honoured_and_extra_fields_are_kept() -> None:
+    """The protocol alone: a server that is busy twice (Retry-After in seconds, then as a date) then answers
+    with a field this client does not know."""
+    answers = iter([
+        httpx.Response(503, headers={"Retry-After": "2"}, json={"detail": "busy"}),
+        httpx.Response(503, headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, json={"detail": "busy"}),
+        httpx.Response(200, json={"id": str(uuid.uuid4()), "name": None, "num_exemplars": 1, "num_labeled": 0,
+                                  "bundle": "b", "bundle_sha256": None, "active_checkpoint_id": None,
+                                  "created_at": "2026-01-01T00:00:00Z", "pool_size": 12}),
+    ])
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return next(answers)
+
+    waits: list[float] = []
+    http = httpx.Client(base_url="http://qloc.test", transport=httpx.MockTransport(handler))
+    qloc = QlocClient(http_client=http, api_key="secret-key-0123456789", sleep=waits.append)
+    es = qloc.get_exemplar_set("x")
+    assert waits == [2.0, 0.0] and len(seen) == 3  # a date in the past: no wait
+    assert all(r.headers["X-API-Key"] == "secret-key-0123456789" for r in seen)
+    assert es.model_extra == {"pool_size": 12}
+
+
+def test_connection_errors_are_retried_then_raised() -> None:
+    waits: list[float] = []
+    qloc = QlocClient(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.1, sleep=waits.append)
+    with qloc, pytest.raises(QlocError) as e:
+        qloc.health()
+    assert e.value.status is None and "cannot connect" in str(e.value)
+    assert waits == pytest.approx([0.1, 0.2, 0.4])
+
+
+@pytest.mark.slow
+def test_wait_follows_a_job_run_by_a_real_worker(tmp_path, bundle_dir, capsys) -> None:
+    """uvicorn + a Celery worker on the embedded default: the job is created over HTTP, ``wait`` polls it to
+    ``succeeded`` with a progress bar, and the checkpoints it wrote descend from the base."""
+    settings = make_test_settings(tmp_path, bundle_dir, synthetic_probes=8)
+    migrate(settings.database_url)
+    stack = Stack(settings, tmp_path)
+    try:
+        stack.start_api()
+        stack.start_worker()
+        stack.wait_ready()
+        with QlocClient(stack.base_url) as qloc:
+            es = qloc.create_exemplar_set([crop(), png_bytes(28, 28, seed=10)])
+            job = qloc.create_adaptation(es.id, [png_bytes(84, 84, seed=s) for s in range(4)], iterations=4,
+                                         activate=True)
+            updates: list[AdaptationJob] = []
+            done = qloc.wait(job, timeout=120, poll=0.2, on_update=updates.append)
+            assert done.status == "succeeded", (done, stack.logs())
+            assert done.progress.iteration == done.progress.total == 4 and done.checkpoint_id is not None
+            assert updates[-1] == done and updates[0].status in ("queued", "running")
+            ckpts = qloc.list_checkpoints(es.id).data
+            base = ckpts[0]
+            assert base.kind == "base" and all(c.kind == "adapted" for c in ckpts[1:]) and len(ckpts) >= 2
+            assert ckpts[1].parent_id == base.id and ckpts[1].job_id == job.id
+            assert qloc.get_exemplar_set(es.id).active_checkpoint_id == done.checkpoint_id
+        err = capsys.readouterr().err
+        assert f"job {str(job.id)[:8]}" in err and "4/4" in err
+    finally:
+        stack.stop()

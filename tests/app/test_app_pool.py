@@ -1,0 +1,292 @@
+"""An exemplar set's image pool: add over many requests under a cap (nothing of a refused request stored, the
+cap held by concurrent adds), list and count, delete one or all, deleted with the set, localize's ``keep``,
+and adaptation jobs that take the pool (a snapshot; the images they took are kept while they are queued)."""
+
+import io
+import uuid
+
+import numpy as np
+import pytest
+from PIL import Image
+from service_fixtures import (
+    at_once,
+    files,
+    make_test_settings,
+    migrate,
+    png_bytes,
+    row_counts,
+    stored_files,
+)
+from sqlalchemy import select
+
+from app import pool
+from app.db import make_engine, make_sessionmaker
+from app.images import DecodedImage
+from app.tables import ExemplarSet, JobImage, PoolImage
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def pool_settings(request, tmp_path, bundle_dir):
+    """Settings with a small pool cap (5 images, 200 kB), on SQLite then on PostgreSQL."""
+    url = f"sqlite:///{tmp_path}/qloc.db" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    s = make_test_settings(tmp_path, bundle_dir, database_url=url, max_pool_images=5, max_pool_bytes=200_000)
+    migrate(s.database_url)
+    return s
+
+
+@pytest.fixture
+def api(pool_settings):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    app = create_app(pool_settings)
+    yield TestClient(app)
+    app.state.engine.dispose()
+
+
+def new_set(api):
+    r = api.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9)))
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def named(*names, seed=0):
+    return [("files", (name, png_bytes(84, 84, seed=seed + i), "image/png")) for i, name in enumerate(names)]
+
+
+def snapshot(settings):
+    return row_counts(settings.database_url), stored_files(settings.storage_dir)
+
+
+def pool_rows(settings, set_id):
+    engine = make_engine(settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return list(s.scalars(select(PoolImage).where(PoolImage.exemplar_set_id == uuid.UUID(set_id))))
+    finally:
+        engine.dispose()
+
+
+def test_add_over_requests_list_count_and_delete(api, pool_settings):
+    set_id = new_set(api)
+    r = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a.png", "b.png"))
+    assert r.status_code == 201, r.text
+    first = r.json()
+    assert [im["filename"] for im in first["data"]] == ["a.png", "b.png"]
+    assert first["num_pool_images"] == 2 and first["max_pool_images"] == 5 and first["max_pool_bytes"] == 200_000
+    r = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("c.png", "d.png", "e.png", seed=5))
+    assert r.status_code == 201, r.text
+    sizes = [im["size"] for im in first["data"] + r.json()["data"]]
+
+    es = api.get(f"/v1/exemplar-sets/{set_id}").json()
+    assert es["num_pool_images"] == 5 and es["pool_bytes"] == sum(sizes)
+    listed = api.get(f"/v1/exemplar-sets/{set_id}/images").json()
+    assert listed["count"] == 5 and listed["pool_bytes"] == sum(sizes)
+    assert [im["filename"] for im in listed["data"]] == ["a.png", "b.png", "c.png", "d.png", "e.png"]  # pool order
+    page = api.get(f"/v1/exemplar-sets/{set_id}/images", params={"limit": 2, "offset": 1}).json()
+    assert [im["filename"] for im in page["data"]] == ["b.png", "c.png"] and page["count"] == 5
+    rows = {str(r.id): r for r in pool_rows(pool_settings, set_id)}
+    assert all(pool_settings.storage_dir.joinpath(r.blob).is_file() for r in rows.values())
+    assert all(r.blob.startswith(f"exemplar-sets/{set_id}/pool/") for r in rows.values())
+
+    # one image: row, file and counts go
+    gone = listed["data"][1]
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images/{gone['id']}").status_code == 204
+    assert not pool_settings.storage_dir.joinpath(rows[gone["id"]].blob).exists()
+    es = api.get(f"/v1/exemplar-sets/{set_id}").json()
+    assert es["num_pool_images"] == 4 and es["pool_bytes"] == sum(sizes) - gone["size"]
+    r = api.delete(f"/v1/exemplar-sets/{set_id}/images/{gone['id']}")
+    assert r.status_code == 404 and "not found" in r.json()["detail"]
+    other = new_set(api)  # an image of another set's pool is not this set's
+    assert api.delete(f"/v1/exemplar-sets/{other}/images/{listed['data'][0]['id']}").status_code == 404
+
+    # all of them
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images").status_code == 204
+    assert api.get(f"/v1/exemplar-sets/{set_id}/images").json()["count"] == 0
+    es = api.get(f"/v1/exemplar-sets/{set_id}").json()
+    assert es["num_pool_images"] == 0 and es["pool_bytes"] == 0
+    assert not any("/pool/" in f for f in stored_files(pool_settings.storage_dir))
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images").status_code == 204  # an empty pool: nothing to do
+
+    unknown = uuid.uuid4()
+    for method, url in [("get", f"/v1/exemplar-sets/{unknown}/images"),
+                        ("delete", f"/v1/exemplar-sets/{unknown}/images"),
+                        ("delete", f"/v1/exemplar-sets/{unknown}/images/{unknown}")]:
+        assert getattr(api, method)(url).status_code == 404
+    r = api.post(f"/v1/exemplar-sets/{unknown}/images", files=named("x.png"))
+    assert r.status_code == 404
+
+
+def test_a_request_past_the_cap_is_refused_whole_and_stores_nothing(api, pool_settings):
+    set_id = new_set(api)
+    assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("1", "2", "3", "4")).status_code == 201
+    before = snapshot(pool_settings)
+    r = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("5", "6"))
+    assert r.status_code == 409, r.text
+    detail = r.json()["detail"]
+    assert "holds 4 images" in detail and "at most 5" in detail and "adds 2 images" in detail and "DELETE" in detail
+    assert snapshot(pool_settings) == before
+    assert api.get(f"/v1/exemplar-sets/{set_id}").json()["num_pool_images"] == 4
+    assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("5")).status_code == 201  # up to the cap
+    assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("6")).status_code == 409
+
+    # bytes: a pool of 200 kB takes no 3 files of 90 kB, whatever its image count
+    noise = [np.random.default_rng(i).integers(0, 256, (295, 295), dtype=np.uint8) for i in range(3)]
+    big = []
+    for arr in noise:
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, "PNG")
+        big.append(buf.getvalue())
+    assert all(80_000 < len(b) < 100_000 for b in big)
+    fresh = new_set(api)
+    before = snapshot(pool_settings)
+    r = api.post(f"/v1/exemplar-sets/{fresh}/images", files=files(*big))
+    assert r.status_code == 409 and "200000 bytes" in r.json()["detail"]
+    assert snapshot(pool_settings) == before
+    assert api.post(f"/v1/exemplar-sets/{fresh}/images", files=files(*big[:2])).status_code == 201
+
+    # a bad file among good ones: nothing stored either
+    before = snapshot(pool_settings)
+    bad = ("files", ("bad.png", b"nope", "image/png"))
+    r = api.post(f"/v1/exemplar-sets/{fresh}/images", files=[*named("ok"), bad])
+    assert r.status_code == 400
+    assert snapshot(pool_settings) == before
+
+
+def test_concurrent_adds_never_pass_the_cap(api, pool_settings):
+    set_id = uuid.UUID(new_set(api))
+    image = Image.open(io.BytesIO(png_bytes(84, 84)))
+    image.load()
+    data = png_bytes(84, 84)
+    two = [DecodedImage(filename=f"{i}.png", data=data, image=image, format="PNG", width=84, height=84)
+           for i in range(2)]
+
+    def add(ctx, i):
+        with ctx.session_factory() as s:
+            try:
+                return len(pool.add(s, ctx.store, set_id=set_id, images=two, limits=pool.Limits(5, 10**9)))
+            except pool.PoolFull:
+                return "full"
+
+    results = at_once(pool_settings, 8, add)
+    assert sorted(results, key=str) == [2, 2] + ["full"] * 6  # 4 of 5: a third pair would pass the cap
+    rows = pool_rows(pool_settings, str(set_id))
+    assert len(rows) == 4 and len([f for f in stored_files(pool_settings.storage_dir) if "/pool/" in f]) == 4
+    es = api.get(f"/v1/exemplar-sets/{set_id}").json()
+    assert es["num_pool_images"] == 4 and es["pool_bytes"] == 4 * len(data)
+
+
+def test_the_pool_is_deleted_with_its_set(api, pool_settings):
+    set_id = new_set(api)
+    before = snapshot(pool_settings)
+    api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b", "c"))
+    job = api.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"source": "pool"})
+    assert job.status_code == 202, job.text
+    assert api.post(f"/v1/adaptations/{job.json()['id']}/cancel").status_code == 202
+    counts, stored = snapshot(pool_settings)
+    assert counts["pool_images"] == 3 and len([f for f in stored if "/pool/" in f]) == 3
+    assert api.delete(f"/v1/exemplar-sets/{set_id}").status_code == 204
+    counts, stored = snapshot(pool_settings)
+    assert counts["pool_images"] == counts["job_images"] == 0 and not any(set_id in f for f in stored)
+    assert counts["exemplar_sets"] == before[0]["exemplar_sets"] - 1
+
+
+def test_localize_keeps_its_images_only_when_asked(api, pool_settings):
+    set_id = new_set(api)
+    r = api.post(f"/v1/exemplar-sets/{set_id}/localize", files=named("a.png", "b.png"))
+    assert r.status_code == 200 and "kept" not in r.json()
+    assert api.get(f"/v1/exemplar-sets/{set_id}/images").json()["count"] == 0
+
+    r = api.post(f"/v1/exemplar-sets/{set_id}/localize", params={"keep": "true"},
+                 files=named("a.png", "b.png", "c.png"))
+    assert r.status_code == 200, r.text
+    kept = r.json()["kept"]
+    listed = api.get(f"/v1/exemplar-sets/{set_id}/images").json()
+    assert [im["id"] for im in listed["data"]] == kept and len(kept) == 3
+    assert [im["filename"] for im in listed["data"]] == ["a.png", "b.png", "c.png"]
+    sent = png_bytes(84, 84, seed=0)  # the first file, stored as uploaded
+    row = next(r for r in pool_rows(pool_settings, set_id) if str(r.id) == kept[0])
+    assert pool_settings.storage_dir.joinpath(row.blob).read_bytes() == sent
+
+    # 3 of 5 held: 3 more do not fit, refused before any work, nothing stored
+    before = snapshot(pool_settings)
+    r = api.post(f"/v1/exemplar-sets/{set_id}/localize", params={"keep": "true"}, files=named("d", "e", "f"))
+    assert r.status_code == 409 and "pool is full" in r.json()["detail"]
+    assert snapshot(pool_settings) == before
+    r = api.post(f"/v1/exemplar-sets/{set_id}/localize", params={"keep": "true"}, files=named("d", "e"))
+    assert r.status_code == 200 and len(r.json()["kept"]) == 2
+
+
+def test_jobs_on_the_pool_the_files_or_both(api, pool_settings):
+    set_id = new_set(api)
+    url = f"/v1/exemplar-sets/{set_id}/adaptations"
+    before = snapshot(pool_settings)
+    for data, upload, needle in [({}, None, "pool is empty"), ({"source": "pool"}, None, "pool is empty"),
+                                 ({"source": "both"}, None, "pool is empty"),
+                                 ({"source": "files"}, None, "at least one file"),
+                                 ({"source": "pool"}, named("a"), "post no files"),
+                                 ({"source": "everything"}, named("a"), "")]:
+        r = api.post(url, data=data, files=upload) if upload else api.post(url, data=data)
+        assert r.status_code == 422, (data, r.text)
+        assert needle in str(r.json()["detail"])
+    assert snapshot(pool_settings) == before
+
+    api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("p1", "p2", "p3"))
+    pooled = api.post(url, data={"source": "pool", "iterations": "2"})
+    assert pooled.status_code == 202, pooled.text
+    assert pooled.json()["params"]["num_images"] == pooled.json()["params"]["num_pool_images"] == 3
+    implicit = api.post(url, data={"iterations": "2"})  # no file: the pool
+    assert implicit.json()["params"]["num_pool_images"] == 3
+    both = api.post(url, data={"source": "both", "iterations": "2"}, files=named("f1", "f2"))
+    assert both.status_code == 202, both.text
+    assert both.json()["params"]["num_images"] == 5 and both.json()["params"]["num_pool_images"] == 3
+    only_files = api.post(url, files=named("f1"))
+    assert only_files.json()["params"]["num_images"] == 1 and only_files.json()["params"]["num_pool_images"] == 0
+
+    engine = make_engine(pool_settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            rows = list(s.scalars(select(JobImage).where(JobImage.job_id == uuid.UUID(both.json()["id"]))
+                                  .order_by(JobImage.position)))
+            pool_blobs = {r.id: r.blob for r in s.scalars(select(PoolImage))}
+    finally:
+        engine.dispose()
+    assert [r.filename for r in rows] == ["f1", "f2", "p1", "p2", "p3"]
+    assert [r.pool_image_id is None for r in rows] == [True, True, False, False, False]
+    assert all(r.blob == pool_blobs[r.pool_image_id] for r in rows[2:])  # the pool's files, not copies
+
+    # an idempotent replay of a pool job is the same job
+    r1 = api.post(url, data={"source": "pool", "iterations": "2"}, headers={"Idempotency-Key": "pool-1"})
+    r2 = api.post(url, data={"source": "pool", "iterations": "2"}, headers={"Idempotency-Key": "pool-1"})
+    assert r1.json()["id"] == r2.json()["id"] and r2.headers["Idempotent-Replayed"] == "true"
+
+
+def test_images_a_queued_job_took_are_kept_until_it_ends(api, pool_settings):
+    set_id = new_set(api)
+    added = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b")).json()["data"]
+    job = api.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"source": "pool"}).json()
+    late = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("c")).json()["data"][0]  # not the job's
+    assert api.get(f"/v1/adaptations/{job['id']}").json()["params"]["num_images"] == 2
+
+    before = snapshot(pool_settings)
+    for url in (f"/v1/exemplar-sets/{set_id}/images/{added[0]['id']}", f"/v1/exemplar-sets/{set_id}/images"):
+        r = api.delete(url)
+        assert r.status_code == 409, r.text
+        assert job["id"] in r.json()["detail"] and "cancel" in r.json()["detail"]
+    assert snapshot(pool_settings) == before
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images/{late['id']}").status_code == 204  # not taken by a job
+
+    assert api.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 202  # the job ends
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images/{added[0]['id']}").status_code == 204
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images").status_code == 204
+    assert pool_rows(pool_settings, set_id) == []
+    counts, _ = snapshot(pool_settings)
+    assert counts["job_images"] == 2  # the finished job keeps its record, unlinked from the deleted images
+    engine = make_engine(pool_settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            assert s.scalar(select(ExemplarSet.num_pool_images).where(ExemplarSet.id == uuid.UUID(set_id))) == 0
+            assert all(r.pool_image_id is None for r in s.scalars(select(JobImage)))
+    finally:
+        engine.dispose()

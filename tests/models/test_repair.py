@@ -1,0 +1,113 @@
+"""Reward repair: the head learns on probes, the backbone does not move, the change is kept only when held-out
+probes confirm it, and a checkpoint carries the repaired head and prototype (format 2) while format 1 still loads."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.bundle import Reward, checkpoint_from_bytes, load_bundle, policy_from_bytes, policy_to_bytes
+from models.data.types import exemplar_crops
+from models.experiments.datasets import GlyphKind
+from models.guard import synthetic_probes
+from models.inference import Localizer
+from models.repair import RepairConfig, faithfulness, guarded_setup, repair_reward
+
+BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle(BUNDLE, "cpu")
+
+
+@pytest.fixture(scope="module")
+def glyph_job(bundle):
+    """A kind of object the digit bundle never saw: 5 exemplars of the glyph 'K', 48 unlabeled images, and
+    200 test images with their true boxes (for the check only: repair never sees them)."""
+    kind = GlyphKind("K", "patch")
+    ex = kind.draw(bundle, "exemplars", 5, 0)
+    unl = kind.draw(bundle, "unlabeled", 48, 0, after=5)
+    test = kind.draw(bundle, "test", 60, 0)
+    return exemplar_crops(ex), unl, test
+
+
+def _probes(bundle, crops, unl, n, seed):
+    proto = Localizer(bundle, "cpu").prototype(crops)
+    return synthetic_probes(bundle, proto, crops, unl.images, None, n, torch.Generator().manual_seed(seed))
+
+
+def test_repair_trains_the_head_only_and_orders_boxes_of_a_new_kind_better(bundle, glyph_job):
+    crops, unl, test = glyph_job
+    encoder = {k: v.clone() for k, v in bundle.embedder.encoder.state_dict().items()}
+    head = {k: v.clone() for k, v in bundle.embedder.head.state_dict().items()}
+    rep = repair_reward(bundle, crops, _probes(bundle, crops, unl, 96, 1), _probes(bundle, crops, unl, 48, 2),
+                        RepairConfig(epochs=12, seed=0))
+    assert rep.kept, rep.record
+    assert rep.record["after"]["ordacc"] > rep.record["before"]["ordacc"] + 5
+    assert rep.bundle is not bundle
+    for k, v in rep.bundle.embedder.encoder.state_dict().items():  # the backbone never moves
+        assert torch.equal(v, encoder[k]), k
+    assert any(not torch.equal(v, head[k]) for k, v in rep.head.items())  # the head did
+    for k, v in bundle.embedder.head.state_dict().items():  # and the input bundle is left as it was
+        assert torch.equal(v, head[k]), k
+    assert torch.allclose(rep.prototype, Localizer(rep.bundle, "cpu").prototype(crops))
+    # On the test images (true boxes, never seen by repair) the repaired distance orders boxes better too.
+    before = faithfulness(bundle, Localizer(bundle, "cpu").prototype(crops), test)
+    after = faithfulness(rep.bundle, rep.prototype, test)
+    assert after["ordacc"] > before["ordacc"] + 5 and after["spearman"] < before["spearman"]
+
+
+def test_repair_not_confirmed_on_held_out_probes_keeps_the_bundle_as_it_is(bundle, glyph_job):
+    crops, unl, _ = glyph_job
+    rep = repair_reward(bundle, crops, _probes(bundle, crops, unl, 32, 1), _probes(bundle, crops, unl, 16, 2),
+                        RepairConfig(epochs=2, min_gain=1000.0))
+    assert not rep.kept and rep.head is None and rep.bundle is bundle
+    assert torch.allclose(rep.prototype, Localizer(bundle, "cpu").prototype(crops))
+
+
+def test_guarded_setup_is_repeatable_so_a_resumed_job_rebuilds_the_same_reward(bundle, glyph_job):
+    crops, unl, _ = glyph_job
+    proto = Localizer(bundle, "cpu").prototype(crops)
+    runs = [guarded_setup(bundle, proto, crops, unl.images[:24], None, synthetic=24, generator_seed=3,
+                          repair=RepairConfig(epochs=3, min_gain=-100.0)) for _ in range(2)]
+    a, b = runs
+    assert a.reward == b.reward == "repaired head"
+    assert torch.equal(a.guard.probes.images, b.guard.probes.images)
+    assert torch.equal(a.guard.probes.boxes, b.guard.probes.boxes)
+    assert all(torch.equal(v, b.repair.head[k]) for k, v in a.repair.head.items())
+    assert a.guard.base == b.guard.base and a.record["repair"]["after"] == b.record["repair"]["after"]
+    # the guard reports the faithfulness of the reward the job adapts on, the repaired one
+    assert a.guard.faithfulness == faithfulness(a.bundle, a.prototype, a.guard.probes)
+
+
+def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still_load(bundle):
+    agent = bundle.agent_state
+    old = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                          prototype_dim=bundle.prototype_dim)
+    assert torch.load(io.BytesIO(old), weights_only=True)["format_version"] == 1  # unchanged without a reward
+    state, meta, reward = checkpoint_from_bytes(old, bundle)
+    assert reward is None and meta == {} and all(torch.equal(v, agent[k]) for k, v in state.items())
+
+    head = {k: v + 1 for k, v in bundle.embedder.head.state_dict().items()}
+    proto = torch.arange(bundle.prototype_dim, dtype=torch.float32)
+    new = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                          prototype_dim=bundle.prototype_dim, reward=Reward(head, proto))
+    state, _, reward = checkpoint_from_bytes(new, bundle)
+    assert torch.equal(reward.prototype, proto) and all(torch.equal(v, head[k]) for k, v in reward.head.items())
+    assert policy_from_bytes(new, bundle)[0].keys() == agent.keys()  # the agent-only reader still works
+
+    served = bundle.with_head(reward.head)
+    assert served.embedder.encoder is bundle.embedder.encoder  # shared, not copied
+    assert all(torch.equal(v, head[k]) for k, v in served.embedder.head.state_dict().items())
+    assert not torch.equal(next(iter(bundle.embedder.head.state_dict().values())), next(iter(head.values())))
+
+    obj = torch.load(io.BytesIO(new), weights_only=True)
+    obj["format_version"] = 3
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with pytest.raises(ValueError, match="format 3"):
+        checkpoint_from_bytes(buf.getvalue(), bundle)

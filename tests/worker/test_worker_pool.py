@@ -1,0 +1,92 @@
+"""Adaptation jobs on an exemplar set's image pool: the worker adapts on the images the pool held when the job
+was created (its snapshot), with the job's own uploads first; end to end through a real Celery worker too."""
+
+import uuid
+
+import httpx
+import pytest
+from service_fixtures import REDIS_URL, Stack, make_test_settings, migrate, png_bytes, stored_files, wait_for_job
+
+from worker import jobs
+from worker.jobs import run_adaptation_job
+
+
+def named(*names, seed=0):
+    return [("files", (name, png_bytes(84, 84, seed=seed + i), "image/png")) for i, name in enumerate(names)]
+
+
+def test_a_job_adapts_on_the_pool_it_was_created_with(api, ctx, monkeypatch):
+    seen = []
+    real_adapt = jobs.adapt
+
+    def spy(bundle, prototype, images01, cfg, **kwargs):
+        seen.append(images01.clone())
+        return real_adapt(bundle, prototype, images01, cfg, **kwargs)
+
+    monkeypatch.setattr(jobs, "adapt", spy)
+    set_id = api.post("/v1/exemplar-sets", files=named("crop", seed=9)).json()["id"]
+    for request in range(2):  # the pool, filled over two requests
+        r = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b", "c", seed=10 * request))
+        assert r.status_code == 201, r.text
+    url = f"/v1/exemplar-sets/{set_id}/adaptations"
+    job = api.post(url, data={"source": "both", "iterations": "3", "activate": "false"}, files=named("own", seed=50))
+    assert job.status_code == 202, job.text
+    job = job.json()
+    api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("late1", "late2", seed=70))  # after the job: not its
+    assert api.get(f"/v1/exemplar-sets/{set_id}").json()["num_pool_images"] == 8
+
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    done = api.get(f"/v1/adaptations/{job['id']}").json()
+    assert done["params"]["num_images"] == 7 and done["params"]["num_pool_images"] == 6
+    assert done["progress"]["iteration"] == 3 and done["validation"]["probes"]["synthetic"] > 0
+    (images01,) = seen
+    assert images01.shape[0] == 7  # its own upload and the 6 pool images of its snapshot, not the 2 added later
+
+    # the same images through a job on its files alone: the pool job's first image is its upload, the rest the pool
+    files_job = api.post(url, data={"iterations": "1", "activate": "false"},
+                         files=named("own", seed=50) + named("a", "b", "c", seed=0) + named("a", "b", "c", seed=10))
+    assert run_adaptation_job(ctx, uuid.UUID(files_job.json()["id"]), worker="test") == "succeeded"
+    assert seen[1].shape == images01.shape and bool((seen[1] == images01).all())
+
+    # the job ended: its pool images may go now
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images").status_code == 204
+
+
+@pytest.fixture(params=["embedded", "postgres_redis"])
+def stack(request, tmp_path, bundle_dir):
+    if request.param == "embedded":
+        settings = make_test_settings(tmp_path, bundle_dir)
+    else:
+        prefix = request.getfixturevalue("redis_prefix")
+        settings = make_test_settings(tmp_path, bundle_dir, database_url=request.getfixturevalue("postgres_url"),
+                                      broker_url=REDIS_URL, broker_transport_options={"global_keyprefix": prefix},
+                                      queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
+    migrate(settings.database_url)
+    st = Stack(settings, tmp_path)
+    st.start_api()
+    st.start_worker()
+    try:
+        st.wait_ready()
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.mark.slow
+def test_a_pool_job_end_to_end_through_the_worker(stack):
+    with httpx.Client(base_url=stack.base_url, timeout=60) as c:
+        set_id = c.post("/v1/exemplar-sets", files=named("crop", seed=9)).json()["id"]
+        kept = c.post(f"/v1/exemplar-sets/{set_id}/localize", params={"keep": "true"}, files=named("l1", "l2", seed=3))
+        assert kept.status_code == 200 and len(kept.json()["kept"]) == 2
+        assert c.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b", "c", seed=20)).status_code == 201
+        r = c.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"iterations": "4", "activate": "true"})
+        assert r.status_code == 202, r.text
+        job = wait_for_job(c, r.json()["id"], stack=stack)
+        assert job["status"] == "succeeded", (job, stack.logs())
+        assert job["params"]["num_images"] == job["params"]["num_pool_images"] == 5
+        assert job["progress"]["iteration"] == 4
+        loc = c.post(f"/v1/exemplar-sets/{set_id}/localize", files=named("q"))
+        assert loc.json()["checkpoint_id"] == job["checkpoint_id"]  # activate=true: the adapted policy serves
+
+        assert c.delete(f"/v1/exemplar-sets/{set_id}").status_code == 204
+        assert not any(set_id in f for f in stored_files(stack.settings.storage_dir))

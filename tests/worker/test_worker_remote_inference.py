@@ -1,0 +1,321 @@
+"""Localization on workers (``QLOC_INFERENCE=workers``), end to end on Redis.
+
+A real Celery worker process consumes the localize queue (thread pool, as the README starts it); the API
+runs in this process (``TestClient``) and loads no bundle. Everything it answers is compared with the API
+in local mode on the same database, blobs and bundle files: the same boxes and scores (float tolerance),
+the same prototypes, the same refusals (a replaced bundle: 409, an unknown checkpoint: 404). Without a
+worker, a call is answered 503 with ``Retry-After`` after ``QLOC_LOCALIZE_TIMEOUT``.
+
+The localize task's batching and the image wire format are checked in-process below.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import uuid
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from pydantic import ValidationError
+from service_fixtures import (
+    REDIS_URL,
+    SWAPPED,
+    VENV_BIN,
+    Stack,
+    files,
+    install_bundle,
+    jpeg_bytes,
+    make_test_settings,
+    png_bytes,
+    swapped_settings,
+)
+from sqlalchemy import select
+
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from app.inference import BundleRegistry
+from app.main import create_app
+from app.remote import decode_answer, decode_image, encode_call, encode_image
+from app.serving import LocalInference, LocalizeCall
+from app.storage import BlobStore
+from app.tables import ExemplarSet
+from models.inference import pil_to_tensor
+from worker import localize as on_worker
+from worker.context import WorkerContext
+from worker.jobs import run_adaptation_job
+
+TOL = 1e-4
+
+
+def workers_settings(base: Settings, prefix: str, **overrides) -> Settings:
+    """``base`` (database, blobs, bundles) in workers mode on the test Redis, queues of its own."""
+    values = dict(database_url=base.database_url, broker_url=REDIS_URL, result_backend=REDIS_URL,
+                  broker_transport_options={"global_keyprefix": prefix}, queue=f"qloc-test-{uuid.uuid4().hex[:8]}",
+                  localize_queue=f"qloc-test-localize-{uuid.uuid4().hex[:8]}", inference="workers",
+                  default_bundle=base.default_bundle, localize_timeout=90)
+    values.update(overrides)
+    return make_test_settings(base.storage_dir.parent, base.bundle_dir, **values)
+
+
+def start_localize_worker(st: Stack) -> None:
+    st.workers.append(st._spawn(  # noqa: SLF001 -- the fixture's own spawner, with the README's localize command
+        [str(VENV_BIN / "celery"), "-A", "worker.celery_app", "worker",
+         "-Q", st.settings.localize_queue, "--pool", "threads", "--concurrency", "4", "--loglevel=INFO",
+         f"--hostname=qloc-localize-{uuid.uuid4().hex[:6]}@%h", "--without-mingle", "--without-gossip"],
+        "localize-worker.log"))
+
+
+@pytest.fixture
+def base(tmp_path, versions):
+    """Local-mode settings: SQLite, blobs and a bundle directory of their own (``SWAPPED`` v1 installed)."""
+    return swapped_settings(tmp_path, versions)
+
+
+@pytest.fixture
+def stack(base, redis_prefix, tmp_path):
+    """A localize worker process on Redis for ``base``'s files and database (the API is in-process)."""
+    st = Stack(workers_settings(base, redis_prefix), tmp_path)
+    start_localize_worker(st)
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def prototypes(database_url: str) -> dict[str, np.ndarray]:
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return {str(es.id): np.frombuffer(es.prototype, "<f4") for es in s.scalars(select(ExemplarSet))}
+    finally:
+        engine.dispose()
+
+
+def palette_png(seed: int) -> bytes:
+    img = Image.open(io.BytesIO(png_bytes(70, 50, "RGB", seed=seed))).convert("P")
+    img.info["transparency"] = 0
+    buf = io.BytesIO()
+    img.save(buf, "PNG", transparency=0)
+    return buf.getvalue()
+
+
+def uploads():
+    return files(png_bytes(84, 84, seed=31), png_bytes(120, 90, "RGB", seed=32), jpeg_bytes(60, 40, seed=33),
+                 palette_png(34), png_bytes(84, 84, "LA", seed=35))
+
+
+def same_answers(a: dict, b: dict) -> None:
+    assert a["checkpoint_id"] == b["checkpoint_id"] and a["nearest"] == b["nearest"] and a["samples"] == b["samples"]
+    assert len(a["results"]) == len(b["results"])
+    for ra, rb in zip(a["results"], b["results"], strict=True):
+        assert (ra["width"], ra["height"], ra["filename"]) == (rb["width"], rb["height"], rb["filename"])
+        assert np.allclose(ra["box"], rb["box"], atol=TOL), (ra, rb)
+        assert abs(ra["score"] - rb["score"]) < TOL, (ra, rb)
+        assert (ra.get("trajectory") is None) == (rb.get("trajectory") is None)
+        if ra.get("trajectory") is not None:
+            assert np.allclose(ra["trajectory"], rb["trajectory"], atol=TOL)
+
+
+@pytest.mark.slow
+def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, base, versions):
+    workers = stack.settings
+    remote_app, local_app = create_app(workers), create_app(base)
+    try:
+        with TestClient(remote_app) as w, TestClient(local_app) as loc:
+            # a set made on the worker: the same prototype and bundle file as one made in the API
+            crops = files(png_bytes(28, 28, seed=1), png_bytes(32, 30, "RGB", seed=2))
+            r = w.post("/v1/exemplar-sets", files=crops, data={"name": "remote"})
+            assert r.status_code == 201, (r.text, stack.logs())
+            es = r.json()
+            r = loc.post("/v1/exemplar-sets", files=crops, data={"name": "local"})
+            assert r.status_code == 201, r.text
+            es_local = r.json()
+            assert es["bundle"] == es_local["bundle"] == SWAPPED
+            protos = prototypes(base.database_url)
+            assert protos[es["id"]].shape == (protos[es_local["id"]].size,)
+            assert np.allclose(protos[es["id"]], protos[es_local["id"]], atol=1e-5)
+            assert remote_app.state.remote is not None and local_app.state.remote is None
+
+            url = f"/v1/exemplar-sets/{es['id']}/localize"
+            for params in ({"trajectory": "true"}, {"samples": "3"}, {"nearest": "true", "samples": "2"},
+                           {"checkpoint": "base", "nearest": "false"}):
+                a, b = w.post(url, files=uploads(), params=params), loc.post(url, files=uploads(), params=params)
+                assert a.status_code == b.status_code == 200, (params, a.text, b.text, stack.logs())
+                same_answers(a.json(), b.json())
+
+            # several requests at once: the worker batches them; each gets its own images' answers
+            single = [loc.post(url, files=files(png_bytes(84, 84, seed=50 + i))).json() for i in range(6)]
+            answers: list = [None] * 6
+            barrier = threading.Barrier(6)
+
+            def one(i: int) -> None:
+                barrier.wait()
+                answers[i] = TestClient(remote_app).post(url, files=files(png_bytes(84, 84, seed=50 + i)))
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            for got, want in zip(answers, single, strict=True):
+                assert got is not None and got.status_code == 200, (got and got.text, stack.logs())
+                same_answers(got.json(), want)
+
+            # an adapted checkpoint (a job run here): read from the shared blobs by the worker
+            job = w.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "2", "activate": "true"},
+                         files=files(*[png_bytes(84, 84, seed=60 + i) for i in range(2)]))
+            assert job.status_code == 202, job.text
+            ctx = WorkerContext.create(base)
+            try:
+                assert run_adaptation_job(ctx, uuid.UUID(job.json()["id"]), worker="test") == "succeeded"
+            finally:
+                ctx.engine.dispose()
+            a, b = w.post(url, files=uploads()), loc.post(url, files=uploads())
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            assert a.json()["checkpoint_id"] == w.get(f"/v1/exemplar-sets/{es['id']}").json()["active_checkpoint_id"]
+            same_answers(a.json(), b.json())
+
+            # an unknown checkpoint: 404 in both modes
+            other = str(uuid.uuid4())
+            a, b = (c.post(url, files=uploads(), params={"checkpoint": other}) for c in (w, loc))
+            assert a.status_code == b.status_code == 404 and a.json() == b.json()
+
+            # the set's bundle file replaced: the same 409 in both modes, for localize and for a new job
+            install_bundle(base.bundle_dir, versions["v2"][0], SWAPPED)
+            a, b = w.post(url, files=uploads()), loc.post(url, files=uploads())
+            assert a.status_code == b.status_code == 409, (a.text, b.text)
+            assert a.json() == b.json() and "was replaced" in a.json()["detail"]
+            jobs = [c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "2"},
+                           files=files(png_bytes(84, 84, seed=70))) for c in (w, loc)]
+            assert jobs[0].status_code == jobs[1].status_code == 409 and jobs[0].json() == jobs[1].json()
+            # a new set takes the new file; the old file back, the old set localizes again
+            r = w.post("/v1/exemplar-sets", files=crops)
+            assert r.status_code == 201 and prototypes(base.database_url)[r.json()["id"]].size
+            install_bundle(base.bundle_dir, versions["v1"][0], SWAPPED)
+            assert w.post(url, files=uploads()).status_code == 200
+
+            # an unknown bundle named by the client: 422 in both modes
+            a, b = (c.post("/v1/exemplar-sets", files=crops, data={"bundle": "nope"}) for c in (w, loc))
+            assert a.status_code == b.status_code == 422 and a.json() == b.json()
+
+            ready = w.get("/readyz").json()
+            assert ready["checks"].get("result_backend") == "ok" and "bundle" not in ready["checks"], ready
+        log = (stack.log_dir / "localize-worker.log").read_text()  # the worker process did the work
+        assert all(f"Task {t}[" in log for t in ("qloc.prototype", "qloc.localize", "qloc.check_bundle")), log
+        # everything above ran without the workers-mode API loading a bundle
+        assert not remote_app.state.bundles.is_loaded(SWAPPED)
+        assert local_app.state.bundles.is_loaded(SWAPPED)
+    finally:
+        remote_app.state.engine.dispose()
+        local_app.state.engine.dispose()
+
+
+def test_no_localize_worker_answers_503_with_retry_after(base, redis_prefix):
+    w_settings = workers_settings(base, redis_prefix, localize_timeout=1.5)
+    remote_app, local_app = create_app(w_settings), create_app(base)
+    try:
+        with TestClient(remote_app) as w, TestClient(local_app) as loc:
+            t0 = time.monotonic()
+            r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
+            assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
+            assert "no localize worker answered within 1.5 s" in r.json()["detail"]
+            assert w_settings.localize_queue in r.json()["detail"]
+            set_id = loc.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1))).json()["id"]
+            r = w.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes(84, 84)))
+            assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
+            r = w.post(f"/v1/exemplar-sets/{set_id}/adaptations", files=files(png_bytes(84, 84)))
+            assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
+            assert time.monotonic() - t0 < 20  # three calls of 1.5 s, never a hang
+            assert w.get("/v1/exemplar-sets").json()["count"] == 1  # the refused creation stored nothing
+    finally:
+        remote_app.state.engine.dispose()
+        local_app.state.engine.dispose()
+
+
+def test_workers_mode_refuses_to_start_without_a_result_backend(tmp_path, bundle_dir):
+    with pytest.raises(ValidationError, match="QLOC_INFERENCE=workers needs QLOC_RESULT_BACKEND"):
+        make_test_settings(tmp_path, bundle_dir, inference="workers")
+    with pytest.raises(ValidationError, match="QLOC_LOCALIZE_QUEUE must differ from QLOC_QUEUE"):
+        make_test_settings(tmp_path, bundle_dir, localize_queue="qloc")
+    assert make_test_settings(tmp_path, bundle_dir).inference == "local"  # the embedded default
+
+
+# --- in-process: the batcher of the localize worker, and images on the wire
+
+
+def _call(proto: bytes, dim: int, images, **kw) -> LocalizeCall:
+    return LocalizeCall(bundle="test-digits", bundle_sha256=None, prototype_dim=dim, prototype=proto,
+                        checkpoint=None, images=images, **kw)
+
+
+def test_the_localize_task_batches_concurrent_calls_with_the_same_answers(bundle_dir, tmp_path):
+    """``qloc.localize`` as the worker runs it (wire format in and out), called from threads at once (as the
+    thread pool does): the greedy calls run as one forward pass, each sampled call alone, a refused call
+    refused alone; every answer is the call's own, as if run by itself in the API."""
+    settings = make_test_settings(tmp_path, bundle_dir, batch_window_ms=1000)
+    ctx = WorkerContext.create(settings)
+    local = LocalInference(BundleRegistry(bundle_dir, "cpu"), BlobStore(tmp_path))
+    loaded = ctx.bundles.get("test-digits")
+    protos = [loaded.localizer.prototype([Image.open(io.BytesIO(png_bytes(28, 28, seed=s)))]) for s in (1, 2)]
+    raws, dim = [p.numpy().astype("<f4").tobytes() for p in protos], int(protos[0].numel())
+    # decoded in full, as the API hands them over (a lazily decoded PIL image is not safe to share by threads)
+    images = [[Image.open(io.BytesIO(png_bytes(84 + 6 * i, 84, seed=i))).convert("L")] for i in range(4)]
+    calls = [_call(raws[i % 2], dim, ims, trajectory=i % 2 == 0) for i, ims in enumerate(images)]
+    calls.append(_call(raws[0], dim, images[0], samples=3))  # runs alone: its random stream spans its images
+    calls.append(_call(raws[1], dim, images[1] + images[2], samples=3))
+    calls.append(replace(calls[0], bundle_sha256="0" * 64))  # another bundle file made this "set"
+    got: list = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        got[i] = on_worker.localize(ctx, json.loads(json.dumps(encode_call(calls[i]))))
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = on_worker.inference(ctx).batcher.stats
+        assert (stats.items, stats.batches) == (6, 3), stats  # 4 greedy calls at once; 2 alone; 1 refused first
+    finally:
+        ctx.engine.dispose()
+    for call, answer in zip(calls[:-1], got, strict=False):
+        answer, want = decode_answer(answer), local.localize(call)
+        assert answer.nearest == want.nearest and len(answer.results) == len(want.results)
+        for a, b in zip(answer.results, want.results, strict=True):
+            assert np.allclose(a.box, b.box, atol=TOL) and abs(a.score - b.score) < TOL
+            assert (a.trajectory is None) == (not call.trajectory)
+            if call.trajectory:
+                assert np.allclose(a.trajectory, b.trajectory, atol=TOL)
+    assert got[-1]["refused"]["status"] == 409 and "was replaced" in got[-1]["refused"]["detail"], got[-1]
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "RGB", "RGBA", "P", "P-transparent", "L-transparent",
+                                  "I;16", "CMYK"])
+def test_images_cross_the_wire_as_the_model_sees_them(mode):
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (23, 37, 3), dtype=np.uint8))
+    if mode == "P-transparent":
+        img = rgb.convert("P")
+        img.info["transparency"] = 3
+    elif mode == "L-transparent":
+        img = rgb.convert("L")
+        img.info["transparency"] = 100
+    elif mode == "I;16":
+        img = Image.fromarray(rng.integers(0, 65536, (23, 37), dtype=np.uint16))
+    else:
+        img = rgb.convert(mode)
+    back = decode_image(json.loads(json.dumps(encode_image(img))))
+    assert back.size == img.size
+    for channels in (1, 3):
+        for fill in ((0.0,), (0.5, 0.2, 0.9)):
+            assert torch.equal(pil_to_tensor(back, channels, fill), pil_to_tensor(img, channels, fill)), mode

@@ -1,0 +1,73 @@
+"""Reward repair through the real job path: a set of glyph exemplars (a kind the digit bundle never saw) -> a job
+that repairs the head -> checkpoints that carry it -> localize with such a checkpoint runs its head and prototype,
+the base checkpoint the bundle's."""
+
+import io
+import uuid
+
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from service_fixtures import make_test_settings, migrate
+from test_worker_adapt_quality import SHIPPED, _png, _upload
+
+from app.inference import BundleRegistry
+from app.storage import BlobStore
+from app.tables import Checkpoint
+from models.bundle import checkpoint_from_bytes
+from models.data.types import exemplar_crops
+from models.experiments.datasets import GlyphKind
+from models.inference import Localizer
+from worker.context import WorkerContext
+from worker.jobs import run_adaptation_job
+
+
+def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp_path):
+    from app.main import create_app
+
+    s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=64,
+                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16)
+    migrate(s.database_url)
+    bundle = BundleRegistry(s.bundle_dir, "cpu").get("mnist-digit4").bundle
+    kind = GlyphKind("K", "patch")
+    crops = exemplar_crops(kind.draw(bundle, "exemplars", 5, 0))
+    unlabeled = kind.draw(bundle, "unlabeled", 48, 0, after=5).images
+    probe = kind.draw(bundle, "test", 2, 0).images
+    ctx = WorkerContext.create(s)
+    try:
+        with TestClient(create_app(s)) as client:
+            sid = client.post("/v1/exemplar-sets", files=_upload([_png(c) for c in crops])).json()["id"]
+            base = client.post(f"/v1/exemplar-sets/{sid}/localize", files=_upload([_png(im) for im in probe])).json()
+            r = client.post(f"/v1/exemplar-sets/{sid}/adaptations", data={"activate": "true"},
+                            files=_upload([_png(im) for im in unlabeled]))
+            assert r.status_code == 202, r.text
+            assert run_adaptation_job(ctx, uuid.UUID(r.json()["id"]), worker="test") == "succeeded"
+            job = client.get(f"/v1/adaptations/{r.json()['id']}").json()
+            v = job["validation"]
+            assert v["reward"] == "repaired head" and v["repair"]["kept"], v["repair"]
+            assert v["repair"]["after"]["ordacc"] > v["repair"]["before"]["ordacc"] + 2
+            assert v["faithfulness"]["spearman"] < v["repair"]["before"]["spearman"]  # the guard's, repaired
+            ckpt = client.get(f"/v1/checkpoints/{job['checkpoint_id']}").json()
+            adapted = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": ckpt["id"]},
+                                  files=_upload([_png(im) for im in probe])).json()
+            again_base = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": "base"},
+                                     files=_upload([_png(im) for im in probe])).json()
+    finally:
+        ctx.engine.dispose()
+    assert again_base["results"] == base["results"]  # the base checkpoint still runs the bundle's head
+
+    with ctx.session_factory() as session:
+        row = session.get(Checkpoint, uuid.UUID(ckpt["id"]))
+        data = BlobStore(s.storage_dir).read_verified(row.blob, row.sha256)
+    agent, _, reward = checkpoint_from_bytes(data, bundle)
+    assert reward is not None  # format 2: the head and the prototype under it
+    repaired = Localizer(bundle.with_head(reward.head), "cpu")
+    assert torch.allclose(reward.prototype, repaired.prototype(crops), atol=1e-4)
+    pils = [Image.open(io.BytesIO(_png(im))) for im in probe]  # what the API decoded
+    expected = repaired.localize(pils, reward.prototype, agent)
+    for got, want in zip(adapted["results"], expected, strict=True):
+        assert torch.allclose(torch.tensor(got["box"]), torch.tensor(want.box), atol=1e-3), (got, want)
+        assert abs(got["score"] - want.score) < 1e-3
+    # and the same agent with the bundle's head and the set's prototype would score otherwise
+    plain = Localizer(bundle, "cpu").localize(pils, Localizer(bundle, "cpu").prototype(crops), agent)
+    assert any(abs(p.score - w.score) > 1e-2 for p, w in zip(plain, expected, strict=True))
