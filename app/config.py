@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     synthetic_probes: int = Field(128, ge=8, le=4096)
     """Synthetic probes per job: the set's exemplar crops pasted into the job's images, boxes known. With the
     set's labeled examples they score the starting policy and every checkpoint (``activate=auto``)."""
+    early_stop_patience: int = Field(2, ge=0, le=1000)
+    """A job stops early after this many checkpoints in a row whose probe CorLoc is below the best so far by more
+    than the probes' noise (0: never stop early)."""
     reward_repair: bool = True
     """Before adapting the policy, train the projection head on as many other synthetic probes (stage 1's ordinal
     loss, the backbone frozen) and keep it when held-out probes say it orders boxes better (``models.repair``):

@@ -44,13 +44,15 @@ class NewBlob:
 
 def create_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str, name: str | None, bundle: str,
                         bundle_sha256: str, prototype: bytes, prototype_dim: int,
-                        exemplars: list[NewBlob]) -> ExemplarSet:
+                        exemplars: list[NewBlob], calibration: dict | None = None, threshold: float = 0.5,
+                        negatives: bytes | None = None, num_negatives: int = 0) -> ExemplarSet:
     """A set, its exemplar rows and its ``base`` checkpoint (the bundle's policy), made active; the set and
     its base checkpoint record ``bundle_sha256``, the sha256 of the bundle file that made the prototype.
     Exemplars with a ``box`` are the set's labeled examples (counted in ``num_labeled``)."""
     es = ExemplarSet(id=set_id, owner=owner, name=name, bundle=bundle, bundle_sha256=bundle_sha256,
                      prototype=prototype, prototype_dim=prototype_dim, num_exemplars=len(exemplars),
-                     num_labeled=sum(e.box is not None for e in exemplars))
+                     num_labeled=sum(e.box is not None for e in exemplars), calibration=calibration,
+                     threshold=threshold, negatives=negatives, num_negatives=num_negatives)
     session.add(es)
     session.flush()
     for e in exemplars:

@@ -55,6 +55,13 @@ class ExemplarSetPublic(BaseModel):
         "Images in the set's pool (`/v1/exemplar-sets/{id}/images`): unlabeled images adaptation jobs may use "
         "(`source=pool|both`), at most QLOC_MAX_POOL_IMAGES"))
     pool_bytes: int = Field(0, description="Bytes of the pool's images as uploaded, at most QLOC_MAX_POOL_BYTES")
+    num_negatives: int = Field(0, description=(
+        "Negative exemplars (`negative_files`): crops of look-alikes the answers should avoid"))
+    threshold: float = Field(0.5, description=(
+        "Calibrated confidence from which an answer is `found` (the `threshold` form field; default 0.5)"))
+    calibrated: bool = Field(False, description=(
+        "Whether the set has a calibration of its base policy, which gives answers their `confidence`: made "
+        "with the set in QLOC_INFERENCE=local mode; false for sets made before, or by an API without a model"))
     bundle: str
     bundle_sha256: str | None = Field(description=(
         "sha256 of the bundle file that made the set's prototype. Once another file is installed under the "
@@ -74,6 +81,13 @@ class LocalizationResult(BaseModel):
     height: int
     box: Box
     score: float = Field(description="Embedding distance of the final box to the prototype (lower is closer)")
+    confidence: float | None = Field(None, ge=0, le=1, description=(
+        "Calibrated probability that the box is on the object (IoU >= 0.5), in [0, 1], higher is better: the "
+        "calibration of the checkpoint served (or the set's). With negative exemplars, it also weighs how near "
+        "the box is to the look-alikes. null when neither the checkpoint nor the set has a calibration"))
+    found: bool = Field(True, description=(
+        "confidence >= the set's threshold (and >= min_confidence when given); the box is returned either way. "
+        "true when there is no calibration (as before calibrations existed)"))
     trajectory: list[Box] | None = Field(None, description="Boxes from the whole image to the final one")
 
 

@@ -108,9 +108,22 @@ class ExemplarSet(Base):
     rows (``app.pool``), which is also what serializes the pool's writers (the cap holds under concurrency)."""
     pool_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     """Sum of ``pool_images.size`` of the set, kept like ``num_pool_images``."""
+    calibration: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """The base policy's calibration (``models.calibration.Calibration.to_dict``): score -> P(answer right);
+    NULL for sets made before it existed, or made without a model in the API (``QLOC_INFERENCE=workers``)."""
+    threshold: Mapped[float] = mapped_column(Float, default=0.5, server_default="0.5")
+    """An answer is ``found`` when its calibrated confidence is at least this (the ``threshold`` form field)."""
+    negatives: Mapped[bytes | None] = mapped_column(LargeBinary)
+    """The negative exemplars' embeddings under the bundle's head, float32 ``[num_negatives, D]``; NULL: none."""
+    num_negatives: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     active_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the set has a calibration of its base policy (``calibration`` not NULL)."""
+        return self.calibration is not None
 
 
 EXEMPLAR_BOX_CHECK = (
@@ -272,5 +285,7 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     """Of the checkpoint file (for ``base``: of the bundle file)."""
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    calibration: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """This policy's calibration (an adaptation job's refresh); NULL: the set's ``calibration`` is used."""
     blob: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

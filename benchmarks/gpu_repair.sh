@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Guarded adaptation with reward repair on a GPU machine (its own python3 with torch; no venv), every suite
+# The CUDA tests, and guarded adaptation with reward repair on a GPU machine (its own python3 with torch; no venv), every suite
 # and seed in parallel (one process each):
 #   bash benchmarks/gpu_repair.sh [OUT_DIR]
 # Needs, carried from the development machine: .whl1/ (pydantic, pydantic-settings and what they need, as
@@ -13,6 +13,8 @@ rm -rf /usr/share/fonts && cp -r .fonts /usr/share/fonts
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/r/gpu.txt"
 python3 -c "import torch; print(torch.__version__)" >> "$out/r/gpu.txt"
+timeout "${BUDGET:-470}" python3 -m pytest -q -ra -p no:cacheprovider tests/models/test_cuda.py \
+  > "$out/r/test_cuda.txt" 2>&1 &
 for suite in glyphs digits backgrounds; do
   for seed in 0 1 2; do
     timeout "${BUDGET:-470}" python3 benchmarks/guarded_adaptation.py --suite "$suite" --seeds "$seed" --repair \

@@ -57,7 +57,7 @@ class GuardConfig:
     select_fraction: float = 0.5
     """Share of the probes that choose and decide; the rest are held out and only report."""
     patience: int = 2
-    """Stop early after this many checkpoints in a row below the best so far by more than the noise."""
+    """Stop early after this many checkpoints in a row below the best so far by more than the noise (0: never)."""
     min_faithfulness: float = 0.3
     """The reward is called unreliable when -Spearman(distance to the prototype, IoU) on the probes is
     below this: the embedding barely orders boxes by overlap, so the reward cannot be trusted."""
@@ -156,8 +156,8 @@ class Guard:
 
     @property
     def should_stop(self) -> bool:
-        """Probes kept falling for ``patience`` checkpoints in a row."""
-        return self._falling >= self.cfg.patience
+        """Probes kept falling for ``patience`` checkpoints in a row (never with ``patience`` 0)."""
+        return self.cfg.patience > 0 and self._falling >= self.cfg.patience
 
     @property
     def best(self) -> dict[str, Any] | None:

@@ -31,6 +31,10 @@ from models.guard import Guard, GuardConfig, synthetic_probes
 from models.inference import Localizer, exemplar_canvas
 from models.train.embedding import EmbeddingTrainConfig, train_embedding
 
+MIN_TRAIN_PROBES = 16
+"""Fewer training probes than this: no repair (its shuffled-group anchor needs two groups per batch, and so few
+probes would not say much)."""
+
 
 @dataclass
 class RepairConfig:
@@ -83,9 +87,13 @@ def repair_reward(bundle: Bundle, crops: list[Tensor], train: LabeledImages, val
     repaired = copy.deepcopy(bundle)
     canvases, boxes = exemplar_canvas(crops, bundle.config.input)
     exemplars = LabeledImages(canvases, boxes)
-    ecfg = EmbeddingTrainConfig(epochs=cfg.epochs, batch_size=min(cfg.batch_size, len(train)), lr=cfg.lr,
-                                anchor="shuffle_exemplar", recon_weight=0.0, head_only=True,
-                                eval_every=max(1, cfg.epochs // 6), seed=cfg.seed)
+    if len(train) < MIN_TRAIN_PROBES or len(val) < 2:
+        raise ValueError(f"reward repair needs at least {MIN_TRAIN_PROBES} training probes and 2 validation probes, "
+                         f"got {len(train)} and {len(val)}")
+    batch = min(cfg.batch_size, len(train))
+    ecfg = EmbeddingTrainConfig(epochs=cfg.epochs, batch_size=batch, drop_last=True, lr=cfg.lr,
+                                anchor="shuffle_exemplar", group_size=min(5, batch // 2), recon_weight=0.0,
+                                head_only=True, eval_every=max(1, cfg.epochs // 6), seed=cfg.seed)
     summary = train_embedding(repaired, with_features(repaired, train, crops=True), val, ecfg,
                               val_exemplars=exemplars)
     new_proto = Localizer(repaired, repaired.device).prototype(crops).to(repaired.device)
@@ -136,7 +144,7 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
         return torch.Generator().manual_seed(generator_seed * 7919 + k)
 
     rep, erase = None, None
-    if repair is not None and synthetic >= 4:
+    if repair is not None and synthetic >= MIN_TRAIN_PROBES:
         train = synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(1))
         val = synthetic_probes(bundle, prototype, crops, images01, agent_state, max(2, synthetic // 2), gen(2))
         rep = repair_reward(bundle, crops, train, val, replace(repair, seed=generator_seed))

@@ -132,9 +132,10 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     h = agent.initial_state(b, device=feats.device)
     h_ref = None if reference is None else reference.initial_state(b, device=feats.device)
     boxes, dists = [env.boxes], [dist]
-    actions, log_probs, entropies, step_rewards, kls = [], [], [], [], []
-    # Without gradient nor reference (inference), log-probabilities and entropies come from one log-softmax:
-    # the same numbers, without building a distribution at every step (a fixed cost that batch 1 feels).
+    actions, log_probs, entropies, step_rewards, kls, step_logits = [], [], [], [], [], []
+    # Without gradient nor reference (inference), log-probabilities and entropies come from one log-softmax
+    # over every step's logits after the loop: the same numbers, without building a distribution at every
+    # step (a fixed cost that batch 1 feels).
     track = torch.is_grad_enabled() or reference is not None
     for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
         offset = None if emb is None else emb - prototypes
@@ -149,20 +150,26 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
             log_probs.append(dist_t.log_prob(a))
             entropies.append(dist_t.entropy())
         else:
-            logp = logits.log_softmax(-1)
-            log_probs.append(logp.gather(1, a[:, None])[:, 0])
-            entropies.append(-(logp.exp() * logp).sum(-1))
+            step_logits.append(logits)
         roi, emb, dist, r = env.step(a, dist, embed)
         actions.append(a)
         step_rewards.append(r)
         boxes.append(env.boxes)
         dists.append(dist)
+    if track:
+        log_probs_t, entropies_t = torch.stack(log_probs), torch.stack(entropies)
+    else:
+        logp = torch.stack(step_logits).log_softmax(-1)  # [T, B, A]
+        actions_t = torch.stack(actions)
+        log_probs_t, entropies_t = logp.gather(2, actions_t[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
     if not embed:  # inference: only the final box is embedded (its distance is the score)
-        nan = torch.full((b,), float("nan"), device=feats.device)
-        dists = [nan] * cfg.steps + [env.observe()[2]]
-        step_rewards = [torch.zeros(b, device=feats.device)] * cfg.steps
-    return Rollout(torch.stack(boxes), torch.stack(actions), torch.stack(log_probs), torch.stack(entropies),
-                   torch.stack(step_rewards), torch.stack(dists), torch.stack(kls) if kls else None)
+        dists_t = torch.full((cfg.steps + 1, b), float("nan"), device=feats.device)
+        dists_t[-1] = env.observe()[2]
+        rewards_t = torch.zeros(cfg.steps, b, device=feats.device)
+    else:
+        dists_t, rewards_t = torch.stack(dists), torch.stack(step_rewards)
+    return Rollout(torch.stack(boxes), torch.stack(actions), log_probs_t, entropies_t, rewards_t, dists_t,
+                   torch.stack(kls) if kls else None)
 
 
 def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,

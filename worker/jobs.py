@@ -17,6 +17,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+import torch
 from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -30,8 +31,10 @@ from app.storage import checkpoint_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
 from models.bundle import Bundle, Reward, policy_to_bytes
-from models.guard import Guard
-from models.inference import preprocess
+from models.calibration import answers, calibrate_policy
+from models.data.probes import erase_boxes
+from models.guard import Guard, GuardConfig
+from models.inference import Localizer, preprocess
 from models.repair import Guarded, RepairConfig, guarded_setup
 from worker.context import WorkerContext
 from worker.probes import set_examples
@@ -136,6 +139,7 @@ class AdaptationRun:
         pils = [open_stored(ctx.store.read_verified(im.blob, im.sha256), max_side=ctx.settings.decode_max_side).image
                 for im in images]
         images01, _ = preprocess(pils, bundle.config.input)  # [N, C, S, S] in [0, 1], as localize sees them
+        self.images01 = images01  # also the backgrounds of the calibration refresh (``finish``)
         prototype = prototype_from_bytes(es.prototype)
         if start_reward is not None:
             bundle, prototype = bundle.with_head(start_reward.head), start_reward.prototype.float()
@@ -171,7 +175,8 @@ class AdaptationRun:
                                   .order_by(Checkpoint.iteration)))
         repair = (RepairConfig(epochs=ctx.settings.repair_epochs) if ctx.settings.reward_repair else None)
         setup = guarded_setup(bundle, prototype, crops, images01, agent_state, synthetic=ctx.settings.synthetic_probes,
-                              generator_seed=self.job.seed, labeled=labeled, repair=repair)
+                              generator_seed=self.job.seed, labeled=labeled, repair=repair,
+                              guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience))
         if setup.repair is not None:
             log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,
                      "kept" if setup.repair.kept else "not kept", setup.repair.record["before"]["ordacc"],
@@ -249,6 +254,9 @@ class AdaptationRun:
         self.last_iteration = self.iteration = iteration
         self.checkpoint_ids[iteration] = ckpt_id
 
+    def _calibrations(self, ckpt_ids: set[uuid.UUID | None]) -> dict[uuid.UUID, dict[str, Any]]:
+        return _job_calibrations(self, ckpt_ids)
+
     def _still_owned(self, s: Session) -> bool:
         owned = s.scalar(select(func.count()).select_from(AdaptationJob)
                          .where(jobstates.lease_held(self.job_id, self.attempt)))
@@ -271,7 +279,10 @@ class AdaptationRun:
                 ckpt_id = self.checkpoint_ids.get(decision["activate"])
             validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
                           "message": decision["message"], **(self.setup.record if self.setup is not None else {})}
+        calibrations = self._calibrations({ckpt_id, self.last_checkpoint_id}) if outcome == JobState.SUCCEEDED else {}
         with self.ctx.session_factory.begin() as s:
+            for cid, cal in calibrations.items():  # with the outcome: a served checkpoint is calibrated at once
+                s.execute(update(Checkpoint).where(Checkpoint.id == cid).values(calibration=cal))
             if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,
                                         progress_iteration=self.iteration, mean_reward=self.mean_reward,
                                         checkpoint_id=self.last_checkpoint_id, error=error, verdict=verdict,
@@ -283,6 +294,43 @@ class AdaptationRun:
                          self.job_id, ckpt_id)
         log.info("job %s %s (attempt %d)", self.job_id, outcome, self.attempt)
         return outcome.value
+
+
+def _job_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) -> dict[uuid.UUID, dict[str, Any]]:
+    """The calibration refresh at the end of a job (``models.calibration``): for the checkpoints it may serve
+    (the one it activates, its last one), fit on the job's probes (the guard's: pasted crops and labeled
+    examples) and its images with the checkpoint's answers erased (plus synthesized backgrounds), with the
+    set's negative exemplars unless the job repaired the reward (they were embedded by the bundle's head).
+    A failure is logged and leaves those checkpoints on the set's calibration: it never fails the job."""
+    setup, images01 = run.setup, getattr(run, "images01", None)
+    if setup is None or images01 is None:
+        return {}
+    out = {}
+    try:
+        with run.ctx.session_factory() as s:
+            crops, _ = set_examples(s, run.ctx.store, set_id=run.exemplar_set.id, spec=setup.bundle.config.input,
+                                    max_side=run.ctx.settings.decode_max_side)
+        es = run.exemplar_set
+        negatives = None
+        if es.negatives is not None and setup.reward == "bundle head":
+            negatives = prototype_from_bytes(es.negatives).view(-1, es.prototype_dim)
+        loc = Localizer(setup.bundle, run.ctx.settings.device)
+        for iteration, cid in run.checkpoint_ids.items():
+            if cid not in ckpt_ids:
+                continue
+            with run.ctx.session_factory() as s:
+                row = s.get_one(Checkpoint, cid)
+                agent = read_checkpoint(run.ctx.store, blob=row.blob or "", sha256=row.sha256, bundle=setup.bundle)[0]
+            boxes, _ = answers(loc, loc.agent(agent), setup.prototype, images01, nearest=loc.default_nearest)
+            backgrounds = erase_boxes(images01, boxes, torch.Generator().manual_seed(run.job.seed))
+            cal = calibrate_policy(loc, setup.prototype, crops, nearest=loc.default_nearest, agent_state=agent,
+                                   seed=run.job.seed, backgrounds01=backgrounds, positives=setup.guard.probes,
+                                   negative_embeddings=negatives, threshold=es.threshold)
+            out[cid] = {**cal.to_dict(), "iteration": iteration}
+    except Exception:
+        log.exception("job %s: calibration refresh failed; its checkpoints use the set's calibration", run.job_id)
+        return {}
+    return out
 
 
 def fail_job(ctx: WorkerContext, job_id: uuid.UUID, attempt: int, error: str) -> str:

@@ -6,15 +6,18 @@ import json
 import logging
 import math
 import uuid
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
+from fastapi import APIRouter, File, Form, HTTPException, Query, Request, Response, UploadFile, status
+from fastapi.responses import JSONResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app import crud, pool
-from app.config import MAX_SAMPLES
-from app.deps import BundlesDep, CallerDep, InferenceDep, MetricsDep, SessionDep, SettingsDep, StoreDep
+from app import crud, export, pool
+from app.calibration import calibrate_new_set, judge
+from app.config import MAX_SAMPLES, Settings
+from app.deps import BundlesDep, Caller, CallerDep, InferenceDep, MetricsDep, SessionDep, SettingsDep, StoreDep
+from app.export import AnswerOptions
 from app.images import DecodedImage
 from app.inference import (
     BundleMismatch,
@@ -24,14 +27,15 @@ from app.inference import (
     bundle_for_set,
     prototype_to_bytes,
 )
+from app.metrics import Metrics
 from app.remote import MadePrototype, RemoteDep, answer_refusal
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.pool import add_to_pool
 from app.routes.pool import limits as pool_limits
 from app.routes.uploads import check_text, read_images
 from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
-from app.serving import CheckpointRef, InferenceRefused, LocalizeCall
-from app.storage import exemplar_key, exemplar_set_prefix
+from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeCall
+from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
 from app.tables import Checkpoint, ExemplarSet
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,15 @@ BOXES_DESCRIPTION = (
     "are cut from the boxes (edges rounded to the nearest pixel); the whole images are kept, with their boxes, "
     "as the set's labeled examples (`num_labeled`), which adaptation jobs use to check themselves. "
     "Example: `[[10, 20, 60, 90]]`. Absent (or empty): the files are crops.")
+NEGATIVES_DESCRIPTION = (
+    "Optional: crops of look-alikes the answers should avoid (PNG/JPEG, checked as `files`; QLOC_INFERENCE=local "
+    "only). Their embeddings are kept with the set (`num_negatives`), not the files. They enter the calibration "
+    "(pasted into its backgrounds as wrong answers) and, through it, every answer's `confidence`: a box nearer a "
+    "look-alike than the exemplars gets a lower one; `rerank=true` on localize also picks the visited box the "
+    "calibration likes best. The agent's policy itself is not trained on them.")
+THRESHOLD_DESCRIPTION = (
+    "Calibrated confidence in [0, 1] from which an answer is `found` (default 0.5: more likely right than "
+    "wrong). Localize's `min_confidence` can only raise it per request.")
 
 
 def to_public(es: ExemplarSet) -> ExemplarSetPublic:
@@ -149,6 +162,8 @@ def create_exemplar_set(
     name: Annotated[str | None, Form(max_length=200)] = None,
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
+    negative_files: Annotated[list[UploadFile] | None, File(description=NEGATIVES_DESCRIPTION)] = None,
+    threshold: Annotated[float, Form(ge=0.0, le=1.0, description=THRESHOLD_DESCRIPTION)] = 0.5,
 ) -> ExemplarSetPublic:
     """Register exemplar crops: their mean embedding becomes the set's prototype.
 
@@ -157,6 +172,10 @@ def create_exemplar_set(
     check_text(name, "name")
     images = read_images(files, settings)
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else [None] * len(images)
+    negative_images = read_images(negative_files, settings, keep_data=False) if negative_files else []
+    if negative_images and remote is not None:
+        raise _unprocessable("negative_files need the model in the API (QLOC_INFERENCE=local): with "
+                             "QLOC_INFERENCE=workers the answers' nearness to them cannot be measured")
     if remote is None:  # QLOC_INFERENCE=local: the bundle is loaded here; workers: the worker checks it
         loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
     # A crop from a box is cut from a decode fine enough for it, one image at a time (app.images).
@@ -165,7 +184,11 @@ def create_exemplar_set(
     if remote is None:
         prototype = loaded.localizer.prototype(crops)  # [D]
         made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(prototype), int(prototype.numel()))
+        examples = [(im.image, im.box_to_decoded(box)) for im, box in zip(images, labels, strict=True) if box]
+        calibrated = calibrate_new_set(loaded, prototype, crops, examples, [im.image for im in negative_images],
+                                       threshold=threshold)
     else:
+        calibrated = None  # no model here: answers get a confidence once an adaptation job calibrates a checkpoint
         try:
             made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None)
         except InferenceRefused as e:
@@ -179,7 +202,10 @@ def create_exemplar_set(
             blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, sha, key, labels[i]))
         es = crud.create_exemplar_set(session, set_id=set_id, owner=caller.owner, name=name, bundle=made.bundle,
                                       bundle_sha256=made.bundle_sha256, prototype=made.prototype,
-                                      prototype_dim=made.prototype_dim, exemplars=blobs)
+                                      prototype_dim=made.prototype_dim, exemplars=blobs, threshold=threshold,
+                                      calibration=calibrated.calibration if calibrated else None,
+                                      negatives=calibrated.negatives if calibrated else None,
+                                      num_negatives=calibrated.num_negatives if calibrated else 0)
         session.commit()
     except BaseException:
         session.rollback()
@@ -247,7 +273,7 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpo
                "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
                "seconds (with `Retry-After`)")})
 def localize(
-    set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, inference: InferenceDep, caller: CallerDep,
+    set_id: uuid.UUID, request: Request, settings: SettingsDep, inference: InferenceDep, caller: CallerDep,
     metrics: MetricsDep, store: StoreDep,
     files: Annotated[list[UploadFile], File(description=(
         "Images to search (PNG/JPEG, any size up to the limits; not animated). Each is seen upright (its EXIF "
@@ -270,16 +296,58 @@ def localize(
         "jobs on the pool; their ids come back in `kept`. Opt-in, under the pool's caps: a pool without room for "
         "them answers 409 before anything is computed or stored; only an answered request stores its images."))]
     = False,
-) -> LocalizeResponse:
+    min_confidence: Annotated[float | None, Query(ge=0.0, le=1.0, description=(
+        "Raise the set's threshold for this request: an answer whose calibrated `confidence` is below it comes "
+        "back with `found=false` (its box is kept; `format=coco` then leaves it out, `format=labelstudio` gives "
+        "it an empty result). No effect on a set without calibration (confidence null, found true)."))] = None,
+    rerank: Annotated[bool, Query(description=(
+        "For a set with negative exemplars (QLOC_INFERENCE=local): answer with the box of the episode that the "
+        "calibration with negatives finds most likely right, not the agent's own answer (one more backbone pass "
+        "per image; `score` is then that box's distance). Without negatives it changes nothing."))] = False,
+    format: Annotated[Literal["json", "coco", "labelstudio"], Query(description=(
+        "`json` (default): this response. `coco`: COCO detection results, `{images, categories, annotations}`, "
+        "`annotations` ready for pycocotools' `COCO.loadRes` (`bbox` [x, y, w, h], `score` = confidence), "
+        "`images` mapping `image_ids` to filenames. `labelstudio`: Label Studio tasks with `predictions` "
+        "(`rectanglelabels` in percent of the image). README: Output formats."))] = "json",
+    image_ids: Annotated[str | None, Query(max_length=20_000, pattern=r"^\d{1,12}(,\d{1,12})*$", description=(
+        "format=coco: the COCO image id of each file, comma-separated, in upload order (default 1..N)"))] = None,
+    category_id: Annotated[int, Query(ge=0, le=2**31 - 1, description="format=coco: the category id")] = 1,
+    label: Annotated[str | None, Query(max_length=200, description=(
+        "format=labelstudio: the rectangle's label (default: the set's name, else `object`); `from_name` / "
+        "`to_name` are `label` / `image`, as Label Studio's bounding-box template"))] = None,
+    bundles: BundlesDep = None,  # type: ignore[assignment]  # injected (a default only to follow the queries)
+    remote: RemoteDep = None,  # type: ignore[assignment]
+) -> Response:
     """Localize the set's object in each image: one box per image, in the pixels of the full image as a viewer
     shows it (EXIF orientation applied), whatever resolution it was analysed at.
 
     A set is served only by the bundle file that made its prototype: once another file is installed under
     the bundle's name, it answers 409 (re-create the set from its crops) until that file is back."""
+    # The session is opened here, on this request's thread, not by ``SessionDep``: a sync generator
+    # dependency is entered and left on threads of their own (two thread hops per request, which one
+    # client's latency felt). The set and checkpoint are read on every request (no cache): a checkpoint
+    # activated by a worker process, or a set deleted by another API process, is seen at once.
+    with request.app.state.session_factory() as session:
+        return _localize(session, set_id, settings, inference, caller, metrics, store, files, checkpoint,
+                         trajectory, samples, nearest, keep,
+                         answer_opts=AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label),
+                         bundles=bundles, local=remote is None)
+
+
+def _localize(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend, caller: Caller,
+              metrics: Metrics, store: BlobStore, files: list[UploadFile], checkpoint: str, trajectory: bool,
+              samples: int | None, nearest: bool | None, keep: bool, *, answer_opts: AnswerOptions | None = None,
+              bundles: BundleRegistry | None = None, local: bool = True) -> Response:
+    opts = answer_opts or AnswerOptions()
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
     ckpt = resolve_checkpoint(session, es, checkpoint)
+    if opts.format == "coco" and opts.image_ids is not None and len(opts.ids(0)) != len(files):
+        raise _unprocessable(f"image_ids has {len(opts.ids(0))} ids for {len(files)} files: one per file, in "
+                             "upload order")
+    calibration = ckpt.calibration if ckpt.calibration is not None else es.calibration
+    use_negatives = es.negatives is not None and calibration is not None and local and bundles is not None
     session.commit()  # end the read transaction before the slow part
     n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
@@ -292,16 +360,31 @@ def localize(
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
-        images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest)
+        images=[im.image for im in images], trajectory=trajectory or (opts.rerank and use_negatives),
+        samples=n_samples, nearest=nearest)
     try:
         answer = inference.localize(call)
     except InferenceRefused as e:
         raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
+    judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
+                   min_confidence=opts.min_confidence, prototype=es.prototype,
+                   loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
+                   negatives=es.negatives if use_negatives else None, rerank_boxes=opts.rerank)
     kept = [r.id for r in add_to_pool(session, store, settings, es, images)] if keep else None
-    return LocalizeResponse(
+    results = [LocalizationResult(filename=im.filename, width=im.width, height=im.height,
+                                  box=list(im.box_to_full(j.box)), score=j.score, confidence=j.confidence,
+                                  found=j.found,
+                                  trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None)
+               for im, r, j in zip(images, answer.results, judged, strict=True)]
+    if opts.format == "coco":
+        return JSONResponse(export.coco(results, image_ids=opts.ids(len(results)), category_id=opts.category_id,
+                                        category_name=es.name or "object", only_found=opts.min_confidence is not None))
+    if opts.format == "labelstudio":
+        return JSONResponse(export.labelstudio(results, label=opts.label or es.name or "object", from_name="label",
+                                               to_name="image", model_version=str(ckpt.id)))
+    body = LocalizeResponse(
         exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=n_samples,
-        nearest=answer.nearest, kept=kept,
-        results=[LocalizationResult(filename=im.filename, width=im.width, height=im.height,
-                                    box=list(im.box_to_full(r.box)), score=r.score,
-                                    trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None)
-                 for im, r in zip(images, answer.results, strict=True)])
+        nearest=answer.nearest, kept=kept, results=results)
+    # Serialized once, here (what ``response_model_exclude_none`` gives); returned as is, FastAPI would dump,
+    # validate and serialize the model again.
+    return Response(body.model_dump_json(exclude_none=True), media_type="application/json")

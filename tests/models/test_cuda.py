@@ -133,3 +133,44 @@ def test_cli_evaluate_on_cuda(tmp_path, capsys):
                      "--metrics", str(metrics)]) == 0
     m = json.loads(metrics.read_text())
     assert m["corloc"] > 80.0
+
+
+def test_batched_localization_with_a_prototype_per_image_on_cuda_matches_cpu(data):
+    """What the server's engine thread runs (``localize_batch``: one forward for several requests' images, each
+    with its own prototype) gives the CPU's answers on the GPU."""
+    from models.inference import preprocess
+
+    ex, _, test = data
+    out = {}
+    for dev in ("cpu", "cuda"):
+        bundle = load_bundle(MNIST, dev)
+        loc = Localizer(bundle, dev)
+        protos = torch.stack([loc.prototype(exemplar_crops(ex)), loc.prototype(exemplar_crops(test)[:5])])
+        batch, scales = preprocess(list(test.images[:16]), loc.spec)
+        per_image = protos.repeat_interleave(8, dim=0)
+        out[dev] = loc.localize_batch(batch, scales, per_image, loc.agent(None), nearest=True)
+    for a, b in zip(out["cpu"], out["cuda"], strict=True):
+        assert torch.allclose(torch.tensor(a.box), torch.tensor(b.box), atol=1e-3)
+        assert abs(a.score - b.score) <= 1e-3 * abs(a.score) + 1e-3  # TF32 on the GPU: relative
+
+
+def test_reward_repair_and_a_repaired_checkpoint_served_on_cuda(data):
+    """Reward repair trains the head on the GPU, and a bundle with that head (how a format-2 checkpoint is
+    served) localizes there with the repaired prototype."""
+    from models.guard import synthetic_probes
+    from models.repair import RepairConfig, repair_reward
+
+    ex, unl, test = data
+    bundle = load_bundle(MNIST, "cuda")
+    crops = exemplar_crops(ex)
+    proto = Localizer(bundle, "cuda").prototype(crops)
+    probes = [synthetic_probes(bundle, proto, crops, unl.images, None, n, torch.Generator().manual_seed(n))
+              for n in (48, 24)]
+    rep = repair_reward(bundle, crops, probes[0], probes[1], RepairConfig(epochs=4, min_gain=-100.0))
+    assert rep.kept and rep.bundle.device.type == "cuda"
+    served = bundle.with_head(rep.head)
+    assert next(served.embedder.head.parameters()).device.type == "cuda"
+    loc = Localizer(served, "cuda")
+    assert torch.allclose(loc.prototype(crops), rep.prototype, atol=1e-4)
+    answers = loc.localize(list(test.images[:8]), rep.prototype)
+    assert len(answers) == 8 and all(a.box[0] < a.box[2] for a in answers)

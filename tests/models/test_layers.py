@@ -24,7 +24,7 @@ RANKS = {
     "nets": 2, "presets": 2,
     "bundle": 3, "rollout": 3,
     "inference": 4,
-    "features": 5, "policy": 5,
+    "features": 5, "policy": 5, "calibration": 5,
     "evaluate": 6, "adapt": 6, "guard": 6,
     "train": 7, "repair": 7,
     "experiments": 8,

@@ -110,7 +110,8 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
         assert 'qloc_jobs{status="succeeded"} 1.0' in metrics
         assert 'qloc_job_duration_seconds_count{status="succeeded"} 1.0' in metrics
     counts = row_counts(stack.settings.database_url)
-    assert counts == {"exemplar_sets": 1, "exemplars": 2, "adaptation_jobs": 1, "job_images": 4, "checkpoints": 3}
+    assert counts == {"exemplar_sets": 1, "exemplars": 2, "adaptation_jobs": 1, "job_images": 4, "checkpoints": 3,
+                      "pool_images": 0}
 
 
 def test_kill_9_during_a_job_then_a_new_worker_resumes_it(stack):

@@ -1,0 +1,113 @@
+"""The service's side of calibrated confidence and negative exemplars (the math: ``models.calibration``).
+
+- ``calibrate_new_set``: when a set is made (``QLOC_INFERENCE=local``: the API has the model), the calibration
+  of the bundle's base policy from what the set has -- its crops (pasted into synthesized backgrounds), its
+  labeled examples, its negative exemplars -- and the negatives' embeddings.
+- ``Judged`` / ``judge``: after a localize answer, each result's calibrated ``confidence`` and ``found``; with
+  negative exemplars (and the model at hand), the confidence also weighs how near each box is to the
+  look-alikes, and ``rerank`` answers with the visited box that calibration likes best.
+
+The inference backends are not involved: what is computed here runs after the answer, in the route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from app.inference import LoadedBundle, prototype_from_bytes
+from models.calibration import Calibration, calibrate_policy, rerank, score_boxes
+from models.data.types import LabeledImages
+from models.inference import pil_to_tensor, preprocess
+
+CALIBRATION_SAMPLES = 128
+"""Positives and negatives a calibration is fit on (each)."""
+
+
+def negatives_to_bytes(embeddings: Tensor) -> bytes:
+    """``[K, D]`` -> float32 little-endian bytes (``exemplar_sets.negatives``)."""
+    return embeddings.detach().cpu().numpy().astype("<f4").tobytes()
+
+
+def negatives_from_bytes(data: bytes, dim: int) -> Tensor:
+    """float32 little-endian bytes -> ``[K, dim]``."""
+    return prototype_from_bytes(data).view(-1, dim)
+
+
+@dataclass
+class NewSetCalibration:
+    calibration: dict
+    negatives: bytes | None
+    num_negatives: int
+
+
+def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image.Image],
+                      labeled: list[tuple[Image.Image, tuple[float, float, float, float]]],
+                      negative_crops: list[Image.Image], *, threshold: float, seed: int = 0) -> NewSetCalibration:
+    """The calibration of the bundle's base policy for a new set (greedy answers, the bundle's ``nearest``), and
+    the negatives' embeddings. ``labeled``: (whole image as decoded, the box in its pixels)."""
+    loc = loaded.localizer
+    spec = loc.spec
+    tensors = [pil_to_tensor(c, spec.channels, spec.fill) for c in crops]
+    neg_tensors = [pil_to_tensor(c, spec.channels, spec.fill) for c in negative_crops]
+    negatives = loc.embed_crops(neg_tensors).cpu() if neg_tensors else None
+    examples = None
+    if labeled:
+        batch, scales = preprocess([im for im, _ in labeled], spec)
+        k = torch.cat([scales, scales], dim=1)
+        examples = LabeledImages(batch, torch.tensor([b for _, b in labeled], dtype=torch.float32) / k)
+    cal = calibrate_policy(loc, prototype, tensors, nearest=loc.default_nearest, n=CALIBRATION_SAMPLES, seed=seed,
+                           labeled=examples, negative_crops=neg_tensors or None, negative_embeddings=negatives,
+                           threshold=threshold)
+    return NewSetCalibration(cal.to_dict(), None if negatives is None else negatives_to_bytes(negatives),
+                             0 if negatives is None else len(negatives))
+
+
+@dataclass
+class Judged:
+    """One result's verdict: its (possibly re-ranked) box in the decoded image's pixels, score, confidence."""
+
+    box: tuple[float, float, float, float]
+    score: float
+    confidence: float | None
+    found: bool
+
+
+def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
+          min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
+          negatives: bytes | None, rerank_boxes: bool) -> list[Judged]:
+    """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
+
+    ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
+    use the negatives' fit of the calibration; ``rerank_boxes`` (needs the results' trajectories) then answers
+    with the visited box it finds most likely right. Without a calibration: confidence None, found True."""
+    boxes = [tuple(r.box) for r in results]
+    scores = [float(r.score) for r in results]
+    if calibration is None:
+        return [Judged(b, s, None, True) for b, s in zip(boxes, scores, strict=True)]
+    cal = Calibration.from_dict(calibration)
+    cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
+    use_negatives = loaded is not None and negatives is not None and cal.negatives is not None
+    if not use_negatives:
+        conf = cal.confidence(torch.tensor(scores, dtype=torch.float64)).tolist()
+        return [Judged(b, s, c, c >= cut) for b, s, c in zip(boxes, scores, conf, strict=True)]
+    assert loaded is not None and negatives is not None
+    proto = prototype_from_bytes(prototype)
+    neg = negatives_from_bytes(negatives, len(proto))
+    batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given
+    k = torch.cat([scales, scales], dim=1)  # [n, 4]
+    if rerank_boxes and all(r.trajectory for r in results):
+        paths = torch.tensor([r.trajectory for r in results], dtype=torch.float32) / k[:, None]  # input pixels
+        idx, d_p, _, conf = rerank(loaded.localizer, batch, paths, proto, neg, cal)
+        out = []
+        for i, r in enumerate(results):
+            box = tuple(float(v) for v in r.trajectory[int(idx[i])])
+            c = float(conf[i])
+            out.append(Judged(box, float(d_p[i]), c, c >= cut))  # type: ignore[arg-type]
+        return out
+    final = torch.tensor(boxes, dtype=torch.float32) / k
+    _, _, conf = score_boxes(loaded.localizer, batch, final[:, None], proto, neg, cal)
+    return [Judged(b, s, float(c), float(c) >= cut) for b, s, c in zip(boxes, scores, conf[:, 0], strict=True)]

@@ -1,0 +1,121 @@
+"""Benchmark of issue 13 (part 1): "not found" with a calibrated confidence, on cMNIST.
+
+Half the test images hold the query object (digit 4, MNIST's test file, the shipped ``mnist-digit4`` bundle),
+half hold another digit only (0-3, 5-9, equal shares). An answer is right when its box has IoU >= 0.5 with the
+4; any answer on an image without a 4 is wrong. ``found`` = calibrated confidence >= 0.5. The calibration is
+made as the service makes it (``models.calibration.calibrate_policy``), from what a set has, never from the
+test images:
+
+- ``creation``: 5 exemplar crops only (synthesized backgrounds, scrambled exemplars) -- a new set;
+- ``refreshed``: + 64 unlabeled train images of the set, their answers erased, as backgrounds -- what an
+  adaptation job's refresh (or a set with an image pool) has;
+- ``refreshed+negatives``: + 5 negative exemplar crops of each look-alike digit (7, 9; train file).
+
+Prints one JSON line per variant and saves the reliability curves to benchmarks/figures/not_found.png.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.bundle import load_bundle  # noqa: E402
+from models.calibration import (  # noqa: E402
+    answers,
+    box_distances,
+    calibrate_policy,
+    expected_calibration_error,
+    reliability_bins,
+)
+from models.core.boxes import paired_iou  # noqa: E402
+from models.data.probes import erase_boxes  # noqa: E402
+from models.data.types import exemplar_crops  # noqa: E402
+from models.experiments.cmnist import cmnist  # noqa: E402
+from models.inference import Localizer  # noqa: E402
+
+N_POS, PER_OTHER = 198, 22
+LOOKALIKES = (7, 9)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    bundle = load_bundle(ROOT / "bundles" / "mnist-digit4.pt")
+    loc = Localizer(bundle, "cpu")
+    nearest = loc.default_nearest
+    ex = cmnist(4, "train", 5, "patch", 1000)
+    crops = exemplar_crops(ex)
+    proto = loc.prototype(crops)
+    unl = cmnist(4, "train", 64, "patch", 1000, offset=5)
+    neg_crops = [c for d in LOOKALIKES for c in exemplar_crops(cmnist(d, "train", 5, "patch", 2000))]
+    neg_emb = loc.embed_crops(neg_crops).cpu()
+    agent = loc.agent()
+    ub, _ = answers(loc, agent, proto, unl.images, nearest=nearest)
+    backgrounds = erase_boxes(unl.images, ub, torch.Generator().manual_seed(0))
+
+    pos = cmnist(4, "test", N_POS, "patch", 0)
+    others = torch.cat([cmnist(d, "test", PER_OTHER, "patch", 0).images for d in range(10) if d != 4])
+    images = torch.cat([pos.images, others])
+    boxes, scores = answers(loc, agent, proto, images, nearest=nearest)
+    right = torch.zeros(len(images), dtype=torch.bool)
+    right[:N_POS] = paired_iou(boxes[:N_POS], pos.boxes) >= 0.5
+    d_neg = box_distances(loc, images, boxes[:, None], neg_emb)[:, 0].min(-1).values
+
+    variants = {
+        "creation": dict(),
+        "refreshed": dict(backgrounds01=backgrounds),
+        "refreshed+negatives": dict(backgrounds01=backgrounds, negative_crops=neg_crops, negative_embeddings=neg_emb),
+    }
+    curves = {}
+    for name, kw in variants.items():
+        t0 = time.perf_counter()
+        cal = calibrate_policy(loc, proto, crops, nearest=nearest, n=128, seed=0, **kw)
+        secs = time.perf_counter() - t0
+        conf = cal.confidence(scores, d_neg if "negative_embeddings" in kw else None).float()
+        found = conf >= cal.threshold
+        tp = int((found & right).sum())
+        has4 = torch.zeros(len(images), dtype=torch.bool)
+        has4[:N_POS] = True
+        row = {"variant": name, "images": len(images), "with_4": N_POS, "corloc_on_4s": round(float(right[:N_POS]
+               .float().mean()) * 100, 1),
+               "precision": round(tp / max(1, int(found.sum())), 3), "recall": round(tp / max(1, int(right.sum())), 3),
+               "found_on_4s": round(float(found[has4].float().mean()), 3),
+               "found_without_4": round(float(found[~has4].float().mean()), 3),
+               "ece": round(expected_calibration_error(conf, right), 3),
+               "fit_ece": cal.stats["ece"], "calibration_seconds": round(secs, 2)}
+        curves[name] = reliability_bins(conf, right)
+        print(json.dumps(row), flush=True)
+    plot(curves, ROOT / "benchmarks" / "figures" / "not_found.png")
+
+
+def plot(curves: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.2, 4.2), dpi=80)
+    ax.plot([0, 1], [0, 1], color="gray", linestyle=":", label="perfect")
+    for name, bins in curves.items():
+        ax.plot([b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o", label=name)
+    ax.set_xlabel("calibrated confidence (bin mean)")
+    ax.set_ylabel("share of right answers")
+    ax.set_title("cMNIST 4 vs other digits: reliability")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"figure: {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Calibrated confidence, ``found``, ``threshold`` / ``min_confidence`` and negative exemplars on the API."""
+
+import uuid
+
+import pytest
+from service_fixtures import files, png_bytes, row_counts
+from sqlalchemy import create_engine, select, update
+from sqlalchemy.orm import Session
+
+from app.tables import Checkpoint, ExemplarSet
+from models.calibration import Calibration, PlattFit
+
+
+def new_set(client, negatives=(), **data):
+    r = client.post("/v1/exemplar-sets", data=data,
+                    files=files(png_bytes(28, 28, seed=9)) + files(*negatives, field="negative_files"))
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def localize(client, sid, query="", n=3):
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize{query}", files=files(*[png_bytes(seed=i) for i in range(n)]))
+    assert r.status_code == 200, r.text
+    return r.json()["results"]
+
+
+def fixed(bias: float) -> dict:
+    """A calibration that answers sigmoid(bias) whatever the score."""
+    return Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], bias)).to_dict()
+
+
+def test_a_new_set_is_calibrated_and_answers_carry_confidence_and_found(client, settings):
+    es = new_set(client, threshold="0.3")
+    assert es["calibrated"] and es["threshold"] == 0.3 and es["num_negatives"] == 0
+    with Session(create_engine(settings.database_url)) as s:
+        cal = s.get_one(ExemplarSet, uuid.UUID(es["id"])).calibration
+    assert cal["score"]["features"] == ["log_score"] and cal["negatives"] is None
+    assert cal["stats"]["positives"] >= 128 and cal["stats"]["negatives"] == 128
+    for r in localize(client, es["id"]):
+        assert 0.0 <= r["confidence"] <= 1.0 and r["found"] == (r["confidence"] >= 0.3)
+        assert len(r["box"]) == 4 and r["score"] > 0
+
+
+def test_threshold_and_min_confidence_decide_found_and_keep_the_box(client, settings):
+    es = new_set(client)
+    with Session(create_engine(settings.database_url)) as s:  # a known calibration: confidence 0.5 everywhere
+        s.execute(update(ExemplarSet).where(ExemplarSet.id == uuid.UUID(es["id"])).values(calibration=fixed(0.0)))
+        s.commit()
+    base = localize(client, es["id"])
+    assert all(r["confidence"] == pytest.approx(0.5) and r["found"] for r in base)  # 0.5 >= the default 0.5
+    raised = localize(client, es["id"], "?min_confidence=0.6")
+    assert all(not r["found"] for r in raised)
+    assert [r["box"] for r in raised] == [r["box"] for r in base]
+    assert all(r["found"] for r in localize(client, es["id"], "?min_confidence=0.1"))  # never lowers the threshold
+    r = client.post(f"/v1/exemplar-sets/{es['id']}/localize?min_confidence=1.5", files=files(png_bytes()))
+    assert r.status_code == 422
+
+
+def test_a_set_without_calibration_answers_as_before(client, settings):
+    es = new_set(client)
+    with Session(create_engine(settings.database_url)) as s:
+        s.execute(update(ExemplarSet).where(ExemplarSet.id == uuid.UUID(es["id"])).values(calibration=None))
+        s.commit()
+    assert client.get(f"/v1/exemplar-sets/{es['id']}").json()["calibrated"] is False
+    for r in localize(client, es["id"], "?min_confidence=0.9"):
+        assert "confidence" not in r and r["found"] is True
+
+
+def test_the_served_checkpoints_calibration_wins_over_the_sets(client, settings):
+    es = new_set(client)
+    sid = uuid.UUID(es["id"])
+    with Session(create_engine(settings.database_url)) as s:
+        base_id = s.scalars(select(Checkpoint.id).where(Checkpoint.exemplar_set_id == sid)).one()
+        s.execute(update(ExemplarSet).where(ExemplarSet.id == sid).values(calibration=fixed(-4.0)))
+        s.execute(update(Checkpoint).where(Checkpoint.id == base_id).values(calibration=fixed(4.0)))
+        s.commit()
+    assert all(r["confidence"] > 0.98 for r in localize(client, es["id"]))
+    with Session(create_engine(settings.database_url)) as s:
+        s.execute(update(Checkpoint).where(Checkpoint.id == base_id).values(calibration=None))
+        s.commit()
+    assert all(r["confidence"] < 0.02 and not r["found"] for r in localize(client, es["id"]))
+
+
+def test_negative_exemplars_are_stored_and_enter_the_confidence(client, settings):
+    neg = png_bytes(28, 28, seed=9)  # the exemplar itself as a "look-alike": every box near it is suspect
+    es = new_set(client, negatives=[neg, png_bytes(30, 20, seed=4)])
+    assert es["num_negatives"] == 2 and es["calibrated"]
+    with Session(create_engine(settings.database_url)) as s:
+        row = s.get_one(ExemplarSet, uuid.UUID(es["id"]))
+        assert len(row.negatives) == 2 * row.prototype_dim * 4
+        assert row.calibration["negatives"]["features"] == ["log_score", "log_ratio"]
+    plain = new_set(client)
+    # A known calibration: the score fit says 0.5 whatever the box; the negatives' fit says d_n / (d_p + d_n)
+    ratio = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0),
+                        PlattFit(["log_score", "log_ratio"], [0.0, 0.0], [1.0, 1.0], [0.0, -1.0], 0.0)).to_dict()
+    with Session(create_engine(settings.database_url)) as s:
+        s.execute(update(ExemplarSet).where(ExemplarSet.id.in_([uuid.UUID(es["id"]), uuid.UUID(plain["id"])]))
+                  .values(calibration=ratio))
+        s.commit()
+    with_neg, without = localize(client, es["id"]), localize(client, plain["id"])
+    assert [r["box"] for r in with_neg] == [r["box"] for r in without]  # same agent, same boxes
+    assert all(r["confidence"] == pytest.approx(0.5) for r in without)  # no negatives: the score fit
+    assert all(abs(r["confidence"] - 0.5) > 1e-4 for r in with_neg)  # the look-alikes' distance counts
+
+
+def test_rerank_answers_with_a_box_the_episode_visited(client):
+    es = new_set(client, negatives=[png_bytes(28, 28, seed=4)])
+    results = localize(client, es["id"], "?rerank=true&trajectory=true")
+    for r in results:
+        assert r["box"] in r["trajectory"][1:] and 0 <= r["confidence"] <= 1
+    plain = new_set(client)  # without negatives, rerank changes nothing
+    assert localize(client, plain["id"], "?rerank=true") == localize(client, plain["id"])
+
+
+def test_bad_negative_files_and_thresholds_are_refused_with_nothing_written(client, settings):
+    before = row_counts(settings.database_url)
+    r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28)) + [("negative_files", ("x.png", b"nope",
+                                                                                               "image/png"))])
+    assert 400 <= r.status_code < 500 and "detail" in r.json()
+    for bad in ("1.5", "-0.1", "half"):
+        r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28)), data={"threshold": bad})
+        assert r.status_code == 422, bad
+    assert row_counts(settings.database_url) == before

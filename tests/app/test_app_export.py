@@ -1,0 +1,104 @@
+"""``format=coco`` and ``format=labelstudio`` on localize: checked by pycocotools and Label Studio's converter."""
+
+import json
+
+import pytest
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+from service_fixtures import files, png_bytes
+
+LS_CONFIG = """<View>
+  <Image name="image" value="$image"/>
+  <RectangleLabels name="label" toName="image"><Label value="sq"/></RectangleLabels>
+</View>"""
+
+
+def new_set(client, **data):
+    r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9)), data={"name": "sq", **data})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def test_coco_results_load_in_pycocotools_and_score_ap(client, tmp_path):
+    sid = new_set(client)
+    imgs = [png_bytes(seed=i) for i in range(3)] + [png_bytes(120, 90, seed=7)]
+    plain = client.post(f"/v1/exemplar-sets/{sid}/localize", files=files(*imgs)).json()["results"]
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&image_ids=11,12,13,14&category_id=3",
+                    files=files(*imgs))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [i["id"] for i in body["images"]] == [11, 12, 13, 14]
+    assert [(i["file_name"], i["width"], i["height"]) for i in body["images"]] == [
+        (p["filename"], p["width"], p["height"]) for p in plain]
+    assert body["categories"] == [{"id": 3, "name": "sq"}]
+    for a, p in zip(body["annotations"], plain, strict=True):
+        x1, y1, x2, y2 = p["box"]
+        assert a["bbox"] == pytest.approx([x1, y1, x2 - x1, y2 - y1], abs=0.01)
+        assert a["score"] == pytest.approx(p["confidence"], abs=1e-5)
+    # ground truth: two images whose object is the box answered, two whose object is elsewhere
+    gt = {"images": body["images"], "categories": body["categories"], "annotations": []}
+    for k, a in enumerate(body["annotations"]):
+        x, y, w, h = a["bbox"] if k < 2 else [0, 0, 3, 3]
+        gt["annotations"].append({"id": k + 1, "image_id": a["image_id"], "category_id": 3, "bbox": [x, y, w, h],
+                                  "area": w * h, "iscrowd": 0})
+    path = tmp_path / "gt.json"
+    path.write_text(json.dumps(gt))
+    coco_gt = COCO(str(path))
+    coco_dt = coco_gt.loadRes(body["annotations"])
+    ev = COCOeval(coco_gt, coco_dt, "bbox")
+    ev.evaluate()
+    ev.accumulate()
+    ev.summarize()
+    ap50 = ev.stats[1]
+    assert 0.2 < ap50 <= 1.0  # 2 of 4 objects found exactly: AP50 depends on their scores' rank, never 0
+
+
+def test_coco_refuses_a_wrong_number_of_image_ids_and_min_confidence_filters(client):
+    sid = new_set(client)
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&image_ids=1",
+                    files=files(png_bytes(seed=1), png_bytes(seed=2)))
+    assert r.status_code == 422 and "one per file" in r.json()["detail"]
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&image_ids=1,x", files=files(png_bytes(seed=1)))
+    assert r.status_code == 422
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&min_confidence=1", files=files(png_bytes(seed=1)))
+    assert r.status_code == 200 and r.json()["annotations"] == []  # nothing is certain
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=xml", files=files(png_bytes(seed=1)))
+    assert r.status_code == 422
+
+
+def test_labelstudio_tasks_convert_with_label_studio_converter(client, tmp_path):
+    from label_studio_converter import Converter
+
+    sid = new_set(client, threshold="0")  # every answer found: every task has its rectangle
+    imgs = [png_bytes(seed=1), png_bytes(160, 100, seed=2)]
+    plain = client.post(f"/v1/exemplar-sets/{sid}/localize", files=files(*imgs)).json()["results"]
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=labelstudio", files=files(*imgs))
+    assert r.status_code == 200, r.text
+    tasks = r.json()
+    assert len(tasks) == 2
+    for t, p in zip(tasks, plain, strict=True):
+        (pred,) = t["predictions"]
+        (region,) = pred["result"]
+        assert region["type"] == "rectanglelabels" and region["value"]["rectanglelabels"] == ["sq"]
+        assert (region["original_width"], region["original_height"]) == (p["width"], p["height"])
+        assert 0 <= region["value"]["x"] <= 100 and 0 < region["value"]["width"] <= 100
+        assert pred["score"] == pytest.approx(p["confidence"])
+    # Label Studio's own converter reads them as annotations (the import format of predictions is the same)
+    export = [{"id": k + 1, "data": {"image": f"/data/upload/{t['data']['image']}"},
+               "annotations": [{"id": k + 1, "result": t["predictions"][0]["result"]}]} for k, t in enumerate(tasks)]
+    src = tmp_path / "export.json"
+    src.write_text(json.dumps(export))
+    conv = Converter(LS_CONFIG, str(tmp_path), download_resources=False)
+    conv.convert_to_coco(str(src), str(tmp_path / "coco"), is_dir=False)
+    out = json.loads((tmp_path / "coco" / "result.json").read_text())
+    assert len(out["annotations"]) == 2
+    for a, p in zip(out["annotations"], plain, strict=True):
+        x1, y1, x2, y2 = p["box"]
+        assert a["bbox"] == pytest.approx([x1, y1, x2 - x1, y2 - y1], abs=0.05)
+
+
+def test_labelstudio_not_found_answers_have_an_empty_result(client):
+    sid = new_set(client, threshold="1")  # nothing reaches it
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=labelstudio&label=cat", files=files(png_bytes(seed=1)))
+    assert r.status_code == 200
+    assert r.json()[0]["predictions"][0]["result"] == []
