@@ -102,6 +102,10 @@ class Localization(_Model):
     box: list[float]
     """``[x1, y1, x2, y2]`` in the pixels of the image as sent."""
     score: float
+    confidence: float | None = None
+    """Calibrated probability that the box is right (``None``: the set has no calibration)."""
+    found: bool = True
+    """``confidence`` at or above the set's threshold (or the request's ``min_confidence``)."""
     trajectory: list[list[float]] | None = None
 
 
@@ -112,6 +116,8 @@ class LocalizeResponse(_Model):
     samples: int = 0
     nearest: bool = False
     results: list[Localization]
+    kept: list[uuid.UUID] | None = None
+    """With ``keep=True``: the ids of the images added to the set's pool."""
 
 
 class Progress(_Model):
@@ -254,14 +260,14 @@ def _is_pair(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
 
 
-def _files(images: ImageInput | Sequence[ImageInput]) -> list[tuple[str, tuple[str, bytes, str]]]:
-    """One image or a list (or tuple) of images -> the multipart ``files`` fields. An array is one image: give
-    a list of arrays for several."""
+def _files(images: ImageInput | Sequence[ImageInput], field: str = "files") -> list[tuple[str, tuple[str, bytes, str]]]:
+    """One image or a list (or tuple) of images -> the multipart ``files`` (or ``field``) fields. An array is one
+    image: give a list of arrays for several."""
     many = isinstance(images, list) or (isinstance(images, tuple) and not _is_pair(images))
     items = list(images) if many else [images]  # type: ignore[arg-type]
     if not items:
         raise ValueError("at least one image is needed")
-    return [("files", encode_image(im, i)) for i, im in enumerate(items)]
+    return [(field, encode_image(im, i)) for i, im in enumerate(items)]
 
 
 # ---------------------------------------------------------------- progress
@@ -442,14 +448,19 @@ class QlocClient:
 
     def create_exemplar_set(self, images: ImageInput | Sequence[ImageInput], *, name: str | None = None,
                             bundle: str | None = None,
-                            boxes: Sequence[Sequence[float]] | None = None) -> ExemplarSet:
+                            boxes: Sequence[Sequence[float]] | None = None,
+                            negatives: ImageInput | Sequence[ImageInput] | None = None,
+                            threshold: float | None = None) -> ExemplarSet:
         """Register exemplar crops; with ``boxes`` (one ``[x1, y1, x2, y2]`` per image), whole images whose
-        boxes are cut out, kept as the set's labeled examples."""
+        boxes are cut out, kept as the set's labeled examples. ``negatives``: crops of look-alikes to avoid;
+        ``threshold``: the calibrated confidence at which an answer counts as found."""
         import json
 
         data = {"name": name, "bundle": bundle,
-                "boxes": json.dumps([list(map(float, b)) for b in boxes]) if boxes is not None else None}
-        r = self.request("POST", "/v1/exemplar-sets", data=data, files=_files(images))
+                "boxes": json.dumps([list(map(float, b)) for b in boxes]) if boxes is not None else None,
+                "threshold": None if threshold is None else str(float(threshold))}
+        files = _files(images) + (_files(negatives, "negative_files") if negatives is not None else [])
+        r = self.request("POST", "/v1/exemplar-sets", data=data, files=files)
         return ExemplarSet.model_validate(r.json())
 
     def list_exemplar_sets(self, *, limit: int = 50, offset: int = 0) -> Page[ExemplarSet]:

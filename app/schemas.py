@@ -102,6 +102,42 @@ class LocalizeResponse(BaseModel):
         "With `keep=true`: the ids of the pool images the uploaded images became, in upload order"))
 
 
+class CocoImage(BaseModel):
+    id: int
+    file_name: str | None
+    width: int
+    height: int
+
+
+class CocoCategory(BaseModel):
+    id: int
+    name: str
+
+
+class CocoDetection(BaseModel):
+    image_id: int
+    category_id: int
+    bbox: list[float] = Field(description="[x, y, width, height] in the full image's pixels")
+    score: float = Field(description="The calibrated confidence (higher is better)")
+
+
+class CocoResults(BaseModel):
+    """``format=coco``: ``annotations`` is a COCO results list, what pycocotools' ``COCO.loadRes`` takes."""
+
+    images: list[CocoImage]
+    categories: list[CocoCategory]
+    annotations: list[CocoDetection]
+
+
+class LabelStudioTask(BaseModel):
+    """``format=labelstudio``: one task per image, with one prediction (``rectanglelabels`` in percent)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    data: dict[str, Any]
+    predictions: list[dict[str, Any]]
+
+
 class Progress(BaseModel):
     iteration: int
     total: int

@@ -33,3 +33,15 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
     q = statistics.quantiles(seconds, n=100, method="inclusive") if len(seconds) > 1 else seconds * 99
     return {"n": len(seconds), "p50_ms": round(q[49] * 1000, 1), "p95_ms": round(q[94] * 1000, 1),
             "mean_ms": round(statistics.fmean(seconds) * 1000, 1)}
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print a benchmark's result as indented JSON, and write it to ``out`` too when given."""
+    import json
+    from pathlib import Path
+
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")

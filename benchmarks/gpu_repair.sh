@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The CUDA tests, and guarded adaptation with reward repair on a GPU machine (its own python3 with torch; no venv), every suite
-# and seed in parallel (one process each):
+# The CUDA tests, and guarded adaptation with reward repair, on a GPU machine (its own python3 with torch, no
+# venv); every suite and seed in parallel (one process each), each stopped after $BUDGET seconds (470):
 #   bash benchmarks/gpu_repair.sh [OUT_DIR]
-# Needs, carried from the development machine: .whl1/ (pydantic, pydantic-settings and what they need, as
-# cp312 wheels: the settings object) and .fonts/ (a copy of /usr/share/fonts: the glyph kinds render from
-# the same fonts, so the same font splits).
+# Needs, carried from the development machine (both ignored by git, e.g. in .git/info/exclude):
+#   .whl1/   cp312 wheels of pydantic, pydantic-core, pydantic-settings, typing-inspection, annotated-types and
+#            python-dotenv (the settings object), from `pip download --no-deps --only-binary=:all:
+#            --python-version 3.12 --platform manylinux2014_x86_64 -d .whl1 NAME==VERSION` (the venv's versions);
+#   .fonts/  `cp -r /usr/share/fonts .fonts`: the glyph kinds render from the same fonts, so the same splits.
 set -uo pipefail
 out=${1:-${OUT:-runs/gpu-repair}}
 mkdir -p "$out/r"

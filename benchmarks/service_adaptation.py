@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _client import client, multipart, to_png  # noqa: E402
+from _client import client, emit, multipart, to_png  # noqa: E402
 
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402
@@ -88,11 +88,7 @@ def main() -> None:
     a = p.parse_args()
     result = {"bundle": a.bundle, "digit": a.digit, "unlabeled": a.unlabeled, "iterations": a.iterations,
               "batch_size": a.batch_size, "service": via_service(a), "cli": via_cli(a)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

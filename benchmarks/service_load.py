@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
-from _client import multipart, percentiles, to_png  # noqa: E402
+from _client import emit, multipart, percentiles, to_png  # noqa: E402
 
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402
@@ -198,11 +197,7 @@ def main() -> None:
                 result["trees"][name][f"clients_{n}"]["requests_per_s"]
                 / result["trees"][names[0]][f"clients_{n}"]["requests_per_s"], 2)
     result["ratios"] = ratios
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

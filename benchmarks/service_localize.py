@@ -12,7 +12,6 @@ ground-truth crops of that digit. Prints one JSON object (and writes it to ``--o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _client import client, multipart, percentiles, to_png  # noqa: E402
+from _client import client, emit, multipart, percentiles, to_png  # noqa: E402
 
 from models.core.metrics import corloc  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
@@ -121,11 +120,7 @@ def main() -> None:
         result["throughput"] = [throughput(a.url, a.api_key, url, images, n, a.throughput_batch, a.seconds)
                                 for n in a.clients]
         c.delete(f"/v1/exemplar-sets/{es['id']}")
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _client import client, multipart, to_png  # noqa: E402
+from _client import client, emit, multipart, to_png  # noqa: E402
 
 from app.storage import checkpoint_key  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
@@ -121,11 +121,7 @@ def main() -> None:
               "batch_size": a.batch_size, "lr": a.lr, "seed": a.seed, "n_test": a.n_test,
               "base_corloc": evaluate(a, None), "service": via_service(a), "cli": via_cli(a)}
     result["corloc_difference"] = round(result["service"]["corloc"] - result["cli"]["corloc"], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ def repair_reward(bundle: Bundle, crops: list[Tensor], train: LabeledImages, val
     ``crops``: the exemplar crops ``[C, h, w]`` in [0, 1] (the set's); ``train`` / ``val``: labeled probes at
     the bundle's input size, disjoint. Returns the ``Repair`` (the repaired copy only if kept)."""
     cfg = cfg or RepairConfig()
+    if len(train) < MIN_TRAIN_PROBES or len(val) < 2:
+        raise ValueError(f"reward repair needs at least {MIN_TRAIN_PROBES} training probes and 2 validation probes, "
+                         f"got {len(train)} and {len(val)}")
     t0 = time.perf_counter()
     loc = Localizer(bundle, bundle.device)
     proto = loc.prototype(crops).to(bundle.device)
@@ -87,9 +90,6 @@ def repair_reward(bundle: Bundle, crops: list[Tensor], train: LabeledImages, val
     repaired = copy.deepcopy(bundle)
     canvases, boxes = exemplar_canvas(crops, bundle.config.input)
     exemplars = LabeledImages(canvases, boxes)
-    if len(train) < MIN_TRAIN_PROBES or len(val) < 2:
-        raise ValueError(f"reward repair needs at least {MIN_TRAIN_PROBES} training probes and 2 validation probes, "
-                         f"got {len(train)} and {len(val)}")
     batch = min(cfg.batch_size, len(train))
     ecfg = EmbeddingTrainConfig(epochs=cfg.epochs, batch_size=batch, drop_last=True, lr=cfg.lr,
                                 anchor="shuffle_exemplar", group_size=min(5, batch // 2), recon_weight=0.0,
@@ -116,7 +116,7 @@ class Guarded:
     prototype: Tensor
     guard: Guard
     repair: Repair | None
-    """``None`` when repair was not asked for."""
+    """``None`` when repair was not asked for, or the job has fewer than ``MIN_TRAIN_PROBES`` synthetic probes."""
 
     @property
     def reward(self) -> str:

@@ -415,3 +415,27 @@ def swapped_settings(tmp_path: Path, versions: dict[str, tuple[Path, str]]) -> S
     s = make_test_settings(tmp_path, installed, default_bundle=SWAPPED)
     migrate(s.database_url)
     return s
+
+
+@contextlib.contextmanager
+def running_stack(kind: str, request: pytest.FixtureRequest, tmp_path: Path, bundle_dir: Path, *,
+                  make: Callable[..., Settings] = make_test_settings) -> Iterator[Stack]:
+    """An API and a worker in subprocesses, ready, on the embedded default (``kind`` ``embedded``) or on
+    PostgreSQL + Redis (``postgres_redis``: a fresh database and Redis key prefix, its own queue), with the
+    settings ``make`` gives (``make_test_settings`` or a variant); stopped on exit."""
+    if kind == "embedded":
+        settings = make(tmp_path, bundle_dir)
+    else:
+        prefix = request.getfixturevalue("redis_prefix")
+        settings = make(tmp_path, bundle_dir, database_url=request.getfixturevalue("postgres_url"),
+                        broker_url=REDIS_URL, broker_transport_options={"global_keyprefix": prefix},
+                        queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
+    migrate(settings.database_url)
+    st = Stack(settings, tmp_path)
+    st.start_api()
+    st.start_worker()
+    try:
+        st.wait_ready()
+        yield st
+    finally:
+        st.stop()

@@ -33,7 +33,14 @@ from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.pool import add_to_pool
 from app.routes.pool import limits as pool_limits
 from app.routes.uploads import check_text, read_images
-from app.schemas import ExemplarSetPublic, ExemplarSetsPublic, LocalizationResult, LocalizeResponse
+from app.schemas import (
+    CocoResults,
+    ExemplarSetPublic,
+    ExemplarSetsPublic,
+    LabelStudioTask,
+    LocalizationResult,
+    LocalizeResponse,
+)
 from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeCall
 from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
 from app.tables import Checkpoint, ExemplarSet
@@ -263,7 +270,8 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpo
     return ckpt
 
 
-@router.post("/{set_id}/localize", response_model=LocalizeResponse, response_model_exclude_none=True, responses={
+@router.post("/{set_id}/localize", response_model=LocalizeResponse | CocoResults | list[LabelStudioTask],
+             response_model_exclude_none=True, responses={
     **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
     409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set; "
                "or, with keep=true, the set's image pool has no room for the images (nothing computed or stored)"),

@@ -245,3 +245,17 @@ def test_wait_follows_a_job_run_by_a_real_worker(tmp_path, bundle_dir, capsys) -
         assert f"job {str(job.id)[:8]}" in err and "4/4" in err
     finally:
         stack.stop()
+
+
+def test_negatives_threshold_and_the_calibrated_answer(qloc: QlocClient) -> None:
+    """``negatives`` and ``threshold`` reach the set; every answer carries ``confidence`` and ``found``, typed."""
+    es = qloc.create_exemplar_set([crop(), png_bytes(28, 28, seed=10)], negatives=[png_bytes(28, 28, seed=11)],
+                                  threshold=0.75)
+    raw = qloc.http.get(f"/v1/exemplar-sets/{es.id}").json()
+    assert raw["num_negatives"] == 1 and raw["threshold"] == 0.75
+    answer = qloc.localize(es.id, [png_bytes(84, 84, seed=5)])
+    r = answer.results[0]
+    assert r.confidence is not None and 0.0 <= r.confidence <= 1.0
+    assert r.found == (r.confidence >= 0.75)
+    strict = qloc.localize(es.id, [png_bytes(84, 84, seed=5)], min_confidence=1.0).results[0]
+    assert strict.box == r.box and strict.found is (r.confidence >= 1.0)

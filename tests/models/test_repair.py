@@ -111,3 +111,14 @@ def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still
     torch.save(obj, buf)
     with pytest.raises(ValueError, match="format 3"):
         checkpoint_from_bytes(buf.getvalue(), bundle)
+
+
+def test_too_few_probes_for_repair_are_refused_and_a_job_then_keeps_the_bundle_head(bundle, glyph_job):
+    crops, unl, _ = glyph_job
+    few = _probes(bundle, crops, unl, 8, 1)
+    with pytest.raises(ValueError, match="at least 16 training probes"):
+        repair_reward(bundle, crops, few, few)
+    proto = Localizer(bundle, "cpu").prototype(crops)
+    setup = guarded_setup(bundle, proto, crops, unl.images[:8], None, synthetic=8, generator_seed=0,
+                          repair=RepairConfig(epochs=2))
+    assert setup.repair is None and setup.reward == "bundle head" and setup.bundle is bundle

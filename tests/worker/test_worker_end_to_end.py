@@ -9,18 +9,14 @@ start another, the job resumes from its last checkpoint and succeeds with no row
 """
 
 import time
-import uuid
 
 import httpx
 import pytest
 from service_fixtures import (
-    REDIS_URL,
-    Stack,
     files,
-    make_test_settings,
-    migrate,
     png_bytes,
     row_counts,
+    running_stack,
     wait_for_job,
 )
 
@@ -29,22 +25,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(params=["embedded", "postgres_redis"])
 def stack(request, tmp_path, bundle_dir):
-    if request.param == "embedded":
-        settings = make_test_settings(tmp_path, bundle_dir)
-    else:
-        prefix = request.getfixturevalue("redis_prefix")
-        settings = make_test_settings(tmp_path, bundle_dir, database_url=request.getfixturevalue("postgres_url"),
-                                      broker_url=REDIS_URL, broker_transport_options={"global_keyprefix": prefix},
-                                      queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
-    migrate(settings.database_url)
-    st = Stack(settings, tmp_path)
-    st.start_api()
-    st.start_worker()
-    try:
-        st.wait_ready()
+    with running_stack(request.param, request, tmp_path, bundle_dir) as st:
         yield st
-    finally:
-        st.stop()
 
 
 def api(st):

@@ -5,7 +5,12 @@ import uuid
 
 import httpx
 import pytest
-from service_fixtures import REDIS_URL, Stack, make_test_settings, migrate, png_bytes, stored_files, wait_for_job
+from service_fixtures import (
+    png_bytes,
+    running_stack,
+    stored_files,
+    wait_for_job,
+)
 
 from worker import jobs
 from worker.jobs import run_adaptation_job
@@ -54,22 +59,8 @@ def test_a_job_adapts_on_the_pool_it_was_created_with(api, ctx, monkeypatch):
 
 @pytest.fixture(params=["embedded", "postgres_redis"])
 def stack(request, tmp_path, bundle_dir):
-    if request.param == "embedded":
-        settings = make_test_settings(tmp_path, bundle_dir)
-    else:
-        prefix = request.getfixturevalue("redis_prefix")
-        settings = make_test_settings(tmp_path, bundle_dir, database_url=request.getfixturevalue("postgres_url"),
-                                      broker_url=REDIS_URL, broker_transport_options={"global_keyprefix": prefix},
-                                      queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
-    migrate(settings.database_url)
-    st = Stack(settings, tmp_path)
-    st.start_api()
-    st.start_worker()
-    try:
-        st.wait_ready()
+    with running_stack(request.param, request, tmp_path, bundle_dir) as st:
         yield st
-    finally:
-        st.stop()
 
 
 @pytest.mark.slow

@@ -49,17 +49,17 @@ def test_a_transparent_upload_is_the_same_input_for_adaptation_and_localization(
     uploads = transparent_pngs()
     seen = {}
 
-    real_run, real_adapt = Localizer.run, jobs.adapt
+    real_run, real_adapt = Localizer.localize_batch, jobs.adapt
 
-    def run(self, images01, *args, **kw):
-        seen["localize"] = images01.clone()
-        return real_run(self, images01, *args, **kw)
+    def run(self, batch01, *args, **kw):  # what the API's engine runs for localize
+        seen["localize"] = batch01.clone()
+        return real_run(self, batch01, *args, **kw)
 
     def adapt(bundle, prototype, images01, cfg, **kw):
         seen["adapt"] = images01.clone()
         return real_adapt(bundle, prototype, images01, cfg, **kw)
 
-    monkeypatch.setattr(Localizer, "run", run)
+    monkeypatch.setattr(Localizer, "localize_batch", run)
     monkeypatch.setattr(jobs, "adapt", adapt)
     ctx = WorkerContext.create(settings)
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from service_fixtures import REDIS_URL, Stack, files, make_test_settings, migrate, png_bytes
+from service_fixtures import Stack, files, make_test_settings, migrate, png_bytes, running_stack
 from sqlalchemy import select
 
 from app.config import Settings
@@ -145,22 +145,8 @@ def kill_mid_job_and_resume(stack: Stack, *, iterations: int = 20, kill_after: i
 
 @pytest.fixture(params=["postgres_redis"])  # the embedded setup is timed by benchmarks/recovery.py (and killed
 def recovery_stack(request, tmp_path, bundle_dir):  # with the tests' short timings in test_worker_end_to_end)
-    if request.param == "embedded":
-        settings = recovery_settings(tmp_path, bundle_dir)
-    else:
-        prefix = request.getfixturevalue("redis_prefix")
-        settings = recovery_settings(tmp_path, bundle_dir, database_url=request.getfixturevalue("postgres_url"),
-                                     broker_url=REDIS_URL, broker_transport_options={"global_keyprefix": prefix},
-                                     queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
-    migrate(settings.database_url)
-    st = Stack(settings, tmp_path)
-    st.start_api()
-    st.start_worker()
-    try:
-        st.wait_ready()
+    with running_stack(request.param, request, tmp_path, bundle_dir, make=recovery_settings) as st:
         yield st
-    finally:
-        st.stop()
 
 
 def check_resumed_once(out: dict[str, Any], iterations: int) -> None:
