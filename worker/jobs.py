@@ -100,6 +100,7 @@ class AdaptationRun:
         self._last_sync = 0.0
         self.guard: Guard | None = None
         self.setup: Guarded | None = None
+        self.reward_head: dict[str, Tensor] | None = None
         self.checkpoint_ids: dict[int, uuid.UUID] = {}
 
     # --- the run
@@ -144,6 +145,9 @@ class AdaptationRun:
         if start_reward is not None:
             bundle, prototype = bundle.with_head(start_reward.head), start_reward.prototype.float()
         self.setup = self._setup(bundle, prototype, images01, agent_state)
+        # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
+        self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
+                            else start_reward.head if start_reward is not None else None)
         self.guard = self.setup.guard
         bundle, prototype = self.setup.bundle, self.setup.prototype  # the repaired reward, when it was kept
         if self.last_iteration < job.iterations and not self.guard.should_stop:
@@ -234,9 +238,9 @@ class AdaptationRun:
         with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
             if not self._still_owned(s):
                 raise LeaseLost
-        reward = None
-        if self.setup is not None and self.setup.repair is not None and self.setup.repair.kept:
-            reward = Reward(self.setup.repair.head, self.setup.prototype)  # served with the policy it trained
+        reward = None  # a repaired head (this job's, or its start's) is served with the policy it trained
+        if self.setup is not None and self.reward_head is not None:
+            reward = Reward(self.reward_head, self.setup.prototype)
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
                                                       prototype_dim=self.bundle.prototype_dim, reward=reward))

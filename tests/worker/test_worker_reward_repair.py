@@ -52,6 +52,17 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
                                   files=_upload([_png(im) for im in probe])).json()
             again_base = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": "base"},
                                      files=_upload([_png(im) for im in probe])).json()
+            # A job that starts from that (active) checkpoint without repairing again keeps serving its head.
+            r2 = client.post(f"/v1/exemplar-sets/{sid}/adaptations", data={"activate": "false"},
+                             files=_upload([_png(im) for im in unlabeled[:16]]))
+            assert r2.json()["params"]["base_checkpoint_id"] == ckpt["id"]
+            ctx2 = WorkerContext.create(s.model_copy(update={"reward_repair": False}))
+            try:
+                assert run_adaptation_job(ctx2, uuid.UUID(r2.json()["id"]), worker="test") == "succeeded"
+            finally:
+                ctx2.engine.dispose()
+            job2 = client.get(f"/v1/adaptations/{r2.json()['id']}").json()
+            assert job2["validation"]["reward"] == "bundle head" and job2["validation"]["repair"] is None
     finally:
         ctx.engine.dispose()
     assert again_base["results"] == base["results"]  # the base checkpoint still runs the bundle's head
@@ -59,8 +70,13 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     with ctx.session_factory() as session:
         row = session.get(Checkpoint, uuid.UUID(ckpt["id"]))
         data = BlobStore(s.storage_dir).read_verified(row.blob, row.sha256)
+        row2 = session.get(Checkpoint, uuid.UUID(job2["checkpoint_id"]))
+        data2 = BlobStore(s.storage_dir).read_verified(row2.blob, row2.sha256)
     agent, _, reward = checkpoint_from_bytes(data, bundle)
     assert reward is not None  # format 2: the head and the prototype under it
+    reward2 = checkpoint_from_bytes(data2, bundle)[2]
+    assert reward2 is not None and torch.equal(reward2.prototype, reward.prototype)
+    assert all(torch.equal(v, reward.head[k]) for k, v in reward2.head.items())
     repaired = Localizer(bundle.with_head(reward.head), "cpu")
     assert torch.allclose(reward.prototype, repaired.prototype(crops), atol=1e-4)
     pils = [Image.open(io.BytesIO(_png(im))) for im in probe]  # what the API decoded
