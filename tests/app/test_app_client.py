@@ -103,10 +103,10 @@ def test_the_image_pool(qloc: QlocClient) -> None:
     added = qloc.add_pool_images(es.id, [png_bytes(84, 84, seed=s) for s in (1, 2)])
     assert [im.width for im in added.data] == [84, 84] and added.model_extra["num_pool_images"] == 2
     kept = qloc.localize(es.id, png_bytes(84, 84, seed=3), keep=True)
-    assert len(kept.model_extra["kept"]) == 1
+    assert kept.kept is not None and len(kept.kept) == 1
     listed = qloc.list_pool_images(es.id)
     assert len(listed.data) == 3 and listed.model_extra["count"] == 3
-    assert str(listed.data[2].id) == str(kept.model_extra["kept"][0])
+    assert str(listed.data[2].id) == str(kept.kept[0])
     qloc.delete_pool_image(es.id, listed.data[0])
     job = qloc.create_adaptation(es.id, source="pool", iterations=2)  # no files: the pool's 2 images
     assert job.params["num_images"] == 2
