@@ -39,6 +39,12 @@ def open_page(page, set_id: str | None = None) -> None:  # type: ignore[no-untyp
         page.wait_for_selector(f'#set-info[data-set-id="{set_id}"]')
 
 
+def previews(page, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the exemplar drop zone shows ``n`` previews (a timeout fails the test)."""
+    page.wait_for_function(f"document.querySelectorAll('#exemplar-previews figure').length === {n}")
+    assert page.locator("#exemplar-previews figure").count() == n
+
+
 def attr_box(locator) -> list[float]:  # type: ignore[no-untyped-def]
     return [float(locator.get_attribute(f"data-{k}")) for k in ("x1", "y1", "x2", "y2")]
 
@@ -53,7 +59,7 @@ def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_pa
     page.fill("#set-name", name)
     page.select_option("#bundle-select", "test-other")
     page.set_input_files("#exemplar-files", [write(tmp_path, "a.png", crop(9)), write(tmp_path, "b.png", crop(10))])
-    assert page.locator("#exemplar-previews figure").count() == 2
+    previews(page, 2)  # the previews are drawn once the files are read (asynchronously)
     page.click("#create-btn")
     page.wait_for_function("document.querySelector('#set-info').dataset.setId !== ''")
     set_id = page.get_attribute("#set-info", "data-set-id")
@@ -61,7 +67,7 @@ def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_pa
         es = qloc.get_exemplar_set(set_id)
     assert (es.name, es.bundle, es.num_exemplars, es.num_labeled) == (name, "test-other", 2, 0)
     assert page.input_value("#set-select") == set_id
-    assert page.locator("#exemplar-previews figure").count() == 0  # the drop zone is emptied
+    previews(page, 0)  # the drop zone is emptied
 
     # A whole 84x84 image, dropped on the zone (a real drop event), with its box drawn by dragging the mouse.
     page.check("input[name=mode][value=boxes]")
