@@ -431,10 +431,18 @@ def running_stack(kind: str, request: pytest.FixtureRequest, tmp_path: Path, bun
                         broker_url=REDIS_URL, broker_transport_options={"global_keyprefix": prefix},
                         queue=f"qloc-test-{uuid.uuid4().hex[:8]}")
     migrate(settings.database_url)
-    st = Stack(settings, tmp_path)
-    st.start_api()
-    st.start_worker()
+    with started(settings, tmp_path) as st:
+        yield st
+
+
+@contextlib.contextmanager
+def started(settings: Settings, root: Path) -> Iterator[Stack]:
+    """An API and a worker in subprocesses with ``settings`` (the database already migrated), ready; stopped on
+    exit, also when starting fails half-way."""
+    st = Stack(settings, root)
     try:
+        st.start_api()
+        st.start_worker()
         st.wait_ready()
         yield st
     finally:

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from service_fixtures import Stack, files, free_port, make_test_settings, migrate, png_bytes
+from service_fixtures import files, free_port, make_test_settings, migrate, png_bytes, started
 
 from app.client import AdaptationJob, ExemplarSet, QlocClient, QlocError
 
@@ -222,11 +222,7 @@ def test_wait_follows_a_job_run_by_a_real_worker(tmp_path, bundle_dir, capsys) -
     ``succeeded`` with a progress bar, and the checkpoints it wrote descend from the base."""
     settings = make_test_settings(tmp_path, bundle_dir, synthetic_probes=8)
     migrate(settings.database_url)
-    stack = Stack(settings, tmp_path)
-    try:
-        stack.start_api()
-        stack.start_worker()
-        stack.wait_ready()
+    with started(settings, tmp_path) as stack:
         with QlocClient(stack.base_url) as qloc:
             es = qloc.create_exemplar_set([crop(), png_bytes(28, 28, seed=10)])
             job = qloc.create_adaptation(es.id, [png_bytes(84, 84, seed=s) for s in range(4)], iterations=4,
@@ -243,8 +239,6 @@ def test_wait_follows_a_job_run_by_a_real_worker(tmp_path, bundle_dir, capsys) -
             assert qloc.get_exemplar_set(es.id).active_checkpoint_id == done.checkpoint_id
         err = capsys.readouterr().err
         assert f"job {str(job.id)[:8]}" in err and "4/4" in err
-    finally:
-        stack.stop()
 
 
 def test_negatives_threshold_and_the_calibrated_answer(qloc: QlocClient) -> None:

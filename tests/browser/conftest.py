@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for service_fixtures
 
-from service_fixtures import Stack, bundle_dir, make_test_settings, migrate  # noqa: E402,F401
+from service_fixtures import Stack, bundle_dir, make_test_settings, migrate, started  # noqa: E402,F401
 
 CHROMIUM = os.environ.get("QLOC_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -41,14 +41,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, bundle_dir: Path) -> Iterato
     root = tmp_path_factory.mktemp("browser-stack")
     settings = make_test_settings(root, bundle_dir, synthetic_probes=8)
     migrate(settings.database_url)
-    st = Stack(settings, root)
-    try:
-        st.start_api()
-        st.start_worker()
-        st.wait_ready()
+    with started(settings, root) as st:
         yield st
-    finally:
-        st.stop()
 
 
 @pytest.fixture(scope="session")
