@@ -74,6 +74,8 @@ class Judged:
     score: float
     confidence: float | None
     found: bool
+    instances: list[Judged] | None = None
+    """With ``max_instances``: each instance's verdict, best first (those under ``min_confidence`` left out)."""
 
 
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
@@ -83,7 +85,56 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
     use the negatives' fit of the calibration; ``rerank_boxes`` (needs the results' trajectories) then answers
-    with the visited box it finds most likely right. Without a calibration: confidence None, found True."""
+    with the visited box it finds most likely right. Without a calibration: confidence None, found True.
+    The results' ``instances`` are judged the same way; ``min_confidence`` drops those under it."""
+    answers = _judge_answers(results, images, calibration, threshold=threshold, min_confidence=min_confidence,
+                             loaded=loaded, prototype=prototype, negatives=negatives, rerank_boxes=rerank_boxes)
+    if all(r.instances is None for r in results):
+        return answers
+    confs = _instance_confidences(results, images, calibration, loaded=loaded, prototype=prototype,
+                                  negatives=negatives)
+    cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
+    for a, r, cs in zip(answers, results, confs, strict=True):
+        if r.instances is None:
+            continue
+        a.instances = [Judged(tuple(i.box), float(i.score), c, c is None or c >= cut)
+                       for i, c in zip(r.instances, cs, strict=True)
+                       if min_confidence is None or c is None or c >= min_confidence]
+    return answers
+
+
+def _instance_confidences(results: list, images: list[Image.Image], calibration: dict | None, *,
+                          loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None
+                          ) -> list[list[float | None]]:
+    """The calibrated confidence of every instance of every result (``[]`` for a result without instances)."""
+    counts = [len(r.instances or ()) for r in results]
+    if calibration is None:
+        return [[None] * n for n in counts]
+    cal = Calibration.from_dict(calibration)
+    if loaded is None or negatives is None or cal.negatives is None:
+        flat = cal.confidence(torch.tensor([i.score for r in results for i in (r.instances or ())],
+                                           dtype=torch.float64)).tolist()
+        out, at = [], 0
+        for n in counts:
+            out.append(flat[at:at + n])
+            at += n
+        return out
+    pad = max(counts)
+    # Every image's instances as one row (padded with its first box): one backbone pass per image, one scoring.
+    boxes = torch.tensor([[i.box for i in r.instances] + [r.instances[0].box] * (pad - n) if n else [[0.0] * 4] * pad
+                          for r, n in zip(results, counts, strict=True)], dtype=torch.float32)  # [n, K, 4]
+    batch, scales = preprocess(images, loaded.localizer.spec)
+    k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
+    proto = prototype_from_bytes(prototype)
+    _, _, conf = score_boxes(loaded.localizer, batch, boxes / k, proto, negatives_from_bytes(negatives, len(proto)),
+                             cal)
+    return [[float(c) for c in row[:n]] for row, n in zip(conf.tolist(), counts, strict=True)]
+
+
+def _judge_answers(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
+                   min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
+                   negatives: bytes | None, rerank_boxes: bool) -> list[Judged]:
+    """``judge`` of the answers (``box``) alone."""
     boxes = [tuple(r.box) for r in results]
     scores = [float(r.score) for r in results]
     if calibration is None:

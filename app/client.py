@@ -95,6 +95,14 @@ class ExemplarSet(_Model):
     created_at: datetime | None = None
 
 
+class Instance(_Model):
+    box: list[float]
+    """``[x1, y1, x2, y2]`` in the pixels of the image as sent."""
+    score: float
+    confidence: float | None = None
+    found: bool = True
+
+
 class Localization(_Model):
     filename: str | None = None
     width: int
@@ -107,6 +115,8 @@ class Localization(_Model):
     found: bool = True
     """``confidence`` at or above the set's threshold (or the request's ``min_confidence``)."""
     trajectory: list[list[float]] | None = None
+    instances: list[Instance] | None = None
+    """With ``max_instances``: up to that many objects, best first."""
 
 
 class LocalizeResponse(_Model):
@@ -476,14 +486,16 @@ class QlocClient:
 
     def localize(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput], *,
                  checkpoint: str | uuid.UUID = "active", trajectory: bool = False, samples: int | None = None,
-                 nearest: bool | None = None, keep: bool | None = None, **options: Any) -> LocalizeResponse:
+                 nearest: bool | None = None, keep: bool | None = None, max_instances: int | None = None,
+                 **options: Any) -> LocalizeResponse:
         """One box per image, in its own pixels. ``checkpoint``: ``active``, ``base`` or a checkpoint id;
         ``samples``: best-of-N search; ``nearest``: the visited box nearest the exemplars; ``keep``: also add
-        the images to the set's pool. Other query options the server knows pass through ``options``. Retried on
+        the images to the set's pool; ``max_instances``: up to that many objects per image (``instances``). Other
+        query options the server knows pass through ``options``. Retried on
         503 (the server computed nothing then), but not after a lost answer when ``keep`` is set."""
         params: dict[str, Any] = {"checkpoint": str(checkpoint), "trajectory": _bool(trajectory),
                                   "samples": samples, "nearest": None if nearest is None else _bool(nearest),
-                                  "keep": None if keep is None else _bool(keep)}
+                                  "keep": None if keep is None else _bool(keep), "max_instances": max_instances}
         params.update({k: _bool(v) if isinstance(v, bool) else v for k, v in options.items()})
         r = self.request("POST", f"/v1/exemplar-sets/{set_id}/localize", params=params, files=_files(images),
                          idempotent=not keep)

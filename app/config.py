@@ -11,12 +11,14 @@ import functools
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
 MAX_SAMPLES = 63
 """Most extra sampled episodes per image a localize request may ask for (64 episodes in all)."""
+MAX_INSTANCES = 32
+"""Localize's ``max_instances`` may ask for up to this many objects per image."""
 
 
 class Settings(BaseSettings):
@@ -140,6 +142,19 @@ class Settings(BaseSettings):
     max_job_attempts: int = Field(3, ge=1)
     """A job abandoned this many times is marked failed instead of being requeued."""
     worker_concurrency: int = Field(1, ge=1)
+
+    # --- Label Studio ML backend (/v1/labelstudio/{set_id}, app/routes/labelstudio.py)
+    labelstudio_url: str | None = Field(None, validation_alias=AliasChoices(
+        "labelstudio_url", "QLOC_LABELSTUDIO_URL", "LABEL_STUDIO_URL"))
+    """Label Studio's base URL (QLOC_LABELSTUDIO_URL, or LABEL_STUDIO_URL as its ML backends read it): task images
+    given as Label Studio paths (``/data/upload/...``) are fetched from there. Unset: the ``hostname`` that Label
+    Studio's own ``/setup`` call gives (its HOST setting)."""
+    labelstudio_api_key: str | None = Field(None, repr=False, validation_alias=AliasChoices(
+        "labelstudio_api_key", "QLOC_LABELSTUDIO_API_KEY", "LABEL_STUDIO_API_KEY"))
+    """Label Studio token sent with those fetches: a legacy token (``Authorization: Token``) or a personal access
+    token (a JWT, exchanged for an access token). Unset: the ``access_token`` Label Studio's ``/setup`` gives."""
+    labelstudio_fetch_timeout: float = Field(10.0, gt=0, le=300)
+    """Seconds one task image fetch (connect, and each read) may take before the prediction is refused (422)."""
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -15,12 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.schemas import LocalizationResult
+from app.schemas import InstanceResult, LocalizationResult
 
 
-def _score(r: LocalizationResult) -> float:
+def _score(r: LocalizationResult | InstanceResult) -> float:
     """COCO's score, higher is better: the confidence; without a calibration, 1 / (1 + distance)."""
     return float(r.confidence) if r.confidence is not None else 1.0 / (1.0 + max(0.0, r.score))
+
+
+def _detections(r: LocalizationResult) -> list[LocalizationResult | InstanceResult]:
+    """What an image's answer exports: its instances (``max_instances``), else its one answer."""
+    return list(r.instances) if r.instances is not None else [r]
 
 
 def coco(results: list[LocalizationResult], *, image_ids: list[int], category_id: int, category_name: str,
@@ -30,33 +35,37 @@ def coco(results: list[LocalizationResult], *, image_ids: list[int], category_id
               for i, r in zip(image_ids, results, strict=True)]
     annotations = []
     for i, r in zip(image_ids, results, strict=True):
-        if only_found and not r.found:
-            continue
-        x1, y1, x2, y2 = r.box
-        annotations.append({"image_id": i, "category_id": category_id,
-                            "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
-                            "score": round(_score(r), 6)})
+        for d in _detections(r):
+            if only_found and not d.found:
+                continue
+            x1, y1, x2, y2 = d.box
+            annotations.append({"image_id": i, "category_id": category_id,
+                                "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
+                                "score": round(_score(d), 6)})
     return {"images": images, "categories": [{"id": category_id, "name": category_name}],
             "annotations": annotations}
 
 
 def labelstudio(results: list[LocalizationResult], *, label: str, from_name: str, to_name: str,
                 model_version: str, only_found: bool = True) -> list[dict[str, Any]]:
-    """Label Studio tasks with one prediction each: a ``rectanglelabels`` region when the answer is found
-    (always, with ``only_found=False``), else an empty result (the model saw nothing)."""
+    """Label Studio tasks with one prediction each: a ``rectanglelabels`` region per found answer (per found
+    instance with ``max_instances``; every one with ``only_found=False``), or an empty result (nothing seen)."""
     tasks = []
     for k, r in enumerate(results):
-        x1, y1, x2, y2 = r.box
-        region = {"id": f"qloc-{k}", "from_name": from_name, "to_name": to_name, "type": "rectanglelabels",
-                  "original_width": r.width, "original_height": r.height, "image_rotation": 0,
-                  "value": {"x": 100.0 * x1 / r.width, "y": 100.0 * y1 / r.height,
-                            "width": 100.0 * (x2 - x1) / r.width, "height": 100.0 * (y2 - y1) / r.height,
-                            "rotation": 0, "rectanglelabels": [label]},
-                  "score": _score(r)}
-        keep = r.found or not only_found
+        regions = []
+        for j, d in enumerate(_detections(r)):
+            if only_found and not d.found:
+                continue
+            x1, y1, x2, y2 = d.box
+            regions.append({"id": f"qloc-{k}" if r.instances is None else f"qloc-{k}-{j}", "from_name": from_name,
+                            "to_name": to_name, "type": "rectanglelabels", "original_width": r.width,
+                            "original_height": r.height, "image_rotation": 0,
+                            "value": {"x": 100.0 * x1 / r.width, "y": 100.0 * y1 / r.height,
+                                      "width": 100.0 * (x2 - x1) / r.width, "height": 100.0 * (y2 - y1) / r.height,
+                                      "rotation": 0, "rectanglelabels": [label]},
+                            "score": _score(d)})
         tasks.append({"data": {"image": r.filename or f"image-{k + 1}"},
-                      "predictions": [{"model_version": model_version, "score": _score(r),
-                                       "result": [region] if keep else []}]})
+                      "predictions": [{"model_version": model_version, "score": _score(r), "result": regions}]})
     return tasks
 
 

@@ -21,7 +21,7 @@ from app.inference import BundleRegistry
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.queue import JobQueue
 from app.remote import WorkerInference
-from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, pool
+from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, pool
 from app.serving import BatchedInference
 from app.storage import BlobStore
 
@@ -109,7 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics(app.state.session_factory)
     app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost: sees 413s
-    for module in (exemplar_sets, pool, adaptations, checkpoints, bundles, health):
+    for module in (exemplar_sets, pool, adaptations, checkpoints, bundles, health, labelstudio):
         app.include_router(module.router)
     web.install(app)  # the page at / and the API docs, offline
     return app

@@ -35,7 +35,7 @@ from PIL import Image
 
 from app.config import Settings
 from app.serving import CheckpointRef, InferenceRefused, LocalizeAnswer, LocalizeCall
-from models.inference import Localization
+from models.inference import Instance, Localization
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def encode_call(call: LocalizeCall) -> dict[str, Any]:
             "prototype": _b64(call.prototype),
             "checkpoint": None if ck is None else {"id": str(ck.id), "blob": ck.blob, "sha256": ck.sha256},
             "images": [encode_image(im) for im in call.images], "trajectory": call.trajectory,
-            "samples": call.samples, "nearest": call.nearest}
+            "samples": call.samples, "nearest": call.nearest, "max_instances": call.max_instances}
 
 
 def decode_call(data: dict[str, Any]) -> LocalizeCall:
@@ -96,20 +96,23 @@ def decode_call(data: dict[str, Any]) -> LocalizeCall:
         prototype=_unb64(data["prototype"]),
         checkpoint=None if ck is None else CheckpointRef(uuid.UUID(ck["id"]), ck["blob"], ck["sha256"]),
         images=[decode_image(d) for d in data["images"]], trajectory=bool(data["trajectory"]),
-        samples=int(data["samples"]), nearest=data["nearest"])
+        samples=int(data["samples"]), nearest=data["nearest"], max_instances=int(data.get("max_instances", 1)))
 
 
 def encode_answer(answer: LocalizeAnswer) -> dict[str, Any]:
     return {"nearest": answer.nearest,
             "results": [{"box": list(r.box), "score": r.score,
-                         "trajectory": None if r.trajectory is None else [list(b) for b in r.trajectory]}
+                         "trajectory": None if r.trajectory is None else [list(b) for b in r.trajectory],
+                         "instances": None if r.instances is None else [[list(i.box), i.score] for i in r.instances]}
                         for r in answer.results]}
 
 
 def decode_answer(data: dict[str, Any]) -> LocalizeAnswer:
     return LocalizeAnswer(
         [Localization(tuple(r["box"]), float(r["score"]),  # type: ignore[arg-type]
-                      None if r["trajectory"] is None else [tuple(b) for b in r["trajectory"]])
+                      None if r["trajectory"] is None else [tuple(b) for b in r["trajectory"]],
+                      None if r.get("instances") is None else [Instance(tuple(b), float(d))  # type: ignore[arg-type]
+                                                               for b, d in r["instances"]])
          for r in data["results"]], bool(data["nearest"]))
 
 

@@ -75,6 +75,17 @@ class ExemplarSetsPublic(Page):
     data: list[ExemplarSetPublic]
 
 
+class InstanceResult(BaseModel):
+    """One object found in an image (``max_instances``)."""
+
+    box: Box
+    score: float = Field(description="Embedding distance of the box to the prototype (lower is closer)")
+    confidence: float | None = Field(None, ge=0, le=1, description=(
+        "Calibrated probability that the box is on an instance of the object (IoU >= 0.5), as the answer's; null "
+        "without a calibration"))
+    found: bool = Field(True, description="confidence >= the set's threshold (true without a calibration)")
+
+
 class LocalizationResult(BaseModel):
     filename: str | None
     width: int
@@ -89,6 +100,10 @@ class LocalizationResult(BaseModel):
         "confidence >= the set's threshold (and >= min_confidence when given); the box is returned either way. "
         "true when there is no calibration (as before calibrations existed)"))
     trajectory: list[Box] | None = Field(None, description="Boxes from the whole image to the final one")
+    instances: list[InstanceResult] | None = Field(None, description=(
+        "With `max_instances`: up to that many objects in the image, best (lowest score) first, none overlapping "
+        "another by more than IoU 0.3; the agent's answer (`box`) is one of them unless a closer box overlaps it. "
+        "With `min_confidence`, those below it are left out. Absent without `max_instances`"))
 
 
 class LocalizeResponse(BaseModel):

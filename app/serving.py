@@ -67,6 +67,8 @@ class LocalizeCall:
     samples: int = 0
     nearest: bool | None = None
     """``None``: the bundle's own default."""
+    max_instances: int = 1
+    """Up to this many objects per image (``Localization.instances``; 1: the one answer only)."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +189,10 @@ class LocalInference:
         batch, scales = preprocess(call.images, loaded.localizer.spec)
         prototype = served.prototype if served.prototype is not None else prototype_from_bytes(call.prototype)
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
-                            nearest)
+                            nearest, call.max_instances)
         # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
         key = (loaded.sha256, None if call.checkpoint is None else call.checkpoint.id, nearest,
-               object() if call.samples > 0 else 0)
+               object() if call.samples > 0 else 0, call.max_instances)
         return key, prepared
 
     def localize(self, call: LocalizeCall) -> LocalizeAnswer:
@@ -213,10 +215,12 @@ class Prepared:
     trajectory: bool
     samples: int
     nearest: bool
+    max_instances: int = 1
 
 
 def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
-    """Calls of one bundle file, agent and options (``LocalInference.prepare``'s key) -> one forward pass over
+    """Calls of one bundle file, agent and options (``LocalInference.prepare``'s key: ``nearest``, ``max_instances``)
+    -> one forward pass over
     all their images, each image with its own call's prototype -> one answer per call.
 
     Greedy episodes do not depend on the other images of the batch: the answers equal those of the calls
@@ -233,13 +237,13 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
             torch.tensor(counts), dim=0)  # [B, D]: each image its call's prototype
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
-                                             nearest=first.nearest)
+                                             nearest=first.nearest, max_instances=first.max_instances)
     answers, at = [], 0
     for c, n in zip(calls, counts, strict=True):  # per call, not per image: slicing the batch's answers
         mine = results[at:at + n]
         at += n
         if not c.trajectory and mine and mine[0].trajectory is not None:
-            mine = [Localization(r.box, r.score) for r in mine]
+            mine = [Localization(r.box, r.score, None, r.instances) for r in mine]
         answers.append(LocalizeAnswer(mine, c.nearest))
     return answers
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.config import InputSpec
+from models.instances import InstanceConfig, find_instances
 from models.nets.agent import Agent
 from models.rollout import Rollout, rollout, search
 
@@ -98,6 +99,14 @@ def exemplar_canvas(crops: list[Tensor], spec: InputSpec) -> tuple[Tensor, Tenso
     return canvases, torch.tensor(boxes, dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class Instance:
+    """One object found in an image (``Localization.instances``), in the pixels of the image as given."""
+
+    box: tuple[float, float, float, float]
+    score: float
+
+
 @dataclass
 class Localization:
     """One image's answer, in the pixels of the image as given."""
@@ -105,6 +114,9 @@ class Localization:
     box: tuple[float, float, float, float]
     score: float
     trajectory: list[tuple[float, float, float, float]] | None = None
+    instances: list[Instance] | None = None
+    """With ``max_instances``: up to that many objects, best (lowest score) first; the agent's answer (``box``) is
+    one of them unless a closer box overlaps it (``models.instances``)."""
 
 
 class Localizer:
@@ -175,28 +187,34 @@ class Localizer:
     def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
                  agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,
                  trajectory: bool = False, seed: int | None = None, samples: int = 0,
-                 nearest: bool | None = None) -> list[Localization]:
+                 nearest: bool | None = None, max_instances: int = 1) -> list[Localization]:
         """Localize each image (any size) -> one ``Localization`` per image, in upload order.
 
         ``prototype``: ``[D]`` for every image, or ``[B, D]``, one per image (calls of several exemplar sets
         run as one batch). ``samples``: extra sampled episodes per image for the best-of-N search;
         ``nearest``: answer with the visited box nearest the prototype (see ``run``; ``None``: the bundle's
-        default)."""
+        default). ``max_instances > 1``: also up to that many objects per image (``Localization.instances``,
+        ``models.instances``)."""
         batch, scales = preprocess(images, self.spec)
         return self.localize_batch(batch, scales, prototype, self.agent(agent_state), deterministic=deterministic,
-                                   trajectory=trajectory, seed=seed, samples=samples, nearest=nearest)
+                                   trajectory=trajectory, seed=seed, samples=samples, nearest=nearest,
+                                   max_instances=max_instances)
 
     def localize_batch(self, batch01: Tensor, scales: Tensor, prototype: Tensor, agent: Agent, *,
                        deterministic: bool = True, trajectory: bool = False, seed: int | None = None,
-                       samples: int = 0, nearest: bool | None = None) -> list[Localization]:
+                       samples: int = 0, nearest: bool | None = None, max_instances: int = 1,
+                       instance_config: InstanceConfig | None = None) -> list[Localization]:
         """``localize`` on images already preprocessed (``preprocess``: ``batch01 [B, C, S, S]``, ``scales [B, 2]``)
         with an agent already built (``agent``): what a server that batches several requests runs.
 
         ``prototype`` is ``[D]`` (shared) or ``[B, D]`` (one per image). A greedy episode depends on its own
         image and prototype only, so the answers of a batch equal those of its images localized apart (to
         float rounding); sampled episodes (``samples`` or ``deterministic=False``) share one random stream
-        across the batch."""
+        across the batch. ``max_instances > 1`` adds ``instances`` to each answer (``models.instances``, on the
+        same feature map: the backbone still runs once per image)."""
         b = batch01.shape[0]
+        if max_instances < 1:
+            raise ValueError(f"max_instances must be >= 1, got {max_instances}")
         if prototype.dim() == 2 and prototype.shape[0] != b:
             raise ValueError(f"prototype must be [D] or [{b}, D] (one per image), got {list(prototype.shape)}")
         if prototype.dim() not in (1, 2):
@@ -207,13 +225,24 @@ class Localizer:
         elif samples > 0:
             gen = torch.Generator().manual_seed(0 if seed is None else seed)
         with torch.inference_mode():  # less per-op bookkeeping than no_grad: batch 1 is mostly that
-            ro = self.run(batch01, prototype, agent, deterministic=deterministic, generator=gen,
-                          samples=samples, nearest=nearest)
+            feats = self.embedder.features(normalize(batch01.to(self.device), self.spec))  # the one backbone pass
+            ro = self.run_features(feats, prototype, agent, deterministic=deterministic, generator=gen,
+                                   samples=samples, nearest=nearest)
+            found = None
+            if max_instances > 1:
+                found = find_instances(self.embedder, agent, feats, prototype, self.bundle.config.env,
+                                       self.spec.size, max_instances, ro.boxes[-1], ro.distances[-1],
+                                       instance_config)
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         finals, scores = boxes[-1].tolist(), ro.distances[-1].cpu().tolist()  # one conversion for the batch
-        if not trajectory:
-            return [Localization(tuple(f), s) for f, s in zip(finals, scores, strict=True)]
-        paths = boxes.transpose(0, 1).tolist()  # [B][T+1][4]
-        return [Localization(tuple(f), s, [tuple(p) for p in path])
-                for f, s, path in zip(finals, scores, paths, strict=True)]
+        out = [Localization(tuple(f), s) for f, s in zip(finals, scores, strict=True)]
+        if trajectory:
+            for loc, path in zip(out, boxes.transpose(0, 1).tolist(), strict=True):  # [B][T+1][4]
+                loc.trajectory = [tuple(p) for p in path]
+        if found is not None:
+            inst_boxes = (found.boxes * k[:, None]).cpu().tolist()  # [B][K][4]
+            inst_dist, valid = found.distances.cpu().tolist(), found.valid.cpu().tolist()
+            for loc, bs, ds, vs in zip(out, inst_boxes, inst_dist, valid, strict=True):
+                loc.instances = [Instance(tuple(bx), d) for bx, d, v in zip(bs, ds, vs, strict=True) if v]
+        return out

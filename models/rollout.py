@@ -24,7 +24,7 @@ REWARDS = ("embedding", "iou", "iou_sign")
 class Rollout(NamedTuple):
     """One episode for ``B`` images, ``T`` steps; every field is time-major."""
 
-    boxes: Tensor       # [T+1, B, 4], boxes[0] is the whole image
+    boxes: Tensor       # [T+1, B, 4], boxes[0] is the whole image (or the episode's start window)
     actions: Tensor     # [T, B]
     log_probs: Tensor   # [T, B] (carry the agent's gradient)
     entropies: Tensor   # [T, B]
@@ -38,7 +38,7 @@ class BoxEnv:
 
     def __init__(self, embedder: RoIEmbedder, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
                  size: tuple[float, float], reward: str = "embedding", gt_boxes: Tensor | None = None,
-                 episodes: int = 1):
+                 episodes: int = 1, starts: Tensor | None = None):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if reward != "embedding" and gt_boxes is None:
@@ -51,7 +51,13 @@ class BoxEnv:
         self.cfg, self.width, self.height = cfg, float(size[0]), float(size[1])
         self.reward_kind = reward
         self.gt_boxes = gt_boxes.repeat_interleave(episodes, 0) if gt_boxes is not None and episodes > 1 else gt_boxes
-        self.boxes = full_image_boxes(feats.shape[0] * episodes, self.width, self.height, device=feats.device)
+        n = feats.shape[0] * episodes
+        if starts is None:
+            self.boxes = full_image_boxes(n, self.width, self.height, device=feats.device)
+        elif starts.shape != (n, 4):
+            raise ValueError(f"starts must be [B * episodes, 4] = [{n}, 4], got {list(starts.shape)}")
+        else:  # episodes from given windows (several instances): image-major, as the rows
+            self.boxes = starts.to(feats.device, torch.float32)
 
     @torch.no_grad()
     def observe(self, embed: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -109,8 +115,8 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
             size: tuple[float, float], *, deterministic: bool | Tensor = False,
             generator: torch.Generator | None = None, reward: str = "embedding",
             gt_boxes: Tensor | None = None, rewards: bool = True, episodes: int = 1,
-            reference: Agent | None = None) -> Rollout:
-    """Run ``cfg.steps`` actions from the whole image on every image of ``feats [B, C, h, w]``.
+            reference: Agent | None = None, starts: Tensor | None = None) -> Rollout:
+    """Run ``cfg.steps`` actions from the whole image (or from ``starts``) on every image of ``feats [B, C, h, w]``.
 
     ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
     ``log_probs`` and ``entropies``; the frozen embedder is run without gradient.
@@ -120,12 +126,14 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     then ``B * episodes``, image-major, and ``deterministic`` may be a ``[B * episodes]`` mask.
     ``reference`` (a frozen agent) adds ``kl``: KL(agent || reference) of the action distributions at
     every visited state, differentiable in the agent (adaptation's trust region).
+    ``starts`` (``[B * episodes, 4]``, input pixels, image-major) starts each episode from its own window
+    instead of the whole image (``models.instances``).
     """
     # Every step's embedding is needed for the rewards, or as input of an agent that reads the prototype.
     embed = rewards or agent.cfg.use_prototype
     if prototypes.dim() == 1:
         prototypes = prototypes.expand(feats.shape[0], -1)
-    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes, episodes)
+    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes, episodes, starts)
     prototypes = env.prototypes
     b = feats.shape[0] * episodes
     roi, emb, dist = env.observe(embed)

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Request, Response, UploadFile, status
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from app import crud, export, pool
 from app.calibration import calibrate_new_set, judge
-from app.config import MAX_SAMPLES, Settings
+from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.deps import BundlesDep, Caller, CallerDep, InferenceDep, MetricsDep, SessionDep, SettingsDep, StoreDep
 from app.export import AnswerOptions
 from app.images import DecodedImage
@@ -37,6 +38,7 @@ from app.schemas import (
     CocoResults,
     ExemplarSetPublic,
     ExemplarSetsPublic,
+    InstanceResult,
     LabelStudioTask,
     LocalizationResult,
     LocalizeResponse,
@@ -312,6 +314,11 @@ def localize(
         "For a set with negative exemplars (QLOC_INFERENCE=local): answer with the box of the episode that the "
         "calibration with negatives finds most likely right, not the agent's own answer (one more backbone pass "
         "per image; `score` is then that box's distance). Without negatives it changes nothing."))] = False,
+    max_instances: Annotated[int, Query(ge=1, le=MAX_INSTANCES, description=(
+        "Up to this many objects per image, in `results[i].instances`, best (lowest score) first: the agent's "
+        "answer, and episodes started from the best windows of a coarse ranking, none overlapping another by more "
+        "than IoU 0.3 (the backbone still runs once per image). 1 (default): the one answer, no `instances`. "
+        "`format=coco` / `labelstudio` then export every instance"))] = 1,
     format: Annotated[Literal["json", "coco", "labelstudio"], Query(description=(
         "`json` (default): this response. `coco`: COCO detection results, `{images, categories, annotations}`, "
         "`annotations` ready for pycocotools' `COCO.loadRes` (`bbox` [x, y, w, h], `score` = confidence), "
@@ -336,17 +343,61 @@ def localize(
     # client's latency felt). The set and checkpoint are read on every request (no cache): a checkpoint
     # activated by a worker process, or a set deleted by another API process, is seen at once.
     with request.app.state.session_factory() as session:
-        return _localize(session, set_id, settings, inference, caller, metrics, store, files, checkpoint,
-                         trajectory, samples, nearest, keep,
-                         answer_opts=AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label),
-                         bundles=bundles, local=remote is None)
+        done = localize_files(session, set_id, settings, inference, caller, metrics, store, files,
+                              RunOptions(checkpoint, trajectory, samples, nearest, keep, max_instances),
+                              AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label),
+                              bundles=bundles, local=remote is None)
+    return formatted(done, AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label))
 
 
-def _localize(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend, caller: Caller,
-              metrics: Metrics, store: BlobStore, files: list[UploadFile], checkpoint: str, trajectory: bool,
-              samples: int | None, nearest: bool | None, keep: bool, *, answer_opts: AnswerOptions | None = None,
-              bundles: BundleRegistry | None = None, local: bool = True) -> Response:
-    opts = answer_opts or AnswerOptions()
+@dataclass(frozen=True)
+class RunOptions:
+    """What a localize request runs (its query parameters but the answer's format)."""
+
+    checkpoint: str = "active"
+    trajectory: bool = False
+    samples: int | None = None
+    """``None``: the server's QLOC_LOCALIZE_SAMPLES."""
+    nearest: bool | None = None
+    keep: bool = False
+    max_instances: int = 1
+
+
+@dataclass
+class Localized:
+    """A localize request answered: the set and checkpoint that served it, and one result per image."""
+
+    exemplar_set: ExemplarSet
+    checkpoint: Checkpoint
+    samples: int
+    nearest: bool
+    results: list[LocalizationResult]
+    kept: list[uuid.UUID] | None
+
+
+def formatted(done: Localized, opts: AnswerOptions) -> Response:
+    """A localize answer in the asked format (``json``: ``LocalizeResponse``)."""
+    es, ckpt, results = done.exemplar_set, done.checkpoint, done.results
+    if opts.format == "coco":
+        return JSONResponse(export.coco(results, image_ids=opts.ids(len(results)), category_id=opts.category_id,
+                                        category_name=es.name or "object", only_found=opts.min_confidence is not None))
+    if opts.format == "labelstudio":
+        return JSONResponse(export.labelstudio(results, label=opts.label or es.name or "object", from_name="label",
+                                               to_name="image", model_version=str(ckpt.id)))
+    body = LocalizeResponse(
+        exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=done.samples,
+        nearest=done.nearest, kept=done.kept, results=results)
+    # Serialized once, here (what ``response_model_exclude_none`` gives); returned as is, FastAPI would dump,
+    # validate and serialize the model again.
+    return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
+
+
+def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend,  # noqa: PLR0913
+                   caller: Caller, metrics: Metrics, store: BlobStore, files: list[UploadFile], run: RunOptions,
+                   opts: AnswerOptions, *, bundles: BundleRegistry | None = None, local: bool = True) -> Localized:
+    """Localize the set's object in uploaded ``files`` (the pipeline of every way in: the localize route, Label
+    Studio's /predict): decode, the inference backend, the calibration's verdict, the pool (``keep``)."""
+    checkpoint, trajectory, samples, nearest, keep = run.checkpoint, run.trajectory, run.samples, run.nearest, run.keep
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -369,7 +420,7 @@ def _localize(session: Session, set_id: uuid.UUID, settings: Settings, inference
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
         images=[im.image for im in images], trajectory=trajectory or (opts.rerank and use_negatives),
-        samples=n_samples, nearest=nearest)
+        samples=n_samples, nearest=nearest, max_instances=run.max_instances)
     try:
         answer = inference.localize(call)
     except InferenceRefused as e:
@@ -382,17 +433,9 @@ def _localize(session: Session, set_id: uuid.UUID, settings: Settings, inference
     results = [LocalizationResult(filename=im.filename, width=im.width, height=im.height,
                                   box=list(im.box_to_full(j.box)), score=j.score, confidence=j.confidence,
                                   found=j.found,
-                                  trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None)
+                                  trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None,
+                                  instances=None if j.instances is None else [
+                                      InstanceResult(box=list(im.box_to_full(i.box)), score=i.score,
+                                                     confidence=i.confidence, found=i.found) for i in j.instances])
                for im, r, j in zip(images, answer.results, judged, strict=True)]
-    if opts.format == "coco":
-        return JSONResponse(export.coco(results, image_ids=opts.ids(len(results)), category_id=opts.category_id,
-                                        category_name=es.name or "object", only_found=opts.min_confidence is not None))
-    if opts.format == "labelstudio":
-        return JSONResponse(export.labelstudio(results, label=opts.label or es.name or "object", from_name="label",
-                                               to_name="image", model_version=str(ckpt.id)))
-    body = LocalizeResponse(
-        exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=n_samples,
-        nearest=answer.nearest, kept=kept, results=results)
-    # Serialized once, here (what ``response_model_exclude_none`` gives); returned as is, FastAPI would dump,
-    # validate and serialize the model again.
-    return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
+    return Localized(es, ckpt, n_samples, answer.nearest, results, kept)

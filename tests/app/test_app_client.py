@@ -253,3 +253,19 @@ def test_negatives_threshold_and_the_calibrated_answer(qloc: QlocClient) -> None
     assert r.found == (r.confidence >= 0.75)
     strict = qloc.localize(es.id, [png_bytes(84, 84, seed=5)], min_confidence=1.0).results[0]
     assert strict.box == r.box and strict.found is (r.confidence >= 1.0)
+
+
+def test_max_instances_typed_and_judged_with_the_negatives(qloc: QlocClient) -> None:
+    """``max_instances`` reaches the server; each instance is typed, with the confidence the negatives weigh in
+    (the first instance's equals the answer's when it is the answer's box)."""
+    es = qloc.create_exemplar_set([crop(), png_bytes(28, 28, seed=10)], negatives=[png_bytes(28, 28, seed=11)])
+    r = qloc.localize(es.id, [png_bytes(84, 84, seed=5), png_bytes(120, 90, seed=6)], max_instances=3).results
+    plain = qloc.localize(es.id, [png_bytes(84, 84, seed=5), png_bytes(120, 90, seed=6)]).results
+    for got, one in zip(r, plain, strict=True):
+        assert got.box == one.box and one.instances is None
+        assert got.instances is not None and 1 <= len(got.instances) <= 3
+        assert [i.score for i in got.instances] == sorted(i.score for i in got.instances)
+        for inst in got.instances:
+            assert inst.confidence is not None and 0.0 <= inst.confidence <= 1.0
+            if inst.box == pytest.approx(one.box, abs=1e-3):
+                assert inst.confidence == pytest.approx(one.confidence, abs=1e-4)

@@ -121,6 +121,12 @@ def same_answers(a: dict, b: dict) -> None:
         assert (ra.get("trajectory") is None) == (rb.get("trajectory") is None)
         if ra.get("trajectory") is not None:
             assert np.allclose(ra["trajectory"], rb["trajectory"], atol=TOL)
+        assert (ra.get("instances") is None) == (rb.get("instances") is None)
+        if ra.get("instances") is not None:
+            assert len(ra["instances"]) == len(rb["instances"])
+            for ia, ib in zip(ra["instances"], rb["instances"], strict=True):
+                assert np.allclose(ia["box"], ib["box"], atol=TOL) and abs(ia["score"] - ib["score"]) < TOL
+                assert ia["found"] == ib["found"]
 
 
 @pytest.mark.slow
@@ -145,7 +151,7 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
 
             url = f"/v1/exemplar-sets/{es['id']}/localize"
             for params in ({"trajectory": "true"}, {"samples": "3"}, {"nearest": "true", "samples": "2"},
-                           {"checkpoint": "base", "nearest": "false"}):
+                           {"checkpoint": "base", "nearest": "false"}, {"max_instances": "4"}):
                 a, b = w.post(url, files=uploads(), params=params), loc.post(url, files=uploads(), params=params)
                 assert a.status_code == b.status_code == 200, (params, a.text, b.text, stack.logs())
                 same_answers(a.json(), b.json())
