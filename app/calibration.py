@@ -8,6 +8,11 @@
   look-alikes, and ``rerank`` answers with the visited box that calibration likes best.
 
 The inference backends are not involved: what is computed here runs after the answer, in the route.
+
+A calibration with templates (format version 2, ``models.calibration.Templates``: the set's crops as 16x16 8-bit
+templates, kept in the calibration's JSON -- no file is read per request) gives every answer the NCC fit's
+confidence: the NCC of its box with the exemplars (and the negative exemplars), read on the image resized to the
+bundle's input as the fit read it. It needs no model, so it holds with ``QLOC_INFERENCE=workers`` too.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import Tensor
 from app.inference import LoadedBundle, prototype_from_bytes
 from models.calibration import Calibration, calibrate_policy, rerank, score_boxes
 from models.data.types import LabeledImages
-from models.inference import pil_to_tensor, preprocess
+from models.inference import pil_to_tensor, preprocess, resize_batch
 
 CALIBRATION_SAMPLES = 128
 """Positives and negatives a calibration is fit on (each)."""
@@ -64,6 +69,16 @@ def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image
                            threshold=threshold)
     return NewSetCalibration(cal.to_dict(), None if negatives is None else negatives_to_bytes(negatives),
                              0 if negatives is None else len(negatives))
+
+
+def _ncc_confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor) -> Tensor:
+    """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> the NCC fit's ``P(correct)``
+    ``[n, K]`` (the calibration has templates)."""
+    t = cal.templates
+    assert t is not None
+    batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)
+    k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
+    return cal.box_confidence(batch, boxes / k, scores)
 
 
 @dataclass
@@ -111,6 +126,14 @@ def _instance_confidences(results: list, images: list[Image.Image], calibration:
     if calibration is None:
         return [[None] * n for n in counts]
     cal = Calibration.from_dict(calibration)
+    if cal.templates is not None and cal.ncc is not None and any(counts):
+        pad = max(counts)
+        boxes = torch.tensor([[i.box for i in r.instances] + [r.instances[0].box] * (pad - n) if n
+                              else [[0.0] * 4] * pad for r, n in zip(results, counts, strict=True)])
+        scores = torch.tensor([[i.score for i in r.instances] + [r.instances[0].score] * (pad - n) if n
+                               else [1.0] * pad for r, n in zip(results, counts, strict=True)])
+        conf = _ncc_confidences(cal, images, boxes.float(), scores.double())
+        return [[float(c) for c in row[:n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     if loaded is None or negatives is None or cal.negatives is None:
         flat = cal.confidence(torch.tensor([i.score for r in results for i in (r.instances or ())],
                                            dtype=torch.float64)).tolist()
@@ -142,6 +165,10 @@ def _judge_answers(results: list, images: list[Image.Image], calibration: dict |
     cal = Calibration.from_dict(calibration)
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
     use_negatives = loaded is not None and negatives is not None and cal.negatives is not None
+    if cal.templates is not None and cal.ncc is not None and not (rerank_boxes and use_negatives):
+        conf = _ncc_confidences(cal, images, torch.tensor(boxes, dtype=torch.float32)[:, None],
+                                torch.tensor(scores, dtype=torch.float64)[:, None])[:, 0].tolist()
+        return [Judged(b, s, c, c >= cut) for b, s, c in zip(boxes, scores, conf, strict=True)]
     if not use_negatives:
         conf = cal.confidence(torch.tensor(scores, dtype=torch.float64)).tolist()
         return [Judged(b, s, c, c >= cut) for b, s, c in zip(boxes, scores, conf, strict=True)]

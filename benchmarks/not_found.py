@@ -11,6 +11,11 @@ test images:
   adaptation job's refresh (or a set with an image pool) has;
 - ``refreshed+negatives``: + 5 negative exemplar crops of each look-alike digit (7, 9; train file).
 
+Each variant twice: its confidence from the embedding distance alone (``log d_p``; with negatives, also their
+log ratio) -- the calibration as it was before -- and ``+ncc``: the same calibration's NCC fit, which adds the
+mean normalized cross-correlation of the answer's box with the exemplar crops (with negatives: and with the
+negative crops; ``models.calibration.Templates``), fit leave-one-out on the same samples.
+
 Prints one JSON line per variant and saves the reliability curves to benchmarks/figures/not_found.png.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py
@@ -75,24 +80,38 @@ def main() -> None:
         "refreshed+negatives": dict(backgrounds01=backgrounds, negative_crops=neg_crops, negative_embeddings=neg_emb),
     }
     curves = {}
+    has4 = torch.zeros(len(images), dtype=torch.bool)
+    has4[:N_POS] = True
     for name, kw in variants.items():
         t0 = time.perf_counter()
         cal = calibrate_policy(loc, proto, crops, nearest=nearest, n=128, seed=0, **kw)
         secs = time.perf_counter() - t0
-        conf = cal.confidence(scores, d_neg if "negative_embeddings" in kw else None).float()
-        found = conf >= cal.threshold
-        tp = int((found & right).sum())
-        has4 = torch.zeros(len(images), dtype=torch.bool)
-        has4[:N_POS] = True
-        row = {"variant": name, "images": len(images), "with_4": N_POS, "corloc_on_4s": round(float(right[:N_POS]
-               .float().mean()) * 100, 1),
-               "precision": round(tp / max(1, int(found.sum())), 3), "recall": round(tp / max(1, int(right.sum())), 3),
-               "found_on_4s": round(float(found[has4].float().mean()), 3),
-               "found_without_4": round(float(found[~has4].float().mean()), 3),
-               "ece": round(expected_calibration_error(conf, right), 3),
-               "fit_ece": cal.stats["ece"], "calibration_seconds": round(secs, 2)}
-        curves[name] = reliability_bins(conf, right)
-        print(json.dumps(row), flush=True)
+        assert cal.templates is not None
+        t0 = time.perf_counter()
+        ncc, ncc_neg = cal.templates.ncc(images, boxes[:, None])
+        ncc_ms = (time.perf_counter() - t0) / len(images) * 1000
+        confs = {name: (cal.confidence(scores, d_neg if "negative_embeddings" in kw else None).float(),
+                        cal.negatives if "negative_embeddings" in kw else cal.score),
+                 f"{name}+ncc": (cal.confidence(scores, ncc=ncc[:, 0], ncc_negatives=None if ncc_neg is None
+                                                else ncc_neg[:, 0]).float(),
+                                 cal.ncc_negatives if ncc_neg is not None else cal.ncc)}
+        for label, (conf, fit) in confs.items():
+            found = conf >= cal.threshold
+            tp = int((found & right).sum())
+            row = {"variant": label, "images": len(images), "with_4": N_POS,
+                   "corloc_on_4s": round(float(right[:N_POS].float().mean()) * 100, 1),
+                   "precision": round(tp / max(1, int(found.sum())), 3),
+                   "recall": round(tp / max(1, int(right.sum())), 3),
+                   "found_on_4s": round(float(found[has4].float().mean()), 3),
+                   "found_without_4": round(float(found[~has4].float().mean()), 3),
+                   "ece": round(expected_calibration_error(conf, right), 3),
+                   "calibration_seconds": round(secs, 2),
+                   "features": fit.features if fit else None,
+                   "weights": [round(w, 2) for w in fit.weights] if fit else None}
+            if label.endswith("+ncc"):
+                row.update(fit_ece=cal.stats["ece"], ncc_ms_per_image=round(ncc_ms, 3))
+            curves[label] = reliability_bins(conf, right)
+            print(json.dumps(row), flush=True)
     plot(curves, ROOT / "benchmarks" / "figures" / "not_found.png")
 
 
@@ -102,10 +121,11 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(4.2, 4.2), dpi=80)
+    fig, ax = plt.subplots(figsize=(5.0, 4.6), dpi=80)
     ax.plot([0, 1], [0, 1], color="gray", linestyle=":", label="perfect")
-    for name, bins in curves.items():
-        ax.plot([b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o", label=name)
+    for i, (name, bins) in enumerate(curves.items()):
+        ax.plot([b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o", label=name,
+                color=f"C{i // 2}", linestyle="-" if name.endswith("+ncc") else "--")
     ax.set_xlabel("calibrated confidence (bin mean)")
     ax.set_ylabel("share of right answers")
     ax.set_title("cMNIST 4 vs other digits: reliability")
