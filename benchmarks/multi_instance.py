@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -71,6 +70,7 @@ from models.experiments.baselines import (  # noqa: E402
     sliding_windows,
 )
 from models.experiments.cmnist import cmnist  # noqa: E402
+from models.experiments.provenance import cpu_model  # noqa: E402
 from models.experiments.report import mean_std  # noqa: E402
 from models.inference import Localizer, normalize  # noqa: E402
 from models.instances import InstanceConfig, coarse_windows, find_instances  # noqa: E402
@@ -96,16 +96,6 @@ def timed(fn: Callable):  # noqa: ANN201
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class Setup:

@@ -43,6 +43,7 @@ from models.data.types import exemplar_crops
 from models.evaluate import evaluate_corloc, ordacc_all, ranking
 from models.experiments.baselines import TEMPLATE_SCALES, template_matching
 from models.experiments.datasets import GlyphKind
+from models.experiments.provenance import cpu_model  # noqa: E402
 from models.experiments.report import mean_std, summarize
 from models.features import prototype_of
 
@@ -55,16 +56,6 @@ def service_adapt_config(n_images: int, seed: int) -> AdaptConfig:
     return AdaptConfig(iterations=f["default_iterations"].default, lr=f["default_learning_rate"].default,
                        seed=seed, checkpoint_every=f["checkpoint_every"].default,
                        batch_size=min(f["adapt_batch_size"].default, n_images))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def timed(fn):  # noqa: ANN001, ANN201
