@@ -5,7 +5,7 @@
   labeled examples, its negative exemplars -- and the negatives' embeddings.
 - ``Judged`` / ``judge``: after a localize answer, each result's calibrated ``confidence`` and ``found``; with
   negative exemplars (and the model at hand), the confidence also weighs how near each box is to the
-  look-alikes, and ``rerank`` answers with the visited box that calibration likes best.
+  look-alikes; ``rerank`` answers with the candidate (several-instances search) that calibration likes best.
 
 The inference backends are not involved: what is computed here runs after the answer, in the route.
 
@@ -24,9 +24,12 @@ from PIL import Image
 from torch import Tensor
 
 from app.inference import LoadedBundle, prototype_from_bytes
-from models.calibration import Calibration, calibrate_policy, rerank, score_boxes
+from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.data.types import LabeledImages
 from models.inference import pil_to_tensor, preprocess, resize_batch
+
+RERANK_CANDIDATES = 4
+"""``rerank=true`` chooses among at least this many candidates per image (``max_instances``)."""
 
 CALIBRATION_SAMPLES = 128
 """Positives and negatives a calibration is fit on (each)."""
@@ -99,12 +102,15 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
-    use the negatives' fit of the calibration; ``rerank_boxes`` (needs the results' trajectories) then answers
-    with the visited box it finds most likely right. Without a calibration: confidence None, found True.
-    The results' ``instances`` are judged the same way; ``min_confidence`` drops those under it."""
+    use the negatives' fit of the calibration. Without a calibration: confidence None, found True. The results'
+    ``instances`` are judged the same way; ``min_confidence`` drops those under it. ``rerank_boxes`` (needs the
+    results' instances: the route asks for ``RERANK_CANDIDATES``) answers with the instance the calibration finds
+    most likely right (with NCC fits and negatives: the one most like the exemplars and least like the
+    look-alikes)."""
+    has_instances = any(r.instances is not None for r in results)
     answers = _judge_answers(results, images, calibration, threshold=threshold, min_confidence=min_confidence,
-                             loaded=loaded, prototype=prototype, negatives=negatives, rerank_boxes=rerank_boxes)
-    if all(r.instances is None for r in results):
+                             loaded=loaded, prototype=prototype, negatives=negatives)
+    if not has_instances:
         return answers
     confs = _instance_confidences(results, images, calibration, loaded=loaded, prototype=prototype,
                                   negatives=negatives)
@@ -112,9 +118,13 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     for a, r, cs in zip(answers, results, confs, strict=True):
         if r.instances is None:
             continue
-        a.instances = [Judged(tuple(i.box), float(i.score), c, c is None or c >= cut)
-                       for i, c in zip(r.instances, cs, strict=True)
-                       if min_confidence is None or c is None or c >= min_confidence]
+        judged = [Judged(tuple(i.box), float(i.score), c, c is None or c >= cut)
+                  for i, c in zip(r.instances, cs, strict=True)]
+        if rerank_boxes and judged and judged[0].confidence is not None:
+            best = max(judged, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
+            a.box, a.score, a.confidence, a.found = best.box, best.score, best.confidence, best.found
+        a.instances = [j for j in judged if min_confidence is None or j.confidence is None
+                       or j.confidence >= min_confidence]
     return answers
 
 
@@ -154,9 +164,9 @@ def _instance_confidences(results: list, images: list[Image.Image], calibration:
     return [[float(c) for c in row[:n]] for row, n in zip(conf.tolist(), counts, strict=True)]
 
 
-def _judge_answers(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
+def _judge_answers(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,
                    min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
-                   negatives: bytes | None, rerank_boxes: bool) -> list[Judged]:
+                   negatives: bytes | None) -> list[Judged]:
     """``judge`` of the answers (``box``) alone."""
     boxes = [tuple(r.box) for r in results]
     scores = [float(r.score) for r in results]
@@ -165,7 +175,7 @@ def _judge_answers(results: list, images: list[Image.Image], calibration: dict |
     cal = Calibration.from_dict(calibration)
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
     use_negatives = loaded is not None and negatives is not None and cal.negatives is not None
-    if cal.templates is not None and cal.ncc is not None and not (rerank_boxes and use_negatives):
+    if cal.templates is not None and cal.ncc is not None:
         conf = _ncc_confidences(cal, images, torch.tensor(boxes, dtype=torch.float32)[:, None],
                                 torch.tensor(scores, dtype=torch.float64)[:, None])[:, 0].tolist()
         return [Judged(b, s, c, c >= cut) for b, s, c in zip(boxes, scores, conf, strict=True)]
@@ -177,15 +187,6 @@ def _judge_answers(results: list, images: list[Image.Image], calibration: dict |
     neg = negatives_from_bytes(negatives, len(proto))
     batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given
     k = torch.cat([scales, scales], dim=1)  # [n, 4]
-    if rerank_boxes and all(r.trajectory for r in results):
-        paths = torch.tensor([r.trajectory for r in results], dtype=torch.float32) / k[:, None]  # input pixels
-        idx, d_p, _, conf = rerank(loaded.localizer, batch, paths, proto, neg, cal)
-        out = []
-        for i, r in enumerate(results):
-            box = tuple(float(v) for v in r.trajectory[int(idx[i])])
-            c = float(conf[i])
-            out.append(Judged(box, float(d_p[i]), c, c >= cut))  # type: ignore[arg-type]
-        return out
     final = torch.tensor(boxes, dtype=torch.float32) / k
     _, _, conf = score_boxes(loaded.localizer, batch, final[:, None], proto, neg, cal)
     return [Judged(b, s, float(c), float(c) >= cut) for b, s, c in zip(boxes, scores, conf[:, 0], strict=True)]

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import crud, export, pool
-from app.calibration import calibrate_new_set, judge
+from app.calibration import RERANK_CANDIDATES, calibrate_new_set, judge
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.deps import BundlesDep, Caller, CallerDep, InferenceDep, MetricsDep, SessionDep, SettingsDep, StoreDep
 from app.export import AnswerOptions
@@ -311,9 +311,11 @@ def localize(
         "back with `found=false` (its box is kept; `format=coco` then leaves it out, `format=labelstudio` gives "
         "it an empty result). No effect on a set without calibration (confidence null, found true)."))] = None,
     rerank: Annotated[bool, Query(description=(
-        "For a set with negative exemplars (QLOC_INFERENCE=local): answer with the box of the episode that the "
-        "calibration with negatives finds most likely right, not the agent's own answer (one more backbone pass "
-        "per image; `score` is then that box's distance). Without negatives it changes nothing."))] = False,
+        "Answer with the candidate the set's calibration finds most likely right, among the several-instances "
+        "candidates (at least 4 per image, as `max_instances`), not the agent's own answer; `score` and "
+        "`confidence` are then that box's. With a grayscale bundle's calibration (NCC with the exemplars) and "
+        "negative exemplars: the box most like the exemplars and least like the look-alikes (cMNIST 4-vs-9: CorLoc "
+        "46.7 -> 78.7, BENCHMARKS.md). No effect on a set without a calibration."))] = False,
     max_instances: Annotated[int, Query(ge=1, le=MAX_INSTANCES, description=(
         "Up to this many objects per image, in `results[i].instances`, best (lowest score) first: the agent's "
         "answer, and episodes started from the best windows of a coarse ranking, none overlapping another by more "
@@ -407,6 +409,7 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
                              "upload order")
     calibration = ckpt.calibration if ckpt.calibration is not None else es.calibration
     use_negatives = es.negatives is not None and calibration is not None and local and bundles is not None
+    rerank = opts.rerank and calibration is not None  # among several candidates: the instances
     session.commit()  # end the read transaction before the slow part
     n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
@@ -419,8 +422,8 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
-        images=[im.image for im in images], trajectory=trajectory or (opts.rerank and use_negatives),
-        samples=n_samples, nearest=nearest, max_instances=run.max_instances)
+        images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
+        max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank else run.max_instances)
     try:
         answer = inference.localize(call)
     except InferenceRefused as e:
@@ -428,7 +431,10 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
                    min_confidence=opts.min_confidence, prototype=es.prototype,
                    loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
-                   negatives=es.negatives if use_negatives else None, rerank_boxes=opts.rerank)
+                   negatives=es.negatives if use_negatives else None, rerank_boxes=rerank)
+    for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
+        if j.instances is not None:
+            j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]
     kept = [r.id for r in add_to_pool(session, store, settings, es, images)] if keep else None
     results = [LocalizationResult(filename=im.filename, width=im.width, height=im.height,
                                   box=list(im.box_to_full(j.box)), score=j.score, confidence=j.confidence,

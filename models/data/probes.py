@@ -24,9 +24,10 @@ def paste_probes(crops: list[Tensor], images01: Tensor, n: int, *, object_side: 
     """``n`` probes -> ``LabeledImages`` ``[n, C, S, S]`` with the exact box of each pasted crop.
 
     Each probe takes a random image of ``images01 [N, C, S, S]`` and a random crop ``[C, h, w]`` (values
-    in [0, 1]), resizes the crop so its long side is ``object_side`` times a factor drawn from ``scale``
-    (aspect kept, at most the image side), and blends it in at a random position with an alpha that
-    ramps up over ``feather`` pixels at the crop's border. The box is the pasted rectangle.
+    in [0, 1]; its index is the probe's ``sources`` entry), resizes the crop so its long side is
+    ``object_side`` times a factor drawn from ``scale`` (aspect kept, at most the image side), and blends it in
+    at a random position with an alpha that ramps up over ``feather`` pixels at the crop's border. The box is
+    the pasted rectangle.
     """
     if not crops:
         raise ValueError("probes need at least one exemplar crop")
@@ -54,7 +55,7 @@ def paste_probes(crops: list[Tensor], images01: Tensor, n: int, *, object_side: 
         region = out[i, :, y:y + nh, x:x + nw]
         out[i, :, y:y + nh, x:x + nw] = region * (1 - alpha) + patch * alpha
         boxes[i] = torch.tensor([x, y, x + nw, y + nh], dtype=torch.float32)
-    return LabeledImages(out, boxes)
+    return LabeledImages(out, boxes, sources=which)
 
 
 def _feathered(h: int, w: int, feather: int) -> Tensor:

@@ -23,6 +23,9 @@ class LabeledImages:
     feats: Tensor | None = None
     crop_feats: Tensor | None = None
     crop_boxes: Tensor | None = None
+    sources: Tensor | None = None
+    """``[N]`` long: for images made by pasting exemplar crops (``models.data.probes.paste_probes``), the index of
+    the crop each holds (-1: not known)."""
 
     def __len__(self) -> int:
         return self.images.shape[0]

@@ -103,13 +103,26 @@ def test_negative_exemplars_are_stored_and_enter_the_confidence(client, settings
     assert all(abs(r["confidence"] - 0.5) > 1e-4 for r in with_neg)  # the look-alikes' distance counts
 
 
-def test_rerank_answers_with_a_box_the_episode_visited(client):
-    es = new_set(client, negatives=[png_bytes(28, 28, seed=4)])
-    results = localize(client, es["id"], "?rerank=true&trajectory=true")
-    for r in results:
-        assert r["box"] in r["trajectory"][1:] and 0 <= r["confidence"] <= 1
-    plain = new_set(client)  # without negatives, rerank changes nothing
-    assert localize(client, plain["id"], "?rerank=true") == localize(client, plain["id"])
+@pytest.mark.parametrize("crops", [1, 3])
+def test_rerank_answers_with_the_likeliest_candidate(client, settings, crops):
+    """``rerank=true``: the answer is the candidate (several-instances search) of highest confidence; the
+    candidates are not returned unless asked for. 3 crops: the grayscale test bundle's NCC fits judge them."""
+    r = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=9 + k) for k in range(crops)])
+                    + files(png_bytes(28, 28, seed=4), field="negative_files"))
+    assert r.status_code == 201, r.text
+    es = r.json()
+    with Session(create_engine(settings.database_url)) as s:
+        cal = s.get_one(ExemplarSet, uuid.UUID(es["id"])).calibration
+    assert (cal.get("ncc") is not None) == (crops >= 2)
+    reranked = localize(client, es["id"], "?rerank=true")
+    candidates = localize(client, es["id"], "?max_instances=4")
+    for r, c in zip(reranked, candidates, strict=True):
+        assert "instances" not in r
+        best = max(c["instances"], key=lambda i: i["confidence"])
+        assert r["box"] == pytest.approx(best["box"]) and r["confidence"] == pytest.approx(best["confidence"])
+        assert r["confidence"] >= c["confidence"] - 1e-6  # never a less likely answer than the agent's
+    both = localize(client, es["id"], "?rerank=true&max_instances=2")
+    assert all(len(r["instances"]) <= 2 for r in both)
 
 
 def test_bad_negative_files_and_thresholds_are_refused_with_nothing_written(client, settings):

@@ -153,10 +153,11 @@ def test_leave_one_out_never_compares_a_pasted_positive_with_its_own_exemplar():
              for _ in range(3)]  # smooth: a pasted, resampled copy still matches its source
     t = make_templates(crops)
     pos = paste_probes(crops, torch.zeros(30, 1, 64, 64), 30, object_side=20, scale=(1.0, 1.0), generator=g)
-    src = source_template(pos.images, pos.boxes, t)
+    src = pos.sources  # paste_probes tells each probe's crop
     own = box_ncc(pos.images, pos.boxes[:, None], t, jitter=0.0)[:, 0]
-    assert bool((src >= 0).all()) and torch.equal(src, own.argmax(-1))
-    assert float(own.max(-1).values.min()) > 0.8  # compared with itself it would be a near-perfect match
+    assert float(own[torch.arange(30), src].min()) > 0.4  # compared with itself it would match well
+    found = source_template(pos.images, pos.boxes, t)  # a labeled example's source: the best match, if >= 0.5
+    assert torch.equal(found[found >= 0], src[found >= 0])
     tm = Templates(t, None, 64, 1, (0.0,))
     p, _, _, _ = template_features(Samples(pos, torch.zeros(2, 1, 64, 64)), pos.boxes, torch.zeros(2, 4), tm)
     full = box_ncc(pos.images, pos.boxes[:, None], t)[:, 0]
