@@ -390,6 +390,7 @@ async function localize() {
   const trajectory = $("#opt-trajectory").checked;
   const res = await api("POST", `/v1/exemplar-sets/${s.id}/localize`, { form, query: {
     trajectory, samples: $("#opt-samples").value, nearest: $("#opt-nearest").value, checkpoint: $("#opt-checkpoint").value,
+    max_instances: $("#opt-instances").value, rerank: $("#opt-rerank").checked,
   } });
   renderResults(res, localizeFiles);
   say(`Localized ${res.results.length} image(s) with policy ${shortId(res.checkpoint_id)}.`);
@@ -415,6 +416,14 @@ function renderResults(res, files) {
     const fig = el("figure", { class: "result", "data-index": i, "data-filename": r.filename ?? "" }, svg,
       el("figcaption", {}, el("div", { class: "name", text: r.filename || `image ${i + 1}` }),
         el("div", { class: "numbers", text: numbers.join(" · ") })));
+    for (const [k, inst] of (r.instances || []).entries()) {  // several objects: each box, best first
+      const rect = el("svg:rect", { class: `instance-box${inst.found === false ? " not-found" : ""}`, "data-rank": k });
+      setRect(rect, inst.box);
+      const conf = inst.confidence === undefined || inst.confidence === null ? "" : ` · confidence ${fmt(inst.confidence)}`;
+      rect.append(el("svg:title", { text: `instance ${k + 1}: score ${fmt(inst.score)}${conf}` }));
+      svg.append(rect);
+    }
+    if (r.instances) numbers.push(`${r.instances.length} instance(s)`);
     if (r.trajectory && r.trajectory.length > 1) {
       const step = el("svg:rect", { class: "step-box" });
       svg.append(step);  // under the answer's box

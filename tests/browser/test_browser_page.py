@@ -137,6 +137,24 @@ def test_localize_draws_the_apis_boxes_and_plays_the_trajectory(page, stack: Sta
                                                                   abs=1)
         assert f"score {r['score']:.3f}" in fig.inner_text()
 
+    # several objects per image: every instance the API gives is drawn, best first
+    page.fill("#opt-instances", "3")
+    with page.expect_response(lambda r: "/localize" in r.url) as answered:
+        page.click("#localize-btn")
+    many = answered.value.json()
+    assert answered.value.status == 200 and "max_instances=3" in answered.value.url
+    page.wait_for_function(f"document.querySelectorAll('rect.instance-box').length === "
+                           f"{sum(len(r['instances']) for r in many['results'])}")
+    for i, r in enumerate(many["results"]):
+        rects = page.locator(f"figure.result[data-index='{i}'] rect.instance-box").all()
+        drawn_boxes = [float(x.get_attribute(k)) for x in rects for k in ("x", "y", "width", "height")]
+        assert drawn_boxes == pytest.approx(
+            [v for b in (inst["box"] for inst in r["instances"]) for v in (b[0], b[1], b[2] - b[0], b[3] - b[1])])
+    page.fill("#opt-instances", "1")
+    with page.expect_response(lambda r: "/localize" in r.url):
+        page.click("#localize-btn")
+    page.wait_for_function("document.querySelectorAll('rect.instance-box').length === 0")
+
     # play image 0's episode: every step is shown in turn, ending on the last box
     traj = answer["results"][0]["trajectory"]
     fig = page.locator("figure.result[data-index='0']")
