@@ -18,7 +18,7 @@ negative crops; ``models.calibration.Templates``), fit leave-one-out on the same
 
 Prints one JSON line per variant and saves the reliability curves to benchmarks/figures/not_found.png.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py [QUERY]   # default 4 (the bundle's); 2, 7, 9: new
 """
 
 from __future__ import annotations
@@ -51,23 +51,28 @@ N_POS, PER_OTHER = 198, 22
 LOOKALIKES = (7, 9)
 
 
-def main() -> None:
+LOOKALIKES_OF = {4: (7, 9), 7: (1, 9), 2: (3, 7), 9: (4, 7)}
+"""The negative exemplars' digits per query (the digits most often mistaken for it)."""
+
+
+def main(query: int = 4) -> None:
     torch.set_num_threads(1)
     bundle = load_bundle(ROOT / "bundles" / "mnist-digit4.pt")
     loc = Localizer(bundle, "cpu")
     nearest = loc.default_nearest
-    ex = cmnist(4, "train", 5, "patch", 1000)
+    ex = cmnist(query, "train", 5, "patch", 1000)
     crops = exemplar_crops(ex)
     proto = loc.prototype(crops)
-    unl = cmnist(4, "train", 64, "patch", 1000, offset=5)
-    neg_crops = [c for d in LOOKALIKES for c in exemplar_crops(cmnist(d, "train", 5, "patch", 2000))]
+    unl = cmnist(query, "train", 64, "patch", 1000, offset=5)
+    neg_crops = [c for d in LOOKALIKES_OF.get(query, LOOKALIKES)
+                 for c in exemplar_crops(cmnist(d, "train", 5, "patch", 2000))]
     neg_emb = loc.embed_crops(neg_crops).cpu()
     agent = loc.agent()
     ub, _ = answers(loc, agent, proto, unl.images, nearest=nearest)
     backgrounds = erase_boxes(unl.images, ub, torch.Generator().manual_seed(0))
 
-    pos = cmnist(4, "test", N_POS, "patch", 0)
-    others = torch.cat([cmnist(d, "test", PER_OTHER, "patch", 0).images for d in range(10) if d != 4])
+    pos = cmnist(query, "test", N_POS, "patch", 0)
+    others = torch.cat([cmnist(d, "test", PER_OTHER, "patch", 0).images for d in range(10) if d != query])
     images = torch.cat([pos.images, others])
     boxes, scores = answers(loc, agent, proto, images, nearest=nearest)
     right = torch.zeros(len(images), dtype=torch.bool)
@@ -98,12 +103,12 @@ def main() -> None:
         for label, (conf, fit) in confs.items():
             found = conf >= cal.threshold
             tp = int((found & right).sum())
-            row = {"variant": label, "images": len(images), "with_4": N_POS,
-                   "corloc_on_4s": round(float(right[:N_POS].float().mean()) * 100, 1),
+            row = {"variant": label, "images": len(images), "with_query": N_POS,
+                   "corloc_on_query": round(float(right[:N_POS].float().mean()) * 100, 1),
                    "precision": round(tp / max(1, int(found.sum())), 3),
                    "recall": round(tp / max(1, int(right.sum())), 3),
-                   "found_on_4s": round(float(found[has4].float().mean()), 3),
-                   "found_without_4": round(float(found[~has4].float().mean()), 3),
+                   "found_with_query": round(float(found[has4].float().mean()), 3),
+                   "found_without_query": round(float(found[~has4].float().mean()), 3),
                    "ece": round(expected_calibration_error(conf, right), 3),
                    "calibration_seconds": round(secs, 2),
                    "features": fit.features if fit else None,
@@ -112,7 +117,8 @@ def main() -> None:
                 row.update(fit_ece=cal.stats["ece"], ncc_ms_per_image=round(ncc_ms, 3))
             curves[label] = reliability_bins(conf, right)
             print(json.dumps(row), flush=True)
-    plot(curves, ROOT / "benchmarks" / "figures" / "not_found.png")
+    if query == 4:  # the figure of the report
+        plot(curves, ROOT / "benchmarks" / "figures" / "not_found.png")
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
@@ -138,4 +144,4 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
