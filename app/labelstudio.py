@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import threading
 import urllib.parse
 import uuid
@@ -115,10 +116,12 @@ def parse_label_config(config: str, *, set_name: str | None) -> Target:
 
 @dataclass(frozen=True)
 class Access:
-    """Label Studio's base URL and token (either may be unknown)."""
+    """Label Studio's base URL and token (either may be unknown), and the backend's ``max_instances`` (its
+    "extra params" in Label Studio's model settings: regions per task)."""
 
     url: str | None = None
     token: str | None = None
+    max_instances: int = 1
 
 
 class AccessMemory:
@@ -155,7 +158,27 @@ def project_id(project: object) -> str:
 def merged(configured_url: str | None, configured_token: str | None, remembered: Access) -> Access:
     """The settings win over what /setup gave; either may fill in for the other's gap."""
     url = configured_url or remembered.url
-    return Access(url.rstrip("/") if url else None, configured_token or remembered.token)
+    return Access(url.rstrip("/") if url else None, configured_token or remembered.token, remembered.max_instances)
+
+
+def max_instances_of(extra_params: object, limit: int) -> int:
+    """``max_instances`` from /setup's ``extra_params`` (a JSON object, or its text) -> 1..``limit`` (1 when absent);
+    ``Refused`` (422) for a value that is not such a number."""
+    if isinstance(extra_params, str):
+        if not extra_params.strip():
+            return 1
+        try:
+            extra_params = json.loads(extra_params)
+        except ValueError as e:
+            raise Refused(422, "extra_params must be a JSON object, e.g. {\"max_instances\": 4}") from e
+    if extra_params is None:
+        return 1
+    if not isinstance(extra_params, dict):
+        raise Refused(422, "extra_params must be a JSON object, e.g. {\"max_instances\": 4}")
+    k = extra_params.get("max_instances", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= limit:
+        raise Refused(422, f"extra_params.max_instances must be a whole number from 1 to {limit}, got {k!r}")
+    return k
 
 
 # --- fetching task images

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 from starlette.datastructures import Headers
 
 from app import crud, export
-from app.config import Settings
+from app.config import MAX_INSTANCES, Settings
 from app.deps import (
     BundlesDep,
     Caller,
@@ -59,6 +59,7 @@ from app.labelstudio import (
     ImageFetcher,
     Refused,
     Target,
+    max_instances_of,
     merged,
     parse_label_config,
     project_id,
@@ -196,14 +197,19 @@ def setup(set_id: uuid.UUID, body: SetupRequest, request: Request, session: Sess
           caller: LabelStudioCallerDep) -> dict[str, Any]:
     """Label Studio connects: the config must have a RectangleLabels on an Image with a label for the set;
     answers the model version (the set's active checkpoint id). Label Studio's ``hostname`` and ``access_token``
-    are kept in this process to fetch the project's task images."""
+    are kept in this process to fetch the project's task images, and the backend's ``extra_params``
+    ``{"max_instances": K}`` (1..32; Label Studio's model settings) to predict up to K regions per task."""
     es = _get_set(session, set_id, caller)
     _target(body.label_config, es)
     ckpt = resolve_checkpoint(session, es, "active")
-    if body.hostname or body.access_token:
+    try:
+        k = max_instances_of((body.model_extra or {}).get("extra_params"), MAX_INSTANCES)
+    except Refused as e:
+        raise _refusal(e) from e
+    if body.hostname or body.access_token or k > 1:
         hostname = body.hostname if body.hostname and body.hostname.startswith(("http://", "https://")) else None
         _memory(request).put(set_id, project_id(body.project), Access(hostname and hostname.rstrip("/"),
-                                                                      body.access_token or None))
+                                                                      body.access_token or None, k))
     return {"model_version": str(ckpt.id)}
 
 
@@ -240,7 +246,8 @@ def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: 
     results: list[dict[str, Any]] = []
     model_version = None
     chunk = settings.max_files_per_request
-    with ImageFetcher(_access(request, settings, set_id, body.project), max_bytes=settings.max_file_bytes,
+    access = _access(request, settings, set_id, body.project)
+    with ImageFetcher(access, max_bytes=settings.max_file_bytes,
                       timeout=settings.labelstudio_fetch_timeout) as fetcher:
         for start in range(0, len(urls), chunk):
             part = urls[start:start + chunk]
@@ -250,7 +257,8 @@ def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: 
                 raise _refusal(e) from e
             uploads = [_upload(b, where) for b, (_, where, _) in zip(blobs, part, strict=True)]
             done = localize_files(session, set_id, settings, inference, caller, metrics, store, uploads,
-                                  RunOptions(), AnswerOptions(), bundles=bundles, local=remote is None)
+                                  RunOptions(max_instances=access.max_instances), AnswerOptions(), bundles=bundles,
+                                  local=remote is None)
             model_version = str(done.checkpoint.id)
             tasks = export.labelstudio(done.results, label=target.label, from_name=target.from_name,
                                        to_name=target.to_name, model_version=model_version)

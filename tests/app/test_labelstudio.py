@@ -187,6 +187,28 @@ def test_health_and_setup_answer_the_active_checkpoint(client):
 # --- predict
 
 
+def test_extra_params_max_instances_gives_a_region_per_found_instance(client):
+    sid = new_set(client)
+    imgs = [png_bytes(seed=1), png_bytes(160, 100, seed=2)]
+    setup = {"project": "3.1712345678", "schema": CONFIG}
+    for bad in ({"max_instances": 0}, {"max_instances": 33}, {"max_instances": "4"}, "[", [4]):
+        r = client.post(f"/v1/labelstudio/{sid}/setup", json={**setup, "extra_params": bad})
+        assert r.status_code == 422, (bad, r.text)
+        assert "max_instances" in r.json()["detail"] or "extra_params" in r.json()["detail"]
+    assert predict(client, sid, [data_uri(b) for b in imgs]).json()["results"][0]["result"][0]["id"] == "qloc-0"
+    r = client.post(f"/v1/labelstudio/{sid}/setup", json={**setup, "extra_params": '{"max_instances": 3}'})
+    assert r.status_code == 200, r.text
+    body = predict(client, sid, [data_uri(b) for b in imgs]).json()
+    many = client.post(f"/v1/exemplar-sets/{sid}/localize?max_instances=3", files=files(*imgs)).json()["results"]
+    for pred, p in zip(body["results"], many, strict=True):
+        found = [i for i in p["instances"] if i["found"]]
+        assert len(pred["result"]) == len(found) >= 1
+        for region, inst in zip(pred["result"], found, strict=True):
+            x1, y1, x2, y2 = inst["box"]
+            assert [region["value"]["x"], region["value"]["width"]] == pytest.approx(
+                [100 * x1 / p["width"], 100 * (x2 - x1) / p["width"]])
+
+
 def test_predict_with_data_uris_answers_localizes_boxes_in_percent(client):
     sid = new_set(client)
     imgs = [png_bytes(seed=1), png_bytes(160, 100, seed=2), png_bytes(50, 70, seed=3)]
