@@ -239,8 +239,9 @@ three (BENCHMARKS.md, "Not found"), where the score's fit stays."""
 def source_template(images01: Tensor, true_boxes: Tensor, templates: Tensor, *, min_ncc: float = 0.5) -> Tensor:
     """Which template each sample was made from: the one whose NCC with the content of the sample's *true* box
     ``true_boxes [n, 4]`` (NaN: none) is highest, if at least ``min_ncc`` -> ``[n]`` (-1: none). A pasted crop
-    matches its own template almost exactly (only resampling and the feathered border differ), a labeled
-    example's box is the crop it gave; so this finds the source of every positive without being told."""
+    matches its own template closely (only resampling and the feathered border differ), a labeled example's box
+    is the crop it gave: used where the source is not known (labeled examples, a job's probes; pasted samples
+    carry theirs, ``LabeledImages.sources``)."""
     out = torch.full((len(images01),), -1, dtype=torch.long)
     ok = ~true_boxes.isnan().any(-1)
     if len(templates) == 0 or not bool(ok.any()):
