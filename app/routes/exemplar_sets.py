@@ -344,12 +344,12 @@ def localize(
     # dependency is entered and left on threads of their own (two thread hops per request, which one
     # client's latency felt). The set and checkpoint are read on every request (no cache): a checkpoint
     # activated by a worker process, or a set deleted by another API process, is seen at once.
+    opts = AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label)
     with request.app.state.session_factory() as session:
         done = localize_files(session, set_id, settings, inference, caller, metrics, store, files,
-                              RunOptions(checkpoint, trajectory, samples, nearest, keep, max_instances),
-                              AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label),
+                              RunOptions(checkpoint, trajectory, samples, nearest, keep, max_instances), opts,
                               bundles=bundles, local=remote is None)
-    return formatted(done, AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label))
+    return formatted(done, opts)
 
 
 @dataclass(frozen=True)
