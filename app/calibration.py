@@ -128,6 +128,16 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     return answers
 
 
+def _padded(results: list, counts: list[int]) -> tuple[Tensor, Tensor]:
+    """Every image's instances as one row, padded with its first (an image without any: zeros) -> (boxes
+    ``[n, K, 4]`` float32, scores ``[n, K]`` float64)."""
+    pad = max(counts)
+    rows = [list(r.instances) + [r.instances[0]] * (pad - n) if n else [] for r, n in zip(results, counts, strict=True)]
+    boxes = torch.tensor([[i.box for i in row] if row else [[0.0] * 4] * pad for row in rows], dtype=torch.float32)
+    scores = torch.tensor([[i.score for i in row] if row else [1.0] * pad for row in rows], dtype=torch.float64)
+    return boxes, scores
+
+
 def _instance_confidences(results: list, images: list[Image.Image], calibration: dict | None, *,
                           loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None
                           ) -> list[list[float | None]]:
@@ -137,12 +147,8 @@ def _instance_confidences(results: list, images: list[Image.Image], calibration:
         return [[None] * n for n in counts]
     cal = Calibration.from_dict(calibration)
     if cal.templates is not None and cal.ncc is not None and any(counts):
-        pad = max(counts)
-        boxes = torch.tensor([[i.box for i in r.instances] + [r.instances[0].box] * (pad - n) if n
-                              else [[0.0] * 4] * pad for r, n in zip(results, counts, strict=True)])
-        scores = torch.tensor([[i.score for i in r.instances] + [r.instances[0].score] * (pad - n) if n
-                               else [1.0] * pad for r, n in zip(results, counts, strict=True)])
-        conf = _ncc_confidences(cal, images, boxes.float(), scores.double())
+        boxes, scores = _padded(results, counts)
+        conf = _ncc_confidences(cal, images, boxes, scores)
         return [[float(c) for c in row[:n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     if loaded is None or negatives is None or cal.negatives is None:
         flat = cal.confidence(torch.tensor([i.score for r in results for i in (r.instances or ())],
@@ -152,10 +158,7 @@ def _instance_confidences(results: list, images: list[Image.Image], calibration:
             out.append(flat[at:at + n])
             at += n
         return out
-    pad = max(counts)
-    # Every image's instances as one row (padded with its first box): one backbone pass per image, one scoring.
-    boxes = torch.tensor([[i.box for i in r.instances] + [r.instances[0].box] * (pad - n) if n else [[0.0] * 4] * pad
-                          for r, n in zip(results, counts, strict=True)], dtype=torch.float32)  # [n, K, 4]
+    boxes, _ = _padded(results, counts)  # one row per image: one backbone pass per image, one scoring
     batch, scales = preprocess(images, loaded.localizer.spec)
     k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
     proto = prototype_from_bytes(prototype)
