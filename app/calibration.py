@@ -103,93 +103,63 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
     use the negatives' fit of the calibration. Without a calibration: confidence None, found True. The results'
-    ``instances`` are judged the same way; ``min_confidence`` drops those under it. ``rerank_boxes`` (needs the
-    results' instances: the route asks for ``RERANK_CANDIDATES``) answers with the instance the calibration finds
-    most likely right (with NCC fits and negatives: the one most like the exemplars and least like the
-    look-alikes)."""
-    has_instances = any(r.instances is not None for r in results)
-    answers = _judge_answers(results, images, calibration, threshold=threshold, min_confidence=min_confidence,
-                             loaded=loaded, prototype=prototype, negatives=negatives)
-    if not has_instances:
-        return answers
-    confs = _instance_confidences(results, images, calibration, loaded=loaded, prototype=prototype,
-                                  negatives=negatives)
+    ``instances`` are judged the same way, in the same pass as the answers (the pixels are read once);
+    ``min_confidence`` drops those under it. ``rerank_boxes`` (needs the results' instances: the route asks for
+    ``RERANK_CANDIDATES``) answers with the instance the calibration finds most likely right (with NCC fits and
+    negatives: the one most like the exemplars and least like the look-alikes)."""
+    if not results:
+        return []
+    counts = [len(r.instances or ()) for r in results]
+    if calibration is None:
+        confs: list[list[float | None]] = [[None] * (1 + n) for n in counts]
+    else:
+        boxes, scores = _rows(results, counts)
+        conf = _confidences(Calibration.from_dict(calibration), images, boxes, scores, loaded=loaded,
+                            prototype=prototype, negatives=negatives)
+        confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
-    for a, r, cs in zip(answers, results, confs, strict=True):
-        if r.instances is None:
-            continue
-        judged = [Judged(tuple(i.box), float(i.score), c, c is None or c >= cut)
-                  for i, c in zip(r.instances, cs, strict=True)]
-        if rerank_boxes and judged and judged[0].confidence is not None:
-            best = max(judged, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
-            a.box, a.score, a.confidence, a.found = best.box, best.score, best.confidence, best.found
-        a.instances = [j for j in judged if min_confidence is None or j.confidence is None
-                       or j.confidence >= min_confidence]
-    return answers
+
+    def judged(box, score: float, c: float | None) -> Judged:
+        return Judged(tuple(box), float(score), c, c is None or c >= cut)
+
+    out = []
+    for r, cs in zip(results, confs, strict=True):
+        answer = judged(r.box, r.score, cs[0])
+        if r.instances is not None:
+            found = [judged(i.box, i.score, c) for i, c in zip(r.instances, cs[1:], strict=True)]
+            if rerank_boxes and found and found[0].confidence is not None:
+                best = max(found, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
+                answer = Judged(best.box, best.score, best.confidence, best.found)
+            answer.instances = [j for j in found if min_confidence is None or j.confidence is None
+                                or j.confidence >= min_confidence]
+        out.append(answer)
+    return out
 
 
-def _padded(results: list, counts: list[int]) -> tuple[Tensor, Tensor]:
-    """Every image's instances as one row, padded with its first (an image without any: zeros) -> (boxes
-    ``[n, K, 4]`` float32, scores ``[n, K]`` float64)."""
-    pad = max(counts)
-    rows = [list(r.instances) + [r.instances[0]] * (pad - n) if n else [] for r, n in zip(results, counts, strict=True)]
-    boxes = torch.tensor([[i.box for i in row] if row else [[0.0] * 4] * pad for row in rows], dtype=torch.float32)
-    scores = torch.tensor([[i.score for i in row] if row else [1.0] * pad for row in rows], dtype=torch.float64)
+def _rows(results: list, counts: list[int]) -> tuple[Tensor, Tensor]:
+    """Every image's answer and then its instances as one row, padded with the answer -> (boxes ``[n, 1 + K, 4]``
+    float32, scores ``[n, 1 + K]`` float64): one scoring pass for every box of the request."""
+    pad = max(counts, default=0)
+    rows = [[(r.box, r.score)] + [(i.box, i.score) for i in (r.instances or ())] + [(r.box, r.score)] * (pad - n)
+            for r, n in zip(results, counts, strict=True)]
+    boxes = torch.tensor([[list(b) for b, _ in row] for row in rows], dtype=torch.float32)
+    scores = torch.tensor([[float(s) for _, s in row] for row in rows], dtype=torch.float64)
     return boxes, scores
 
 
-def _instance_confidences(results: list, images: list[Image.Image], calibration: dict | None, *,
-                          loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None
-                          ) -> list[list[float | None]]:
-    """The calibrated confidence of every instance of every result (``[]`` for a result without instances)."""
-    counts = [len(r.instances or ()) for r in results]
-    if calibration is None:
-        return [[None] * n for n in counts]
-    cal = Calibration.from_dict(calibration)
-    if cal.templates is not None and cal.ncc is not None and any(counts):
-        boxes, scores = _padded(results, counts)
-        conf = _ncc_confidences(cal, images, boxes, scores)
-        return [[float(c) for c in row[:n]] for row, n in zip(conf.tolist(), counts, strict=True)]
+def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor, *,
+                 loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None) -> Tensor:
+    """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> calibrated ``P(correct)``
+    ``[n, K]`` by the richest fit the set allows: the NCC fit (a calibration with templates: no model needed),
+    else the negatives' fit (local mode, a set with negatives: the boxes embedded, one backbone pass per image),
+    else the score's."""
+    if cal.templates is not None and cal.ncc is not None:
+        return _ncc_confidences(cal, images, boxes, scores)
     if loaded is None or negatives is None or cal.negatives is None:
-        flat = cal.confidence(torch.tensor([i.score for r in results for i in (r.instances or ())],
-                                           dtype=torch.float64)).tolist()
-        out, at = [], 0
-        for n in counts:
-            out.append(flat[at:at + n])
-            at += n
-        return out
-    boxes, _ = _padded(results, counts)  # one row per image: one backbone pass per image, one scoring
-    batch, scales = preprocess(images, loaded.localizer.spec)
+        return cal.confidence(scores.flatten()).view(scores.shape)
+    batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given
     k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
     proto = prototype_from_bytes(prototype)
     _, _, conf = score_boxes(loaded.localizer, batch, boxes / k, proto, negatives_from_bytes(negatives, len(proto)),
                              cal)
-    return [[float(c) for c in row[:n]] for row, n in zip(conf.tolist(), counts, strict=True)]
-
-
-def _judge_answers(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,
-                   min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
-                   negatives: bytes | None) -> list[Judged]:
-    """``judge`` of the answers (``box``) alone."""
-    boxes = [tuple(r.box) for r in results]
-    scores = [float(r.score) for r in results]
-    if calibration is None:
-        return [Judged(b, s, None, True) for b, s in zip(boxes, scores, strict=True)]
-    cal = Calibration.from_dict(calibration)
-    cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
-    use_negatives = loaded is not None and negatives is not None and cal.negatives is not None
-    if cal.templates is not None and cal.ncc is not None:
-        conf = _ncc_confidences(cal, images, torch.tensor(boxes, dtype=torch.float32)[:, None],
-                                torch.tensor(scores, dtype=torch.float64)[:, None])[:, 0].tolist()
-        return [Judged(b, s, c, c >= cut) for b, s, c in zip(boxes, scores, conf, strict=True)]
-    if not use_negatives:
-        conf = cal.confidence(torch.tensor(scores, dtype=torch.float64)).tolist()
-        return [Judged(b, s, c, c >= cut) for b, s, c in zip(boxes, scores, conf, strict=True)]
-    assert loaded is not None and negatives is not None
-    proto = prototype_from_bytes(prototype)
-    neg = negatives_from_bytes(negatives, len(proto))
-    batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given
-    k = torch.cat([scales, scales], dim=1)  # [n, 4]
-    final = torch.tensor(boxes, dtype=torch.float32) / k
-    _, _, conf = score_boxes(loaded.localizer, batch, final[:, None], proto, neg, cal)
-    return [Judged(b, s, float(c), float(c) >= cut) for b, s, c in zip(boxes, scores, conf[:, 0], strict=True)]
+    return conf
