@@ -30,10 +30,9 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torchvision.ops import batched_nms
 
 from models.config import EnvConfig
-from models.core.boxes import candidate_boxes, clip_boxes
+from models.core.boxes import candidate_boxes, clip_boxes, top_k_per_image
 from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
 from models.rollout import rollout
@@ -90,25 +89,6 @@ def _enlarge(boxes: Tensor, scale: float, size: float) -> Tensor:
     return clip_boxes(torch.cat([centre - half, centre + half], -1), size, size)
 
 
-def _top_per_image(boxes: Tensor, scores: Tensor, image: Tensor, b: int, k: int, iou: float
-                   ) -> tuple[Tensor, Tensor]:
-    """NMS per image over flat candidates (``boxes [M, 4]``, ``scores [M]`` higher is better, ``image [M]``) ->
-    (indices ``[B, k]`` into the candidates, valid ``[B, k]``): each image's first ``k`` survivors, best first."""
-    keep = batched_nms(boxes, scores, image, iou)  # sorted by score, every image mixed
-    img = image[keep]
-    order = torch.sort(img, stable=True).indices  # group by image, score order kept within each
-    keep, img = keep[order], img[order]
-    counts = torch.bincount(img, minlength=b)
-    first = torch.cumsum(counts, 0) - counts  # [B] where each image's survivors begin
-    rank = torch.arange(len(keep), device=boxes.device) - first[img]
-    sel = rank < k
-    idx = torch.zeros(b, k, dtype=torch.long, device=boxes.device)
-    valid = torch.zeros(b, k, dtype=torch.bool, device=boxes.device)
-    idx[img[sel], rank[sel]] = keep[sel]
-    valid[img[sel], rank[sel]] = True
-    return idx, valid
-
-
 @torch.no_grad()
 def find_instances(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, env: EnvConfig,
                    size: int, k: int, answer: Tensor, answer_distance: Tensor,
@@ -134,7 +114,7 @@ def find_instances(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototype
     cand_boxes, cand_dist, evaluations = [windows.expand(b, -1, -1)], [wdist], w
     if cfg.starts > 0:
         s = min(cfg.starts, w)
-        idx, ok = _top_per_image(windows.repeat(b, 1), -wdist.flatten(), image_w, b, s, cfg.nms_iou)
+        idx, ok = top_k_per_image(windows.repeat(b, 1), -wdist.flatten(), image_w, b, s, cfg.nms_iou)
         # An image with fewer separate windows than ``s`` repeats its best (a wasted episode, not a wrong one).
         idx = torch.where(ok, idx, idx[:, :1])
         starts = _enlarge(windows.repeat(b, 1)[idx.flatten()], cfg.start_scale, float(size))  # [B*s, 4]
@@ -149,7 +129,7 @@ def find_instances(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototype
     dist = torch.cat([first] + cand_dist, 1)  # [B, M]; -inf: the answer outranks all
     m = boxes.shape[1]
     image = torch.arange(b, device=dev).repeat_interleave(m)
-    idx, valid = _top_per_image(boxes.reshape(-1, 4), -dist.reshape(-1), image, b, k, cfg.nms_iou)
+    idx, valid = top_k_per_image(boxes.reshape(-1, 4), -dist.reshape(-1), image, b, k, cfg.nms_iou)
     flat_boxes, flat_dist = boxes.reshape(-1, 4), dist.reshape(-1)
     out_boxes = torch.where(valid[..., None], flat_boxes[idx], answer[:, None])
     out_dist = torch.where(valid, flat_dist[idx], torch.inf)

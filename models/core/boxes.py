@@ -93,3 +93,26 @@ def square_candidates(size: int, min_side: int, max_side: int, side_step: int = 
 def full_image_boxes(n: int, width: float, height: float, device=None) -> Tensor:
     """``n`` copies of the whole-image box -> ``Tensor[n, 4]``."""
     return torch.tensor([0.0, 0.0, float(width), float(height)], device=device).expand(n, 4).clone()
+
+
+def top_k_per_image(boxes: Tensor, scores: Tensor, image: Tensor, b: int, k: int, iou: float
+                   ) -> tuple[Tensor, Tensor]:
+    """Non-maximum suppression per image over flat candidates (``boxes [M, 4]``, ``scores [M]`` higher is better,
+    ``image [M]`` in ``0..b-1``) -> (indices ``[b, k]`` into the candidates, valid ``[b, k]``; an image with fewer
+    survivors has ``valid`` False from there on, its index 0): each image's first ``k`` survivors of
+    ``torchvision.ops.nms`` at IoU ``iou``, best first -- one ``batched_nms`` for every image."""
+    from torchvision.ops import batched_nms
+
+    keep = batched_nms(boxes, scores, image, iou)  # sorted by score, every image mixed
+    img = image[keep]
+    order = torch.sort(img, stable=True).indices  # group by image, score order kept within each
+    keep, img = keep[order], img[order]
+    counts = torch.bincount(img, minlength=b)
+    first = torch.cumsum(counts, 0) - counts  # [B] where each image's survivors begin
+    rank = torch.arange(len(keep), device=boxes.device) - first[img]
+    sel = rank < k
+    idx = torch.zeros(b, k, dtype=torch.long, device=boxes.device)
+    valid = torch.zeros(b, k, dtype=torch.bool, device=boxes.device)
+    idx[img[sel], rank[sel]] = keep[sel]
+    valid[img[sel], rank[sel]] = True
+    return idx, valid

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.bundle import Bundle
-from models.core.boxes import candidate_boxes, paired_iou
+from models.core.boxes import candidate_boxes, top_k_per_image
 from models.core.seeding import seeded
 from models.data.types import LabeledImages
 from models.features import features_of
@@ -168,22 +168,18 @@ def topk_nms(boxes: Tensor, distances: Tensor, k: int, iou_threshold: float = 0.
     Each round keeps each image's nearest remaining box and drops the boxes overlapping it with IoU >
     ``iou_threshold`` (torchvision's ``nms`` rule) -> (indices into C ``[B, k]``, valid ``[B, k]``; an image
     whose boxes run out has ``valid`` False from there on, its index 0). The first ``k`` of
-    ``torchvision.ops.nms`` on one image, at ``k`` rounds of ``[B, C]`` work instead of a loop over images.
+    ``torchvision.ops.nms`` on each image: ``models.core.boxes.top_k_per_image``, as the instance search.
     """
     bsz, c = distances.shape
     boxes = boxes.expand(bsz, c, 4) if boxes.dim() == 2 else boxes  # [B, C, 4]
-    d = distances.clone()
-    rows = torch.arange(bsz, device=d.device)
-    idx = torch.zeros(bsz, k, dtype=torch.long, device=d.device)
-    valid = torch.zeros(bsz, k, dtype=torch.bool, device=d.device)
-    for j in range(min(k, c)):  # k rounds, all images at once
-        best = d.argmin(dim=1)  # [B]
-        valid[:, j] = d[rows, best].isfinite()
-        idx[:, j] = torch.where(valid[:, j], best, 0)
-        overlap = paired_iou(boxes, boxes[rows, best][:, None])  # [B, C]
-        d = d.masked_fill(overlap > iou_threshold, torch.inf)
-        d[rows, best] = torch.inf
-    return idx, valid
+    flat = distances.flatten()
+    ok = flat.isfinite().nonzero().flatten()  # an infinite distance is no candidate
+    if not len(ok):
+        zeros = torch.zeros(bsz, k, dtype=torch.long, device=distances.device)
+        return zeros, zeros.bool()
+    image = torch.arange(bsz, device=distances.device).repeat_interleave(c)
+    idx, valid = top_k_per_image(boxes.reshape(-1, 4)[ok], -flat[ok], image[ok], bsz, k, iou_threshold)
+    return torch.where(valid, ok[idx] % c, 0), valid
 
 
 def nms_detections(boxes: Tensor, distances: Tensor, k: int, iou_threshold: float = 0.5) -> Detections:

@@ -243,6 +243,12 @@ def test_topk_nms_is_torchvisions_nms_cut_at_k():
             assert int(valid[i].sum()) == min(6, len(nms(boxes[i], -dist[i], iou)))
     idx, valid = topk_nms(boxes[0, :2], dist[:, :2], 4, 0.5)  # shared boxes; fewer than k -> invalid rows
     assert valid[:, 2:].sum() == 0 and valid[:, 0].all()
+    far = dist.clone()
+    far[0, :] = torch.inf  # no candidate in image 0; in image 1, only the boxes at finite distance
+    far[1, 10:] = torch.inf
+    idx, valid = topk_nms(boxes, far, 6, 0.5)
+    assert not valid[0].any() and (idx[1][valid[1]] < 10).all() and valid[2].any()
+    assert idx[1][valid[1]].tolist() == nms(boxes[1, :10], -far[1, :10], 0.5)[:6].tolist()
 
 
 def test_budgeted_candidates_stay_within_the_budget():
