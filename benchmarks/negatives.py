@@ -23,7 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.bundle import load_bundle  # noqa: E402
-from models.calibration import box_distances, calibrate_policy, pick, rerank  # noqa: E402
+from models.calibration import (  # noqa: E402
+    Calibration,
+    auroc,
+    box_distances,
+    calibrate_policy,
+    pick,
+    score_boxes,
+)
 from models.core.boxes import paired_iou  # noqa: E402
 from models.data.cmnist import generate_pair  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
@@ -34,11 +41,15 @@ N = 300
 K_CANDIDATES = 4
 
 
-def auroc(score: torch.Tensor, y: torch.Tensor) -> float:
-    pos, neg = score[y], score[~y]
-    if len(pos) == 0 or len(neg) == 0:
-        return float("nan")
-    return float((pos[:, None] > neg[None]).float().mean() + 0.5 * (pos[:, None] == neg[None]).float().mean())
+def rerank(localizer: Localizer, images01: torch.Tensor, paths: torch.Tensor, prototype: torch.Tensor,
+           negatives: torch.Tensor | None, cal: Calibration) -> tuple[torch.Tensor, ...]:
+    """Among the boxes each episode visited (``paths [n, T+1, 4]``, input pixels; the first, the whole image,
+    is left out), the one the calibration finds most likely right -> (its index in the path ``[n]``, its
+    distance to the prototype ``[n]``, to the nearest negative ``[n]``, its confidence ``[n]``)."""
+    d_p, d_n, conf = score_boxes(localizer, images01, paths[:, 1:], prototype, negatives, cal)
+    k = conf.argmax(dim=1)
+    rows = torch.arange(len(k))
+    return k + 1, d_p[rows, k], d_n[rows, k], conf[rows, k]
 
 
 def main() -> None:

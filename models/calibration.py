@@ -710,17 +710,6 @@ def score_boxes(localizer: Localizer, images01: Tensor, boxes: Tensor, prototype
     return d_p, d_n, conf.float()
 
 
-def rerank(localizer: Localizer, images01: Tensor, paths: Tensor, prototype: Tensor, negatives: Tensor | None,
-           cal: Calibration) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Among the boxes each episode visited (``paths [n, T+1, 4]``, input pixels; the first, the whole image,
-    is left out), the one the calibration finds most likely right -> (its index in the path ``[n]``, its
-    distance to the prototype ``[n]``, to the nearest negative ``[n]``, its confidence ``[n]``)."""
-    d_p, d_n, conf = score_boxes(localizer, images01, paths[:, 1:], prototype, negatives, cal)
-    k = conf.argmax(dim=1)
-    rows = torch.arange(len(k))
-    return k + 1, d_p[rows, k], d_n[rows, k], conf[rows, k]
-
-
 def pick(images01: Tensor, boxes: Tensor, scores: Tensor, valid: Tensor, cal: Calibration
          ) -> tuple[Tensor, Tensor]:
     """Among candidate boxes ``[n, K, 4]`` (input pixels; e.g. ``Localization.instances``) with their scores
