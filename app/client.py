@@ -25,17 +25,30 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
+
+from app.client_models import (  # re-exported: ``from app.client import ...`` is the API
+    TERMINAL,
+    AdaptationJob,
+    Checkpoint,
+    ExemplarSet,
+    Instance,
+    Localization,
+    LocalizeResponse,
+    Page,
+    PoolImage,
+    PoolImages,
+    Progress,
+)
 
 __all__ = [
-    "AdaptationJob", "Checkpoint", "ExemplarSet", "ImageInput", "LocalizeResponse", "Localization", "Page",
-    "PoolImage", "PoolImages", "QlocClient", "QlocError",
+    "TERMINAL", "AdaptationJob", "Checkpoint", "ExemplarSet", "ImageInput", "Instance", "LocalizeResponse",
+    "Localization", "Page", "PoolImage", "PoolImages", "Progress", "QlocClient", "QlocError",
 ]
 
-TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -75,128 +88,6 @@ def describe_detail(detail: Any) -> str:
                 parts.append(str(issue))
         return "; ".join(parts)
     return str(detail)
-
-
-# ---------------------------------------------------------------- response models (lenient: extra fields kept)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ExemplarSet(_Model):
-    id: uuid.UUID
-    name: str | None = None
-    num_exemplars: int = 0
-    num_labeled: int = 0
-    bundle: str = ""
-    bundle_sha256: str | None = None
-    active_checkpoint_id: uuid.UUID | None = None
-    created_at: datetime | None = None
-
-
-class Instance(_Model):
-    box: list[float]
-    """``[x1, y1, x2, y2]`` in the pixels of the image as sent."""
-    score: float
-    confidence: float | None = None
-    found: bool = True
-
-
-class Localization(_Model):
-    filename: str | None = None
-    width: int
-    height: int
-    box: list[float]
-    """``[x1, y1, x2, y2]`` in the pixels of the image as sent."""
-    score: float
-    confidence: float | None = None
-    """Calibrated probability that the box is right (``None``: the set has no calibration)."""
-    found: bool = True
-    """``confidence`` at or above the set's threshold (or the request's ``min_confidence``)."""
-    trajectory: list[list[float]] | None = None
-    instances: list[Instance] | None = None
-    """With ``max_instances``: up to that many objects, best first."""
-
-
-class LocalizeResponse(_Model):
-    exemplar_set_id: uuid.UUID
-    checkpoint_id: uuid.UUID
-    bundle: str = ""
-    samples: int = 0
-    nearest: bool = False
-    results: list[Localization]
-    kept: list[uuid.UUID] | None = None
-    """With ``keep=True``: the ids of the images added to the set's pool."""
-
-
-class Progress(_Model):
-    iteration: int = 0
-    total: int = 0
-    mean_reward: float | None = None
-
-
-class AdaptationJob(_Model):
-    id: uuid.UUID
-    exemplar_set_id: uuid.UUID
-    status: str
-    progress: Progress = Progress()
-    checkpoint_id: uuid.UUID | None = None
-    error: str | None = None
-    params: dict[str, Any] = {}
-    verdict: str | None = None
-    validation: dict[str, Any] | None = None
-    attempts: int = 0
-    cancel_requested: bool = False
-    created_at: datetime | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.status in TERMINAL
-
-
-class Checkpoint(_Model):
-    id: uuid.UUID
-    exemplar_set_id: uuid.UUID
-    parent_id: uuid.UUID | None = None
-    job_id: uuid.UUID | None = None
-    kind: str
-    iteration: int = 0
-    sha256: str = ""
-    metrics: dict[str, Any] = {}
-    active: bool = False
-    created_at: datetime | None = None
-
-
-class PoolImage(_Model):
-    id: uuid.UUID
-    exemplar_set_id: uuid.UUID
-    filename: str | None = None
-    content_type: str = ""
-    width: int = 0
-    height: int = 0
-    size: int = 0
-    sha256: str = ""
-    created_at: datetime | None = None
-
-
-class PoolImages(_Model):
-    """A page of a set's image pool (``count``/``limit``/``offset`` when listed), with the pool's totals as the
-    server gives them (in ``model_extra``)."""
-
-    data: list[PoolImage]
-
-
-T = TypeVar("T", bound=BaseModel)
-
-
-class Page(_Model, Generic[T]):  # noqa: UP046 -- Python 3.11
-    data: list[T]
-    count: int
-    limit: int
-    offset: int
 
 
 # ---------------------------------------------------------------- images
