@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from PIL import Image
 from torch import Tensor
 
 from models.data import photo_cache_dir
+from models.data.debian import deb_field, download, run
 from models.data.types import exemplar_crops
 
 MANIFEST = "manifest.json"
@@ -120,54 +120,19 @@ def fetch(cache_dir: str | os.PathLike | None = None, packages: tuple[str, ...] 
     return manifest
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
-    except FileNotFoundError as e:
-        raise RuntimeError(f"{cmd[0]} not found: fetching the photo data needs Debian's apt-get and dpkg-deb") from e
-
-
-def _download(pkg: str, debs: Path, log) -> Path:
-    debs.mkdir(parents=True, exist_ok=True)
-    found = sorted(debs.glob(f"{pkg}_*.deb"))
-    if found:
-        return found[-1]
-    log(f"apt-get download {pkg}")
-    res = _run(["apt-get", "download", pkg], cwd=debs)
-    if res.returncode != 0:  # most often a stale or empty package list
-        log(f"apt-get download failed ({res.stderr.strip().splitlines()[-1:]}); running apt-get update")
-        upd = _run(["apt-get", "update"])
-        if upd.returncode != 0:
-            raise RuntimeError(f"apt-get update failed (run as root?): {upd.stderr.strip()}")
-        res = _run(["apt-get", "download", pkg], cwd=debs)
-        if res.returncode != 0:
-            raise RuntimeError(f"apt-get download {pkg} failed: {res.stderr.strip()}")
-    found = sorted(debs.glob(f"{pkg}_*.deb"))
-    if not found:
-        raise RuntimeError(f"apt-get download {pkg} left no {pkg}_*.deb in {debs}")
-    return found[-1]
-
-
-def _deb_field(deb: Path, field: str) -> str:
-    res = _run(["dpkg-deb", "-f", str(deb), field])
-    if res.returncode != 0:
-        raise RuntimeError(f"dpkg-deb could not read {deb}: {res.stderr.strip()}")
-    return res.stdout.strip()
-
-
 def _unpacked(pkg: str, cache: Path, log, keep_debs: bool) -> str:
     """Make sure ``cache/pkg`` holds the package's kept files -> the package version."""
     dest = cache / pkg
     marker = dest / VERSION_FILE
     if marker.is_file():
         return marker.read_text().strip()
-    deb = _download(pkg, cache / "debs", log)
-    version = _deb_field(deb, "Version")
+    deb = download(pkg, cache / "debs", log)
+    version = deb_field(deb, "Version")
     log(f"dpkg-deb -x {deb.name}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{pkg}.", dir=cache))
     tmp.chmod(0o755)  # mkdtemp's 0700 would make the cache private to this user
     try:
-        res = _run(["dpkg-deb", "-x", str(deb), str(tmp)])
+        res = run(["dpkg-deb", "-x", str(deb), str(tmp)])
         if res.returncode != 0:
             raise RuntimeError(f"dpkg-deb -x {deb} failed: {res.stderr.strip()}")
         _prune(tmp)

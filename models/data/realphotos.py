@@ -58,7 +58,7 @@ from PIL import Image, ImageDraw
 from torch import Tensor
 
 from models.data import data_dir
-from models.data.photos import _deb_field, _download
+from models.data.debian import deb_field, download
 
 ANNOTATIONS = Path(__file__).with_name("realphotos.coco.json")
 FORMAT = "qloc-real-photos"
@@ -215,8 +215,8 @@ def _matches(cache: Path, im: dict) -> bool:
 
 def _deb_files(pkg: str, images: list[dict], cache: Path, keep_debs: bool, log) -> tuple[dict[str, bytes], str]:
     """Read the annotated photos (and the copyright file) out of a Debian package -> ({file_name: bytes}, version)."""
-    deb = _download(pkg, cache / "debs", log)
-    version = _deb_field(deb, "Version")
+    deb = download(pkg, cache / "debs", log)
+    version = deb_field(deb, "Version")
     members: dict[str, list[tuple[str, str | None]]] = defaultdict(list)  # member -> [(file_name, rcc path)]
     for im in images:
         member, _, inner = im["source"]["path"].partition(RCC_SEPARATOR)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from models.data import photo_cache_dir, photos
+from models.data import debian, photo_cache_dir, photos
 from models.data.photos import PasteParams, crops, fetch, fetch_main, generate, load_manifest, mask_box
 
 REAL_CACHE = photo_cache_dir()
@@ -284,9 +284,9 @@ def test_download_runs_apt_get_update_when_the_package_is_unknown(tmp_path, monk
             return subprocess.CompletedProcess(cmd, 0, "", "")
         return subprocess.CompletedProcess(cmd, 100, "", "E: Unable to locate package scratch")
 
-    monkeypatch.setattr(photos, "_run", fake_run)
-    deb = photos._download("scratch", tmp_path / "debs", log=lambda *_: None)
+    monkeypatch.setattr(debian, "run", fake_run)
+    deb = debian.download("scratch", tmp_path / "debs", log=lambda *_: None)
     assert deb.name == "scratch_9.9_all.deb"
     assert calls == [["apt-get", "download", "scratch"], ["apt-get", "update"], ["apt-get", "download", "scratch"]]
     calls.clear()
-    assert photos._download("scratch", tmp_path / "debs", log=lambda *_: None) == deb and not calls
+    assert debian.download("scratch", tmp_path / "debs", log=lambda *_: None) == deb and not calls
