@@ -84,7 +84,8 @@ def ranking_metrics(bundle: Bundle, data: LabeledImages, prototype: Tensor, pair
     """How well embedding distance ranks boxes by IoU on ``data``, with group-sampled box pairs (two
     distinct IoU bins each, so ``2 * pairs`` boxes per image spread over the bins):
 
-    - ``ordacc``: % of pairs whose distance to ``prototype [D]`` orders them as their IoU does;
+    - ``ordacc``: % of pairs whose distance to ``prototype [D]`` (or ``[N, D]``, one per image) orders them as
+      their IoU does;
     - ``ordacc_inst``: the same with each image's own ground-truth embedding as the anchor;
     - ``spearman``: Spearman rho between distance to ``prototype`` and IoU over each image's boxes,
       averaged over images (negative is good: closer means more overlap).
@@ -98,6 +99,7 @@ def ranking_metrics(bundle: Bundle, data: LabeledImages, prototype: Tensor, pair
     out = torch.cat([emb.embed(feats[i:i + chunk], boxes[i:i + chunk]) for i in range(0, len(feats), chunk)])
     gt, pos, neg = out[:, 0], out[:, 1:1 + pairs], out[:, 1 + pairs:]
     proto = prototype.to(out.device)
+    proto = proto[:, None] if proto.dim() == 2 else proto  # one per image ([N, D]: data of several kinds)
     d_pos, d_neg = (pos - proto).norm(dim=-1), (neg - proto).norm(dim=-1)  # [N, P]
     i_pos, i_neg = (pos - gt[:, None]).norm(dim=-1), (neg - gt[:, None]).norm(dim=-1)
     ious = torch.cat([p.pos_iou, p.neg_iou], 1).to(out.device)
@@ -111,7 +113,8 @@ def ranking_metrics(bundle: Bundle, data: LabeledImages, prototype: Tensor, pair
 def localize_boxes(bundle: Bundle, agent: Agent, data: LabeledImages, prototype: Tensor, *,
                    deterministic: bool = True, seed: int = 0, samples: int = 0, nearest: bool = False,
                    batch: int | None = None) -> Tensor:
-    """The agent's episodes on ``data`` with one shared ``prototype [D]`` -> trajectories ``[T+1, N, 4]`` (CPU).
+    """The agent's episodes on ``data`` with one shared ``prototype [D]`` (or one per image ``[N, D]``) ->
+    trajectories ``[T+1, N, 4]`` (CPU).
 
     Through ``Localizer``, on cached features when ``data`` carries them (``batch`` default 128 / (1 +
     samples)) or on the images (``batch`` default 256). ``samples > 0``: the best-of-(1 + samples) search
@@ -124,13 +127,17 @@ def localize_boxes(bundle: Bundle, agent: Agent, data: LabeledImages, prototype:
     else:
         gen = None if deterministic else torch.Generator(device=loc.device).manual_seed(seed)
     kw = {"deterministic": deterministic, "generator": gen, "samples": samples, "nearest": nearest}
+    def proto(i: int, step: int) -> Tensor:
+        return prototype[i:i + step] if prototype.dim() == 2 else prototype
+
     if data.feats is not None:
         step = batch or max(1, 128 // (samples + 1))
-        parts = [loc.run_features(data.feats[i:i + step], prototype, agent, **kw).boxes
+        parts = [loc.run_features(data.feats[i:i + step], proto(i, step), agent, **kw).boxes
                  for i in range(0, len(data), step)]
     else:
         step = batch or 256
-        parts = [loc.run(data.images[i:i + step], prototype, agent, **kw).boxes for i in range(0, len(data), step)]
+        parts = [loc.run(data.images[i:i + step], proto(i, step), agent, **kw).boxes
+                 for i in range(0, len(data), step)]
     return torch.cat([p.cpu() for p in parts], dim=1)
 
 

@@ -58,3 +58,22 @@ def crop_embeddings(bundle: Bundle, data: LabeledImages, idx: Tensor | None = No
 def prototype_of(bundle: Bundle, data: LabeledImages) -> Tensor:
     """The prototype of ``data``'s ground-truth crops: their mean exemplar embedding -> ``[D]``."""
     return crop_embeddings(bundle, data).mean(0)
+
+
+def prototypes_for(bundle: Bundle, exemplars: LabeledImages, data: LabeledImages) -> Tensor:
+    """The prototype each image of ``data`` is localized with: ``prototype_of(exemplars)`` ``[D]`` for data of one
+    kind; for data of several kinds (``classes``), the mean embedding of the exemplars of each image's own kind
+    ``[N, D]``."""
+    if data.classes is None:
+        return prototype_of(bundle, exemplars)
+    if exemplars.classes is None:
+        raise ValueError("data of several kinds needs exemplars labeled with the same kinds (LabeledImages.classes)")
+    emb = crop_embeddings(bundle, exemplars)
+    kinds = int(max(int(data.classes.max()), int(exemplars.classes.max()))) + 1
+    ex_classes = exemplars.classes.to(emb.device)
+    sums = torch.zeros(kinds, emb.shape[1], device=emb.device, dtype=emb.dtype).index_add(0, ex_classes, emb)
+    counts = torch.bincount(ex_classes, minlength=kinds)
+    missing = set(data.classes.unique().tolist()) - set(counts.nonzero().flatten().tolist())
+    if missing:
+        raise ValueError(f"no exemplars of kinds {sorted(missing)}")
+    return (sums / counts.clamp(min=1)[:, None].to(emb.dtype))[data.classes.to(emb.device)]

@@ -42,7 +42,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--feature-cache", help="keep backbone features here between runs (tuning only)")
     sp.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (on a shared 2-core VM one thread ran ~10x faster than two)")
-    sp.add_argument("--class", dest="class_name", default=d.class_name, help="the training class")
+    sp.add_argument("--class", dest="class_name", default=d.class_name,
+                    help="the training class, or several comma-separated (a general bundle)")
     sp.add_argument("--size", type=int, default=d.size, help="network input side (multiple of 16)")
     sp.add_argument("--n-train", type=int, default=d.n_train)
     sp.add_argument("--n-val", type=int, default=d.n_val)

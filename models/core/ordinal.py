@@ -90,3 +90,19 @@ def ordinal_accuracy(anchor: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
     d_pos = (pos - anchor[:, None]).norm(dim=-1)
     d_neg = (neg - anchor[:, None]).norm(dim=-1)
     return (d_pos < d_neg).float().mean() * 100
+
+
+def class_batches(classes: Tensor, batch_size: int, drop_last: bool, generator: torch.Generator | None = None
+                  ) -> list[Tensor]:
+    """Minibatches of data of several kinds (``classes [N]`` long), each of one kind: every kind's images shuffled
+    and cut into ``batch_size`` (a last, smaller one of each kind dropped with ``drop_last``), the batches then
+    shuffled -> index tensors. Group anchors (``group_prototypes``) taken within a batch are then of the
+    image's own kind."""
+    out = []
+    for c in classes.unique().tolist():
+        idx = (classes == c).nonzero().flatten()
+        idx = idx[torch.randperm(len(idx), generator=generator)]
+        stop = len(idx) - batch_size + 1 if drop_last else len(idx)
+        out += [idx[i:i + batch_size] for i in range(0, max(0, stop), batch_size)]
+    order = torch.randperm(len(out), generator=generator).tolist()
+    return [out[i] for i in order]

@@ -92,7 +92,8 @@ def photo_set(bundle: Bundle, manifest: dict[str, Any], class_name: str, split: 
 
 @dataclass
 class PhotoTrainSetup:
-    """Stages 1-2 on one class; the defaults are the benchmark's (tuned on validation only)."""
+    """Stages 1-2 on one class (or several, comma-separated: a general bundle, ``n_train`` / ``n_val`` /
+    ``exemplars`` per class); the defaults are the benchmark's (tuned on validation only)."""
 
     class_name: str = "mammals"
     size: int = 224
@@ -109,6 +110,14 @@ class PhotoTrainSetup:
     agent_restarts: int = 3
     """Stage 2 runs this many times (seeds ``seed + 1000 * r``); the run with the best validation CorLoc is
     kept. One run's result depends a lot on its seed (val CorLoc 61-94 % over three seeds)."""
+
+
+def class_names(class_name: str) -> list[str]:
+    """``"mammals"`` or several classes ``"mammals,birds,fish"`` (a general bundle: ``LabeledImages.concat``)."""
+    names = [n.strip() for n in class_name.split(",") if n.strip()]
+    if not names:
+        raise ValueError("no photo class given")
+    return names
 
 
 def photo_model_config(setup: PhotoTrainSetup) -> ModelConfig:
@@ -129,9 +138,15 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     bundle = new_bundle(name, photo_model_config(setup), seed)
     bundle.to(device)
     c = setup.class_name
-    train = photo_set(bundle, manifest, c, "train", setup.n_train, seed, crops=True, cache=cache)
-    val = photo_set(bundle, manifest, c, "val", setup.n_val, seed, cache=cache)
-    val_ex = photo_set(bundle, manifest, c, "val", setup.exemplars, seed + 500, crops=True, cache=cache)
+    names = class_names(c)
+
+    def drawn(split: str, n: int, draw_seed: int, crops: bool = False) -> LabeledImages:
+        parts = [photo_set(bundle, manifest, name, split, n, draw_seed, crops=crops, cache=cache) for name in names]
+        return parts[0] if len(parts) == 1 else LabeledImages.concat(parts)
+
+    train = drawn("train", setup.n_train, seed, crops=True)
+    val = drawn("val", setup.n_val, seed)
+    val_ex = drawn("val", setup.exemplars, seed + 500, crops=True)
     t1 = time.perf_counter()
     s1 = train_embedding(bundle, train, val, replace(setup.embedding, anchor=setup.anchor, seed=seed),
                          val_exemplars=val_ex, candidates=rect_candidates(bundle),
@@ -148,7 +163,8 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     t3 = time.perf_counter()
     bundle.provenance = {
         "data": f"offline photos (models.data.photos), class {c}: {setup.n_train} generated training images from the "
-                f"train split, validation {setup.n_val} + {setup.exemplars} exemplars from the val split",
+                f"train split, validation {setup.n_val} + {setup.exemplars} exemplars from the val split"
+                + (" (each, per class; each image anchored on its own class's exemplars)" if len(names) > 1 else ""),
         "seed": seed, "setup": _plain_setup(setup),
         "embedding": {k: v for k, v in s1.items() if k != "history"},
         "agent": {**{k: v for k, v in s2.items() if k != "history"}, "restart": chosen,

@@ -19,7 +19,7 @@ from models.core.ordinal import group_prototypes
 from models.core.seeding import seeded
 from models.data.types import LabeledImages
 from models.evaluate import evaluate_corloc
-from models.features import crop_embeddings, features_of, prototype_of
+from models.features import crop_embeddings, features_of, prototypes_for
 from models.nets.agent import Agent
 from models.policy import PolicyConfig, policy_step
 
@@ -38,7 +38,8 @@ def train_agent(bundle: Bundle, train: LabeledImages, val: LabeledImages, val_ex
                 cfg: AgentTrainConfig, on_log: Callable[[dict], None] | None = None) -> dict:
     """Train the bundle's base policy (best validation state kept in ``bundle.agent_state``) -> summary.
 
-    Validation CorLoc uses the prototype of ``val_exemplars``' crops."""
+    Validation CorLoc uses the prototype of ``val_exemplars``' crops (of each image's own kind, for data of several
+    kinds: ``LabeledImages.classes``, where each iteration trains on one kind)."""
     dev = bundle.device
     with seeded(cfg.seed, dev):  # the agent's initial weights draw from torch's global generator
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -46,13 +47,19 @@ def train_agent(bundle: Bundle, train: LabeledImages, val: LabeledImages, val_ex
         opt = torch.optim.Adam(agent.parameters(), lr=cfg.lr)
         feats = train.feats if train.feats is not None else features_of(bundle, train.images)
         crop_emb = crop_embeddings(bundle, train)  # [N, D]
-        val_proto = prototype_of(bundle, val_exemplars)
+        val_proto = prototypes_for(bundle, val_exemplars, val)
         gt = train.boxes.to(dev) if cfg.reward != "embedding" else None
         bs = None if cfg.batch_size is None else min(cfg.batch_size, len(train))
         best: tuple[float, dict | None, int] = (-1.0, None, 0)
         history = []
         for it in range(1, cfg.iterations + 1):
-            if bs is None:
+            if train.classes is not None:  # several kinds: one kind per iteration, drawn by its share of the data
+                kind = train.classes[int(torch.randint(len(train), (1,), generator=gen))]
+                pool = (train.classes == kind).nonzero().flatten()
+                idx = pool[torch.randperm(len(pool), generator=gen)[:bs or len(pool)]]
+                f, e = feats[idx.to(feats.device)], crop_emb[idx.to(crop_emb.device)]
+                g = None if gt is None else gt[idx]
+            elif bs is None:
                 f, e, g = feats, crop_emb, gt
             else:
                 idx = torch.randperm(len(train), generator=gen)[:bs]

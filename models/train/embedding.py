@@ -20,11 +20,11 @@ from torch import Tensor
 
 from models.backbones import build_decoder
 from models.bundle import Bundle
-from models.core.ordinal import ANCHORS, anchors_for, sample_pairs, triplet_loss
+from models.core.ordinal import ANCHORS, anchors_for, class_batches, sample_pairs, triplet_loss
 from models.core.seeding import seeded
 from models.data.types import LabeledImages
 from models.evaluate import evaluate_ordacc, ranking_metrics, training_candidates
-from models.features import crop_embeddings, prototype_of
+from models.features import crop_embeddings, prototypes_for
 from models.inference import normalize
 
 EMBEDDING_ANCHORS = (*ANCHORS, "shuffle_exemplar")
@@ -91,9 +91,12 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
             emb.train()
             if frozen:
                 emb.encoder.eval()
-            perm = torch.randperm(n, generator=gen)
-            for i in range(0, n - bs + 1 if cfg.drop_last else n, bs):
-                idx = perm[i:i + bs]
+            if train.classes is None:
+                perm = torch.randperm(n, generator=gen)
+                batches = [perm[i:i + bs] for i in range(0, n - bs + 1 if cfg.drop_last else n, bs)]
+            else:  # several kinds: each batch holds one kind, so every anchor is of the image's own kind
+                batches = class_batches(train.classes, bs, cfg.drop_last, gen)
+            for idx in batches:
                 gt = train.boxes[idx]
                 pairs = sample_pairs(gt, cands, P, generator=gen)
                 if train.feats is not None:
@@ -124,7 +127,7 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
                     rec["val/ordacc"] = evaluate_ordacc(bundle, val, seed=cfg.seed, candidates=cands)
                 else:
                     emb.eval()
-                    m = ranking_metrics(bundle, val, prototype_of(bundle, val_exemplars), seed=cfg.seed,
+                    m = ranking_metrics(bundle, val, prototypes_for(bundle, val_exemplars, val), seed=cfg.seed,
                                         candidates=cands)
                     rec["val/ordacc"], rec["val/spearman"] = m["ordacc"], m["spearman"]
                 history.append(rec)
