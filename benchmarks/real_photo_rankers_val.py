@@ -1,7 +1,7 @@
 """Which score picks the object's box among many windows on real photographs (issue 15), on the real-photo
 benchmark's **val** half only (``models.data.realphotos``; the test half is not read).
 
-With the served photo bundle (``bundles/photo-mammals.pt``), each class's exemplar crops (its ``exemplar``
+With a photo bundle (default: the served ``bundles/photo-mammals.pt``), each class's exemplar crops (its ``exemplar``
 photos' boxes), and 1,000+ candidate windows per image (8 sides from 40 px to the whole 224 input, stride 16,
 aspect up to 2), CorLoc of the window each score likes best:
 
@@ -13,11 +13,12 @@ aspect up to 2), CorLoc of the window each score likes best:
 - ``rank_ncc``: normalized cross-correlation with the exemplar crops (16 x 16, ``models.calibration``);
 - ``whole``: the whole image.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_photo_rankers_val.py   # needs `qloc fetch-real-photos`
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_photo_rankers_val.py [--bundle B]   # needs `qloc fetch-real-photos`
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -41,9 +42,9 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def main() -> None:
+def main(bundle_path: str) -> None:
     torch.set_num_threads(1)
-    bundle = load_bundle(ROOT / "bundles" / "photo-mammals.pt", "cpu")
+    bundle = load_bundle(bundle_path, "cpu")
     loc = Localizer(bundle, "cpu")
     agent, size, emb = loc.agent(), loc.spec.size, bundle.embedder
     cands = candidate_boxes(size, 40, size, sides=8, stride=16, max_aspect=2.0, min_fraction=1.0)
@@ -83,4 +84,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default=str(ROOT / "bundles" / "photo-mammals.pt"))
+    main(ap.parse_args().bundle)
