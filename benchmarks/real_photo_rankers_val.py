@@ -13,7 +13,7 @@ aspect up to 2), CorLoc of the window each score likes best:
 - ``rank_ncc``: normalized cross-correlation with the exemplar crops (16 x 16, ``models.calibration``);
 - ``whole``: the whole image.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_photo_rankers_val.py [--bundle B]   # needs `qloc fetch-real-photos`
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_photo_rankers_val.py [--bundle B]  # qloc fetch-real-photos
 """
 
 from __future__ import annotations
