@@ -8,7 +8,9 @@ checkpoint is activated under ``activate=auto`` only when its selection CorLoc b
 than twice the standard error of the paired difference (each probe scored by both policies, and at
 least one probe), *and* its held-out CorLoc beats the start's by as much (twice the standard error there):
 chosen on one half, confirmed on the other. On photos, pasted crops favour policies that test images do
-not (BENCHMARKS.md): confirmation at one standard error still let a worse checkpoint through.
+not (BENCHMARKS.md): confirmation at one standard error still let a worse checkpoint through, and on real
+photographs even this rule did -- so for RGB bundles the set's labeled examples must agree as well
+(``GuardConfig.synthetic_confirms``): without them, a photo job reports its verdict and activates nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ class GuardConfig:
     min_faithfulness: float = 0.3
     """The reward is called unreliable when -Spearman(distance to the prototype, IoU) on the probes is
     below this: the embedding barely orders boxes by overlap, so the reward cannot be trusted."""
+    synthetic_confirms: bool | None = None
+    """Whether pasted (synthetic) probes may confirm an improvement on their own for ``activate=auto``. ``None``:
+    for grayscale bundles only (``SYNTHETIC_CONFIRMS_FOR_GRAY``). Otherwise the job activates only when the set's
+    labeled examples (real boxes, the first probes) agree: the best checkpoint is at least as good on them."""
+
+
+SYNTHETIC_CONFIRMS_FOR_GRAY = True
+"""Pasted probes confirm improvements on their own for grayscale (cMNIST-style) bundles only, where a pasted crop
+looks like the images the client sends. On real photographs, with the photo bundle, checkpoints that pasted probes
+called better (confirmed on their held-out half) were far worse on the photos: -56 / -33 / -50 points on three of
+eight classes (BENCHMARKS.md, real photographs); so an RGB bundle's job needs the set's labeled examples."""
 
 
 @dataclass
@@ -82,6 +95,7 @@ class Guard:
         perm = torch.randperm(n, generator=self.generator)
         k = min(n - 1, max(1, round(n * self.cfg.select_fraction)))
         self.select, self.held = perm[:k].sort().values, perm[k:].sort().values
+        self.labeled = torch.arange(min(n, int(self.counts.get("labeled", 0))))  # labeled examples come first
         self.loc = Localizer(self.bundle, self.bundle.device)
         self.feats = features_of(self.bundle, self.probes.images)  # the backbone once; every policy reuses it
         rank = ranking_metrics(self.bundle, LabeledImages(self.probes.images, self.probes.boxes, self.feats),
@@ -130,6 +144,8 @@ class Guard:
         hits, iou = self._hits(agent_state)
         self._base_hits = hits
         self.base = {"select": self._summary(hits, iou, self.select), "held": self._summary(hits, iou, self.held)}
+        if len(self.labeled):
+            self.base["labeled"] = self._summary(hits, iou, self.labeled)
         return self.base
 
     def observe(self, iteration: int, agent_state: dict[str, Tensor]) -> dict[str, Any]:
@@ -143,6 +159,8 @@ class Guard:
         rec["noise"] = self._noise(hits)
         rec["held_gain"] = round(rec["held"]["corloc"] - self.base["held"]["corloc"], 2)
         rec["held_noise"] = self._noise(hits, self.held)
+        if len(self.labeled):
+            rec["labeled"] = self._summary(hits, iou, self.labeled)
         self.checkpoints.append(rec)
         key = (rec["select"]["corloc"], rec["select"]["mean_iou"])
         if self._best is None or key > self._best[:2]:
@@ -191,13 +209,25 @@ class Guard:
         else:
             verdict = "no better"
             message = "no checkpoint beat the starting policy on the probes by more than their noise"
+        trusted = (self.cfg.synthetic_confirms if self.cfg.synthetic_confirms is not None
+                   else SYNTHETIC_CONFIRMS_FOR_GRAY and self.bundle.config.input.channels == 1)
+        confirmed = improved and (trusted or (len(self.labeled) > 0 and best is not None
+                                              and best["labeled"]["corloc"] >= base["labeled"]["corloc"]))
+        if improved and not confirmed:
+            message += ("; not activated: pasted probes alone do not predict real photos for this bundle, and "
+                        + (f"the set's labeled examples do not confirm it (CorLoc {base['labeled']['corloc']} -> "
+                           f"{best['labeled']['corloc']})" if len(self.labeled) else
+                           "the set has no labeled examples to confirm it on (create the set from whole images "
+                           "with `boxes`)")
+                        + "; activate a checkpoint yourself to use it")
         if mode == "auto":
-            activate = best["iteration"] if improved else None
+            activate = best["iteration"] if confirmed else None
         elif mode == "true":
             activate = last["iteration"] if last is not None else None
         else:
             activate = None
-        validation = {"probes": {**self.counts, "select": len(self.select), "held": len(self.held)},
+        validation = {"probes": {**self.counts, "select": len(self.select), "held": len(self.held),
+                                 "synthetic_confirms": trusted},
                       "faithfulness": self.faithfulness, "base": self.base, "best": best,
                       "checkpoints": self.checkpoints, "stopped_early": self.should_stop}
         return {"verdict": verdict, "message": message, "activate": activate, "validation": validation}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from models.bundle import new_bundle
@@ -54,13 +56,16 @@ def test_erase_boxes_fills_each_box_from_another_image():
 class _Scripted(Guard):
     """A guard whose policies' hits are given (no network): ``hits[name]`` is a bool tensor over the probes."""
 
-    def __init__(self, hits: dict, n: int, cfg: GuardConfig | None = None, spearman: float = -0.9):
+    def __init__(self, hits: dict, n: int, cfg: GuardConfig | None = None, spearman: float = -0.9,
+                 channels: int = 1, labeled: int = 0):
         self.hits, self.cfg = hits, cfg or GuardConfig()
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
         k = n // 2
         self.select, self.held = perm[:k].sort().values, perm[k:].sort().values
+        self.labeled = torch.arange(labeled)
+        self.bundle = SimpleNamespace(config=SimpleNamespace(input=SimpleNamespace(channels=channels)))
         self.faithfulness = {"ordacc": 90.0, "spearman": spearman}
-        self.counts = {"synthetic": n}
+        self.counts = {"labeled": labeled, "synthetic": n - labeled} if labeled else {"synthetic": n}
         self.base, self.checkpoints, self._base_hits, self._best, self._falling = None, [], None, None, 0
 
     def _hits(self, agent_state):
@@ -81,7 +86,7 @@ def test_the_guard_activates_only_a_clear_gain_and_says_why():
     g.observe(20, "better")
     d = g.decide("auto")
     assert d["verdict"] == "improved" and d["activate"] == 20 and d["validation"]["best"]["iteration"] == 20
-    assert d["validation"]["probes"] == {"synthetic": n, "select": 100, "held": 100}
+    assert d["validation"]["probes"] == {"synthetic": n, "select": 100, "held": 100, "synthetic_confirms": True}
     assert g.decide("false")["activate"] is None and g.decide("true")["activate"] == 20
 
     g = _Scripted({"start": base, "same": same}, n)
@@ -90,6 +95,42 @@ def test_the_guard_activates_only_a_clear_gain_and_says_why():
     d = g.decide("auto")
     assert d["verdict"] == "no better" and d["activate"] is None
     assert g.decide("true")["activate"] == 10  # forced: the final checkpoint, whatever the probes say
+
+
+def test_on_a_photo_bundle_pasted_probes_alone_do_not_activate():
+    """RGB bundles: pasted probes said "better" where real photos got far worse (BENCHMARKS.md, real photographs),
+    so ``auto`` needs the set's labeled examples (the first probes) to agree."""
+    n = 200
+    base, better = _hits(n, 0.5, 1), _hits(n, 0.9, 2)
+    g = _Scripted({"start": base, "better": better}, n, channels=3)
+    g.start("start")
+    g.observe(20, "better")
+    d = g.decide("auto")
+    assert d["verdict"] == "improved" and d["activate"] is None and "no labeled examples" in d["message"]
+    assert d["validation"]["probes"]["synthetic_confirms"] is False
+    assert g.decide("true")["activate"] == 20  # the user may still force it
+    forced = _Scripted({"start": base, "better": better}, n, GuardConfig(synthetic_confirms=True), channels=3)
+    forced.start("start")
+    forced.observe(20, "better")
+    assert forced.decide("auto")["activate"] == 20
+
+    agree = better.clone()
+    agree[:8] = True  # the 8 labeled examples: all right after, fewer before
+    start = base.clone()
+    start[:8] = torch.arange(8) < 4
+    g = _Scripted({"start": start, "better": agree}, n, channels=3, labeled=8)
+    g.start("start")
+    rec = g.observe(20, "better")
+    assert rec["labeled"]["corloc"] == 100.0 and g.base["labeled"]["corloc"] == 50.0
+    assert g.decide("auto")["activate"] == 20
+
+    disagree = better.clone()
+    disagree[:8] = False  # better on the pasted probes, worse on the client's real boxes
+    g = _Scripted({"start": start, "better": disagree}, n, channels=3, labeled=8)
+    g.start("start")
+    g.observe(20, "better")
+    d = g.decide("auto")
+    assert d["verdict"] == "improved" and d["activate"] is None and "do not confirm it" in d["message"]
 
 
 def test_a_policy_that_gets_worse_is_refused_and_stops_the_job_early():
