@@ -95,6 +95,23 @@ def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settin
     return Settings(**values)
 
 
+FAST_JOB: dict[str, Any] = {"synthetic_probes": 16}
+"""Overrides for tests that need jobs to run (leases, recovery, delivery, checkpoints), not to score them on many
+probes: 16 synthetic probes, the fewest with which the reward repair still runs (``models.repair.MIN_TRAIN_PROBES``),
+instead of 128. A job's setup (repair, probes, guard) then takes about a quarter of the time."""
+
+LIVE_WORKER: dict[str, Any] = {**FAST_JOB, "heartbeat_timeout": 6.0}
+"""``FAST_JOB`` for a job run by a Celery worker in a subprocess, with a lease that outlives several late beats
+(``heartbeat_interval`` 0.3 s): on a loaded 2-core machine the 2 s of ``make_test_settings`` let the worker's own
+reaper requeue a live job whose pool process beat late, until the job failed on its attempts. A dead worker's job
+is still taken over within 6 s of its last beat, sooner than its replacement worker is ready."""
+
+
+def live_worker_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settings:
+    """``make_test_settings`` with ``LIVE_WORKER`` (for ``running_stack``'s ``make``)."""
+    return make_test_settings(root, bundle_dir, **{**LIVE_WORKER, **overrides})
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a subprocess read ``settings``."""
     import json

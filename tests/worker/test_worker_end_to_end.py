@@ -14,6 +14,7 @@ import httpx
 import pytest
 from service_fixtures import (
     files,
+    live_worker_settings,
     png_bytes,
     row_counts,
     running_stack,
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(params=["embedded", "postgres_redis"])
 def stack(request, tmp_path, bundle_dir):
-    with running_stack(request.param, request, tmp_path, bundle_dir) as st:
+    with running_stack(request.param, request, tmp_path, bundle_dir, make=live_worker_settings) as st:
         yield st
 
 
@@ -63,7 +64,8 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
         # the job checked itself on its probes; activate=true still activates the final checkpoint
         v = job["validation"]
         assert job["verdict"] in ("improved", "no better", "worse", "reward unreliable") and v["message"]
-        assert v["probes"]["synthetic"] == 128 and v["probes"]["select"] + v["probes"]["held"] == 128
+        probes = stack.settings.synthetic_probes  # LIVE_WORKER's 16
+        assert v["probes"]["synthetic"] == probes and v["probes"]["select"] + v["probes"]["held"] == probes
         assert [c["iteration"] for c in v["checkpoints"]] == [2, 4] and v["activated_iteration"] == 4
 
         ckpts = c.get(f"/v1/exemplar-sets/{es['id']}/checkpoints").json()["data"]
@@ -97,7 +99,7 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
 
 
 def test_kill_9_during_a_job_then_a_new_worker_resumes_it(stack):
-    iterations = 14
+    iterations = 10  # killed once 2 checkpoints are written (iteration 4 or so): 6 more to resume
     with api(stack) as c:
         es = register(c)
         r = c.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=unlabeled(),

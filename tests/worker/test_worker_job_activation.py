@@ -4,10 +4,20 @@ and PostgreSQL, through the API and the worker's real run."""
 
 import uuid
 
-from service_fixtures import files, png_bytes, register_set
+import pytest
+from service_fixtures import FAST_JOB, files, png_bytes, register_set
 
 from worker import jobs
+from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
+
+
+@pytest.fixture
+def ctx(db_settings):
+    """The worker context on ``db_settings`` with ``FAST_JOB``'s probes: activation does not depend on them."""
+    c = WorkerContext.create(db_settings.model_copy(update=FAST_JOB))
+    yield c
+    c.engine.dispose()
 
 
 def post_job(client, set_id):

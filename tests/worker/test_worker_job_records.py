@@ -5,6 +5,7 @@ import uuid
 import pytest
 import torch
 from celery.exceptions import SoftTimeLimitExceeded
+from service_fixtures import FAST_JOB
 from sqlalchemy import select, update
 from test_worker_jobs import new_job
 
@@ -16,7 +17,7 @@ from worker.jobs import AdaptationRun, run_adaptation_job
 
 
 def _ctx(settings):
-    return WorkerContext.create(settings)
+    return WorkerContext.create(settings.model_copy(update=FAST_JOB))  # what is checked here needs no more probes
 
 
 def test_checkpoint_files_carry_their_job_metrics_and_resume_state(client, settings):

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from service_fixtures import at_once, files, png_bytes
+from service_fixtures import FAST_JOB, at_once, files, png_bytes
 from sqlalchemy import event, inspect, select, update
 
 from app.main import create_app
@@ -40,11 +40,12 @@ class Crash(BaseException):
 
 @pytest.fixture
 def make_ctx(settings):
-    """Worker contexts on the test's database with some settings changed."""
+    """Worker contexts on the test's database with some settings changed (and ``FAST_JOB``'s: the leases and
+    budgets under test do not depend on how many probes a job scores)."""
     made = []
 
     def make(**overrides):
-        c = WorkerContext.create(settings.model_copy(update=overrides))
+        c = WorkerContext.create(settings.model_copy(update={**FAST_JOB, **overrides}))
         made.append(c)
         return c
 

@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from kombu import Connection
 from service_fixtures import (
+    LIVE_WORKER,
     REDIS_URL,
     Stack,
     at_once,
@@ -236,7 +237,7 @@ def test_the_api_answers_503_and_fails_the_job_only_if_nobody_sent_it(api, ctx, 
 
 def delivery_settings(tmp_path, bundle_dir, **overrides):
     s = make_test_settings(tmp_path, bundle_dir, **{"enqueue_grace": 1.0, "requeue_after": 2.0,
-                                                    "reaper_interval": 0.3, **overrides})
+                                                    "reaper_interval": 0.3, **LIVE_WORKER, **overrides})
     migrate(s.database_url)
     return s
 

@@ -6,6 +6,8 @@ import uuid
 import httpx
 import pytest
 from service_fixtures import (
+    FAST_JOB,
+    live_worker_settings,
     png_bytes,
     running_stack,
     stored_files,
@@ -13,7 +15,17 @@ from service_fixtures import (
 )
 
 from worker import jobs
+from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
+
+
+@pytest.fixture
+def ctx(db_settings):
+    """The worker context on ``db_settings`` with ``FAST_JOB``'s probes: which images a job adapts on does not
+    depend on them."""
+    c = WorkerContext.create(db_settings.model_copy(update=FAST_JOB))
+    yield c
+    c.engine.dispose()
 
 
 def named(*names, seed=0):
@@ -59,7 +71,7 @@ def test_a_job_adapts_on_the_pool_it_was_created_with(api, ctx, monkeypatch):
 
 @pytest.fixture(params=["embedded", "postgres_redis"])
 def stack(request, tmp_path, bundle_dir):
-    with running_stack(request.param, request, tmp_path, bundle_dir) as st:
+    with running_stack(request.param, request, tmp_path, bundle_dir, make=live_worker_settings) as st:
         yield st
 
 

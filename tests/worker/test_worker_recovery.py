@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from service_fixtures import Stack, files, make_test_settings, migrate, png_bytes, running_stack
+from service_fixtures import FAST_JOB, Stack, files, make_test_settings, migrate, png_bytes, running_stack
 from sqlalchemy import select
 
 from app.config import Settings
@@ -42,7 +42,8 @@ def shipped_timings() -> dict[str, float]:
 
 
 def recovery_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settings:
-    return make_test_settings(root, bundle_dir, **{**shipped_timings(), **overrides})
+    # The shipped recovery timings; the job's probe count does not bear on them (``FAST_JOB``: a quicker setup).
+    return make_test_settings(root, bundle_dir, **{**shipped_timings(), **FAST_JOB, **overrides})
 
 
 def test_shipped_timings_resume_a_dead_workers_job_within_the_floor():
@@ -168,10 +169,10 @@ def check_resumed_once(out: dict[str, Any], iterations: int) -> None:
 
 
 def test_kill_9_mid_job_resumes_on_a_new_worker_within_the_floor(recovery_stack):
-    out = kill_mid_job_and_resume(recovery_stack, iterations=20, kill_after=2)
+    out = kill_mid_job_and_resume(recovery_stack, iterations=12, kill_after=2)
     t = out["seconds"]
     assert t["running"] is not None and t["running"] < RESUME_WITHIN_S, (t, recovery_stack.logs())
-    check_resumed_once(out, 20)
+    check_resumed_once(out, 12)
 
 
 def test_kill_9_of_the_pool_process_resumes_at_once(tmp_path, bundle_dir):
@@ -185,10 +186,10 @@ def test_kill_9_of_the_pool_process_resumes_at_once(tmp_path, bundle_dir):
     st.start_worker()
     try:
         st.wait_ready()
-        out = kill_mid_job_and_resume(st, iterations=20, kill_after=2, victim="pool")
+        out = kill_mid_job_and_resume(st, iterations=12, kill_after=2, victim="pool")
         t = out["seconds"]
         assert t["running"] is not None and t["running"] < 8.0, (t, st.logs())  # measured: 2.3 s
-        check_resumed_once(out, 20)
+        check_resumed_once(out, 12)
         log = out["new_worker_log"].read_text(errors="replace")
         assert f"job {out['job_id']}: its process {out['at_kill'].worker} died; lease expired" in log, log[-3000:]
     finally:
