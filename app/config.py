@@ -115,6 +115,13 @@ class Settings(BaseSettings):
     """Before adapting the policy, train the projection head on as many other synthetic probes (stage 1's ordinal
     loss, the backbone frozen) and keep it when held-out probes say it orders boxes better (``models.repair``):
     the reward then transfers to objects the bundle never saw. Checkpoints carry the head and prototype."""
+    reward_choice: bool = True
+    """Adapt the policy on the reward that orders boxes best on the job's selection probes, among the embedding
+    distance (the bundle's or the repaired head), normalized cross-correlation with the exemplar crops and the
+    cosine of frozen backbone features (``models.repair``); the embedding stays unless another beats it clearly.
+    Serving is unchanged. On by default: with reward repair on it kept the (repaired) embedding in every run
+    measured, and without repair it turned glyph adaptation from harmful into a gain (BENCHMARKS.md, "Rewards
+    chosen on the probes")."""
     repair_epochs: int = Field(30, ge=1, le=500)
     """Epochs of reward repair over its probes (128 by default: a few seconds on a GPU, about a minute on a CPU
     core for the cMNIST bundle)."""

@@ -206,12 +206,19 @@ class Validation(BaseModel):
     activated_iteration: int | None = Field(description="The checkpoint the job made active, if any")
     message: str
     reward: Literal["repaired head", "bundle head"] | None = Field(None, description=(
-        "The reward the job adapted the policy on: `repaired head` when reward repair (QLOC_REWARD_REPAIR) trained "
+        "The head of the job's embedding reward: `repaired head` when reward repair (QLOC_REWARD_REPAIR) trained "
         "the projection head on probes and held-out probes confirmed it orders boxes better (its checkpoints then "
-        "carry that head and prototype, and localize uses them), else `bundle head`. Null for jobs made before."))
+        "carry that head and prototype, and localize uses them), else `bundle head`. The policy adapted on it unless "
+        "`reward_choice` chose another reward. Null for jobs made before."))
     repair: dict[str, Any] | None = Field(None, description=(
         "What reward repair measured: `kept`, probe OrdAcc / Spearman `before` and `after`, `best_epoch`, "
         "`epochs`, `train_probes`, `val_probes`, `seconds`. Null when repair is off."))
+    reward_choice: dict[str, Any] | None = Field(None, description=(
+        "The reward the policy adapted on, chosen on the job's selection probes (QLOC_REWARD_CHOICE): `chosen` "
+        "(`embedding`: the `reward` head's distance; `ncc`: normalized cross-correlation with the exemplar crops; "
+        "`features`: cosine of frozen backbone features), `candidates` (each one's probe `ordacc` and `spearman`), "
+        "`current`, `margin`, `rule`, `probes`. Localize still serves with the `reward` head. Null when the choice "
+        "is off."))
 
 
 class AdaptationJobPublic(BaseModel):

@@ -6,6 +6,8 @@ Each target: 5 exemplar crops and 64 unlabeled images (disjoint draws of the tra
 default job size), 200 test images (the test split). The job runs as the worker runs it: 128 synthetic
 probes (``models.guard.synthetic_probes``), the service's defaults (200 iterations, lr 1e-3, batch 32, a
 checkpoint every 25), every checkpoint scored, early stop, ``decide("auto")``. One JSON object on stdout.
+``--choice`` runs each job a second time with the reward chosen on the probes (``models.repair``), on the same
+reward repair (a job whose choice is the embedding is the same job, not run twice).
 
     python benchmarks/guarded_adaptation.py --suite digits --seeds 0 1 2 > runs/guard-digits.json
 """
@@ -29,7 +31,7 @@ from models.experiments.baselines import template_matching
 from models.experiments.datasets import CMnistKind, GlyphKind, PhotoKind
 from models.experiments.report import summarize
 from models.features import prototype_of
-from models.repair import RepairConfig, guarded_setup
+from models.repair import CANDIDATES, RepairConfig, guarded_setup
 
 SUITES = {
     "digits": ("mnist-digit4", [CMnistKind(d, "patch") for d in (0, 1, 2, 3, 5, 6, 7, 8, 9)]),
@@ -45,17 +47,9 @@ def photo_suite(classes: list[str]) -> tuple[str, list]:
     return "photo-mammals", [PhotoKind(c, manifest) for c in classes]
 
 
-def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
-               repair: RepairConfig | None = None) -> dict:
-    t0 = time.perf_counter()
-    ex = kind.draw(bundle, "exemplars", 5, seed)
-    unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
-    test = kind.draw(bundle, "test", n_test, seed)
-    proto = prototype_of(bundle, ex)
-    setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
-                          generator_seed=seed, repair=repair)
-    guard, rep = setup.guard, setup.repair
-    base_bundle, base_proto = bundle, proto
+def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> dict:
+    """Adapt as the worker does on ``setup`` (its reward, its guard) -> decision, test CorLoc per checkpoint."""
+    guard = setup.guard
     bundle, proto = setup.bundle, setup.prototype
     states = {}
 
@@ -67,17 +61,27 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
                       batch_size=min(settings.adapt_batch_size, len(unl)), checkpoint_every=settings.checkpoint_every)
     t1 = time.perf_counter()
     adapt(bundle, proto, unl.images, cfg, device=bundle.device, on_checkpoint=on_checkpoint,
-          should_stop=lambda: guard.should_stop)
+          should_stop=lambda: guard.should_stop, scorer=setup.scorer)
     adapt_s = time.perf_counter() - t1
     d = guard.decide("auto")
+    per_ckpt = {it: evaluate_corloc(bundle, bundle.new_agent(s), test, proto)[0] for it, s in states.items()}
+    return {"decision": d, "per_ckpt": per_ckpt, "last": max(per_ckpt), "adapt_seconds": round(adapt_s, 2)}
+
+
+def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
+               repair: RepairConfig | None = None, choice: bool = False) -> dict:
+    t0 = time.perf_counter()
+    ex = kind.draw(bundle, "exemplars", 5, seed)
+    unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
+    test = kind.draw(bundle, "test", n_test, seed)
+    proto = prototype_of(bundle, ex)
+    setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
+                          generator_seed=seed, repair=repair)
+    guard, rep = setup.guard, setup.repair
+    job = run_job(bundle, proto, setup, unl, test, settings, seed)
+    d, per_ckpt, last = job["decision"], job["per_ckpt"], job["last"]
     job_s = time.perf_counter() - t0
-
-    def test_corloc(state) -> float:  # noqa: ANN001
-        return evaluate_corloc(bundle, bundle.new_agent(state), test, proto)[0]
-
-    before = evaluate_corloc(base_bundle, base_bundle.new_agent(None), test, base_proto)[0]
-    per_ckpt = {it: test_corloc(s) for it, s in states.items()}
-    last = max(per_ckpt)
+    before = evaluate_corloc(bundle, bundle.new_agent(None), test, proto)[0]
     crops = exemplar_crops(ex)
     k = min(n_ranking, len(test))
     t2 = time.perf_counter()
@@ -87,7 +91,7 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
            "corloc_before": before, "corloc_after_policy": per_ckpt[last],
            "corloc_after_guard": per_ckpt[d["activate"]] if d["activate"] is not None else before,
            "corloc_template": tm,
-           "corloc_ranking": corloc(ranking(base_bundle, test.subset(torch.arange(k)), base_proto), test.boxes[:k]),
+           "corloc_ranking": corloc(ranking(bundle, test.subset(torch.arange(k)), proto), test.boxes[:k]),
            "corloc_probe_before": guard.base["select"]["corloc"],
            "corloc_probe_best": (d["validation"]["best"] or guard.base)["select"]["corloc"],
            "verdict": d["verdict"], "activated": d["activate"], "stopped_early": d["validation"]["stopped_early"],
@@ -96,7 +100,22 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
                             "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]]}
                            for c in guard.checkpoints],
            "reward": setup.reward, "repair": rep.record if rep is not None else None,
-           "adapt_seconds": round(adapt_s, 2), "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
+           "adapt_seconds": job["adapt_seconds"], "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
+    if choice:  # the same job with the reward chosen on the probes (models.repair), on the same repair
+        t3 = time.perf_counter()
+        ch = guarded_setup(bundle, proto, crops, unl.images, None, synthetic=settings.synthetic_probes,
+                           generator_seed=seed, repair=repair, choice=True, repaired=rep)
+        if ch.choice.chosen == "embedding":  # the same reward, probes and guard: the same job
+            cj, cd = job, d
+        else:
+            cj = run_job(bundle, proto, ch, unl, test, settings, seed)
+            cd = cj["decision"]
+        row.update({"reward_chosen": ch.choice.chosen, "reward_choice": ch.choice.record,
+                    "corloc_after_policy_choice": cj["per_ckpt"][cj["last"]],
+                    "corloc_after_guard_choice": (cj["per_ckpt"][cd["activate"]] if cd["activate"] is not None
+                                                  else before),
+                    "verdict_choice": cd["verdict"], "activated_choice": cd["activate"],
+                    "choice_extra_seconds": round(time.perf_counter() - t3, 2)})
     if tm is None:  # not run: left out, so the summary's means stay numbers
         del row["corloc_template"]
     print(json.dumps({k: v for k, v in row.items() if k != "checkpoints"}), file=sys.stderr, flush=True)
@@ -114,6 +133,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repair", action="store_true", help="reward repair before the policy (models.repair)")
     p.add_argument("--repair-epochs", type=int, default=RepairConfig.epochs)
+    p.add_argument("--choice", action="store_true",
+                   help="also run each job with the reward chosen on the probes (models.repair), on the same repair")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kinds", nargs="+", help="only these targets of the suite (their describe() contains one)")
     p.add_argument("--no-template", action="store_true",
@@ -127,13 +148,15 @@ def main() -> None:
     repair = RepairConfig(epochs=a.repair_epochs) if a.repair else None
     settings = Settings()
     t0 = time.perf_counter()
-    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair)
+    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair, a.choice)
             for seed in a.seeds for kind in kinds]
     gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
                            r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)
     ckpt_probe = torch.tensor([c["probe_select"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
     ckpt_test = torch.tensor([c["test"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
     worst = min(r["corloc_after_guard"] - r["corloc_before"] for r in rows)
+    if a.choice:
+        worst_choice = min(r["corloc_after_guard_choice"] - r["corloc_before"] for r in rows)
     out = {"suite": a.suite, "bundle": name, "seeds": a.seeds, "command": " ".join(["python", *sys.argv]),
            "wall_seconds": round(time.perf_counter() - t0, 1), "rows": rows,
            "summary": summarize(rows, "target"),
@@ -142,6 +165,9 @@ def main() -> None:
                "spearman_checkpoints": round(float(spearman(ckpt_probe[None], ckpt_test[None])[0]), 3),
                "spearman_gains": round(float(spearman(gains[None, :, 0], gains[None, :, 1])[0]), 3)
                if len(rows) > 2 else None}}
+    if a.choice:
+        out["worst_guarded_change_choice"] = round(worst_choice, 2)
+        out["rewards_chosen"] = {n: sum(r["reward_chosen"] == n for r in rows) for n in CANDIDATES}
     print(json.dumps(out, indent=1))
 
 

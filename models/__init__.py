@@ -9,7 +9,8 @@
 4. ``inference`` (the one ``preprocess`` and ``Localizer``)
 5. ``features`` (backbone features, prototypes), ``policy`` (the policy-gradient step)
 6. ``evaluate`` (OrdAcc, CorLoc, ranking baseline), ``adapt`` (stage 3), ``guard`` (probes decide)
-7. ``train`` (stages 1 and 2), ``repair`` (reward repair at test time: stage 1 on probes, head only)
+7. ``train`` (stages 1 and 2), ``repair`` (reward repair at test time: stage 1 on probes, head only; the
+   reward chosen on probes among the embedding, NCC and backbone-feature scorers)
 8. ``experiments`` (protocols, dataset kinds, fine-tune baseline, summary, provenance, speed)
 9. ``cli`` (``qloc``)
 

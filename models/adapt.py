@@ -19,6 +19,7 @@ from models.bundle import Bundle
 from models.features import features_of
 from models.inference import resolve_device
 from models.policy import PolicyConfig, policy_step
+from models.rollout import Scorer
 
 
 @dataclass
@@ -43,12 +44,15 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
           agent_state: dict[str, Tensor] | None = None, resume: dict[str, Any] | None = None,
           on_progress: Callable[[int, int, float], None] | None = None,
           on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
-          should_stop: Callable[[], bool] | None = None, device: str | torch.device = "auto") -> AdaptResult:
+          should_stop: Callable[[], bool] | None = None, device: str | torch.device = "auto",
+          scorer: Scorer | None = None) -> AdaptResult:
     """Adapt the policy to ``images01 [N, C, S, S]`` (input size, [0, 1]) with ``prototype [D]``.
 
     ``resume`` is a state an earlier run passed to ``on_checkpoint``; the run continues from its
     iteration with the same agent, optimizer and random state. ``should_stop`` is checked before
     every iteration (cancel); a stopped run still returns its current agent.
+    ``scorer`` (``models.repair``): the distance the reward is made of, when not the embedding distance to
+    ``prototype`` (a reward chosen on the job's probes); one that needs pixels gets each batch's images.
     """
     if images01.dim() != 4 or images01.shape[1] != bundle.config.input.channels:
         raise ValueError(f"images must be [N, {bundle.config.input.channels}, S, S]; got {tuple(images01.shape)}")
@@ -87,7 +91,11 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
             break
         idx = torch.randperm(n, generator=gen)[:cfg.batch_size]
         feats = cached[idx.to(cached.device)] if cached is not None else features_of(bundle, images01[idx])
-        stats = policy_step(bundle, agent, opt, feats, proto.expand(len(idx), -1), cfg, gen, reference=reference)
+        chosen = {}  # the embedding distance (default): policy_step called as it always was
+        if scorer is not None:  # a reward chosen on the probes; the pixels only for a scorer that reads them
+            chosen = {"scorer": scorer, "images01": images01[idx].to(dev) if scorer.pixels else None}
+        stats = policy_step(bundle, agent, opt, feats, proto.expand(len(idx), -1), cfg, gen, reference=reference,
+                            **chosen)
         it += 1
         rewards.append(stats["charts/return"])
         if on_progress is not None:

@@ -10,7 +10,7 @@ from torch import Tensor
 from models.bundle import Bundle
 from models.core.reinforce import reinforce_loss
 from models.nets.agent import Agent
-from models.rollout import rollout
+from models.rollout import Scorer, rollout
 
 
 @dataclass
@@ -32,16 +32,18 @@ class PolicyConfig:
 
 def policy_step(bundle: Bundle, agent: Agent, opt: torch.optim.Optimizer, feats: Tensor, prototypes: Tensor,
                 cfg: PolicyConfig, generator: torch.Generator | None = None, gt_boxes: Tensor | None = None,
-                reference: Agent | None = None) -> dict:
+                reference: Agent | None = None, scorer: Scorer | None = None, images01: Tensor | None = None) -> dict:
     """One sampled episode on ``feats [B, C, h, w]`` and one Adam step on the agent -> stats.
 
     With ``reference`` and ``cfg.kl_coef > 0`` the loss adds ``kl_coef`` x the mean per-step
-    KL(agent || reference) at the visited states."""
+    KL(agent || reference) at the visited states. ``scorer`` (``models.repair``; default the embedding distance)
+    gives the ``"embedding"`` reward's distance; ``images01 [B, C, S, S]``: the pixels, for a scorer that needs them."""
     agent.train()
     s = float(bundle.config.input.size)
     ref = reference if cfg.kl_coef > 0 else None
     ro = rollout(bundle.embedder, agent, feats, prototypes, bundle.config.env, (s, s), deterministic=False,
-                 generator=generator, reward=cfg.reward, gt_boxes=gt_boxes, reference=ref, episodes=cfg.episodes)
+                 generator=generator, reward=cfg.reward, gt_boxes=gt_boxes, reference=ref, episodes=cfg.episodes,
+                 scorer=scorer, images01=images01)
     out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
                          cfg.normalize_advantages, cfg.episodes)
     loss = out.loss

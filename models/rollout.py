@@ -2,11 +2,16 @@
 
 All images step together: boxes are a ``[B, 4]`` tensor and each step is one RoIAlign + head call
 on the cached feature map, so the backbone runs once per image per episode.
+
+The distance the reward is made of comes from a *scorer* (``models.repair``): by default the embedding
+distance to the prototype (the paper's reward, and what serving uses); adaptation may train on another
+(normalized cross-correlation with the exemplar crops, cosine of frozen backbone features) chosen on probes.
+Whichever scorer, the reward is ``dist_before - dist``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -21,6 +26,33 @@ from models.nets.embedding import RoIEmbedder
 REWARDS = ("embedding", "iou", "iou_sign")
 
 
+class Scorer(Protocol):
+    """What ``BoxEnv`` measures its distance with (``models.repair`` has the implementations)."""
+
+    name: str
+    pixels: bool
+    """Needs the images' pixels: the env is then given ``images01``."""
+    embedding: bool
+    """Reads the head's embeddings (else the env skips the head unless the agent reads the prototype)."""
+
+    def env_distance(self, env: BoxEnv, roi: Tensor, emb: Tensor | None) -> Tensor:
+        """Distance ``[B*E]`` of the env's current boxes (``env.boxes``), lower = more like the exemplars, from
+        their RoI features ``roi [B*E, C, s, s]`` and embeddings ``emb [B*E, D]`` (``None`` unless ``embedding``)."""
+        ...
+
+
+class EmbeddingDistance:
+    """The paper's distance: ``||embedding(box) - prototype||`` with the env's prototypes (the default scorer)."""
+
+    name, pixels, embedding = "embedding", False, True
+
+    def env_distance(self, env: BoxEnv, roi: Tensor, emb: Tensor | None) -> Tensor:
+        return (emb - env.prototypes).norm(dim=-1)
+
+
+EMBEDDING = EmbeddingDistance()
+
+
 class Rollout(NamedTuple):
     """One episode for ``B`` images, ``T`` steps; every field is time-major."""
 
@@ -29,16 +61,27 @@ class Rollout(NamedTuple):
     log_probs: Tensor   # [T, B] (carry the agent's gradient)
     entropies: Tensor   # [T, B]
     rewards: Tensor     # [T, B]
-    distances: Tensor   # [T+1, B] embedding distance of boxes[t] to the prototype
+    distances: Tensor   # [T+1, B] distance of boxes[t] to the exemplars (the scorer's; by default the embedding's)
     kl: Tensor | None = None  # [T, B] KL(agent || reference) at the visited states, when a reference is given
 
 
 class BoxEnv:
-    """Boxes on ``B`` images at once; ``observe`` gives RoI features, embeddings and distances."""
+    """Boxes on ``B`` images at once; ``observe`` gives RoI features, embeddings and distances.
+
+    ``scorer`` (default: the embedding distance) gives the distances, hence the ``"embedding"`` reward
+    ``dist_before - dist``; one that needs pixels (``scorer.pixels``) is given the images ``images01
+    [B, C, S, S]`` (input size, [0, 1]). ``embeddings=False`` skips the head when the scorer does not read it
+    (the embeddings are then ``None``)."""
 
     def __init__(self, embedder: RoIEmbedder, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
                  size: tuple[float, float], reward: str = "embedding", gt_boxes: Tensor | None = None,
-                 episodes: int = 1, starts: Tensor | None = None):
+                 episodes: int = 1, starts: Tensor | None = None, scorer: Scorer | None = None,
+                 images01: Tensor | None = None, embeddings: bool = True):
+        self.scorer = EMBEDDING if scorer is None else scorer
+        if self.scorer.pixels and (images01 is None or len(images01) != feats.shape[0]):
+            raise ValueError(f"the {self.scorer.name!r} scorer needs the images' pixels, one per feature map")
+        self.images01 = images01 if self.scorer.pixels else None
+        self.embeddings = embeddings or self.scorer.embedding
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if reward != "embedding" and gt_boxes is None:
@@ -63,14 +106,15 @@ class BoxEnv:
     def observe(self, embed: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """-> (RoI features ``[B*E, C, s, s]``, embeddings ``[B*E, D]``, distances ``[B*E]``) of the current boxes.
 
-        With ``embed=False`` only the RoI features (the head is skipped; embeddings and distances are None).
+        With ``embed=False`` only the RoI features (the head is skipped; embeddings and distances are None);
+        the distances are the scorer's.
         """
         b, e = self.feats.shape[0], self.episodes
         roi = self.embedder.roi(self.feats, self.boxes.view(b, e, 4)).flatten(0, 1)  # [B*E, C, s, s]
         if not embed:
             return roi, None, None
-        emb = self.embedder.embed_roi(roi[:, None])[:, 0]
-        return roi, emb, (emb - self.prototypes).norm(dim=-1)
+        emb = self.embedder.embed_roi(roi[:, None])[:, 0] if self.embeddings else None
+        return roi, emb, self.scorer.env_distance(self, roi, emb)
 
     def step(self, actions: Tensor, dist_before: Tensor | None, embed: bool = True
              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
@@ -115,7 +159,8 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
             size: tuple[float, float], *, deterministic: bool | Tensor = False,
             generator: torch.Generator | None = None, reward: str = "embedding",
             gt_boxes: Tensor | None = None, rewards: bool = True, episodes: int = 1,
-            reference: Agent | None = None, starts: Tensor | None = None) -> Rollout:
+            reference: Agent | None = None, starts: Tensor | None = None, scorer: Scorer | None = None,
+            images01: Tensor | None = None) -> Rollout:
     """Run ``cfg.steps`` actions from the whole image (or from ``starts``) on every image of ``feats [B, C, h, w]``.
 
     ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
@@ -128,12 +173,15 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     every visited state, differentiable in the agent (adaptation's trust region).
     ``starts`` (``[B * episodes, 4]``, input pixels, image-major) starts each episode from its own window
     instead of the whole image (``models.instances``).
+    ``scorer`` (``models.repair``; default the embedding distance) measures the distances and so the
+    ``"embedding"`` reward; one that needs pixels is given ``images01 [B, C, S, S]`` (input size, [0, 1]).
     """
     # Every step's embedding is needed for the rewards, or as input of an agent that reads the prototype.
     embed = rewards or agent.cfg.use_prototype
     if prototypes.dim() == 1:
         prototypes = prototypes.expand(feats.shape[0], -1)
-    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes, episodes, starts)
+    env = BoxEnv(embedder, feats, prototypes, cfg, size, reward, gt_boxes, episodes, starts, scorer, images01,
+                 embeddings=agent.cfg.use_prototype)
     prototypes = env.prototypes
     b = feats.shape[0] * episodes
     roi, emb, dist = env.observe(embed)

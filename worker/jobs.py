@@ -156,7 +156,7 @@ class AdaptationRun:
                               batch_size=min(ctx.settings.adapt_batch_size, len(images)))
             result = adapt(bundle, prototype, images01, cfg, agent_state=agent_state,
                            resume=resume, on_progress=self.on_progress, on_checkpoint=self.on_checkpoint,
-                           should_stop=self.should_stop, device=ctx.settings.device)
+                           should_stop=self.should_stop, device=ctx.settings.device, scorer=self.setup.scorer)
             if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
                 raise LeaseLost
             if result.stopped and not self.guard.should_stop:
@@ -168,7 +168,8 @@ class AdaptationRun:
 
     def _setup(self, bundle: Bundle, prototype: Tensor, images01: Tensor,
                agent_state: dict[str, Tensor] | None) -> Guarded:
-        """The job's reward (repaired when ``QLOC_REWARD_REPAIR`` is on and the probes confirm it), its probes and
+        """The job's reward (repaired when ``QLOC_REWARD_REPAIR`` is on and the probes confirm it; with
+        ``QLOC_REWARD_CHOICE``, the policy may adapt on another candidate, ``models.repair``), its probes and
         its guard, with the starting policy scored; a resumed run rebuilds them (seeded: the same) and re-scores
         the checkpoints the job already wrote (the guard's record is rebuilt, not stored half-way)."""
         ctx = self.ctx
@@ -180,11 +181,15 @@ class AdaptationRun:
         repair = (RepairConfig(epochs=ctx.settings.repair_epochs) if ctx.settings.reward_repair else None)
         setup = guarded_setup(bundle, prototype, crops, images01, agent_state, synthetic=ctx.settings.synthetic_probes,
                               generator_seed=self.job.seed, labeled=labeled, repair=repair,
-                              guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience))
+                              guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience),
+                              choice=ctx.settings.reward_choice)
         if setup.repair is not None:
             log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,
                      "kept" if setup.repair.kept else "not kept", setup.repair.record["before"]["ordacc"],
                      setup.repair.record["after"]["ordacc"])
+        if setup.choice is not None:
+            log.info("job %s: reward chosen on the probes: %s (%s)", self.job_id, setup.choice.chosen,
+                     setup.choice.faithfulness)
         for ckpt in done:
             agent = read_checkpoint(ctx.store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=bundle)[0]
             setup.guard.observe(ckpt.iteration, agent)

@@ -1,6 +1,7 @@
 """Reward repair through the real job path: a set of glyph exemplars (a kind the digit bundle never saw) -> a job
 that repairs the head -> checkpoints that carry it -> localize with such a checkpoint runs its head and prototype,
-the base checkpoint the bundle's."""
+the base checkpoint the bundle's; a job with the reward chosen on its probes reports the choice and still serves
+the head it started with."""
 
 import io
 import uuid
@@ -18,6 +19,7 @@ from models.bundle import checkpoint_from_bytes
 from models.data.types import exemplar_crops
 from models.experiments.datasets import GlyphKind
 from models.inference import Localizer
+from models.repair import CANDIDATES
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
@@ -26,7 +28,7 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     from app.main import create_app
 
     s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=64,
-                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16)
+                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16, reward_choice=False)
     migrate(s.database_url)
     bundle = BundleRegistry(s.bundle_dir, "cpu").get("mnist-digit4").bundle
     kind = GlyphKind("K", "patch")
@@ -56,13 +58,18 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
             r2 = client.post(f"/v1/exemplar-sets/{sid}/adaptations", data={"activate": "false"},
                              files=_upload([_png(im) for im in unlabeled[:16]]))
             assert r2.json()["params"]["base_checkpoint_id"] == ckpt["id"]
-            ctx2 = WorkerContext.create(s.model_copy(update={"reward_repair": False}))
+            # ... and with the reward chosen on its probes (QLOC_REWARD_CHOICE), which the job reports
+            ctx2 = WorkerContext.create(s.model_copy(update={"reward_repair": False, "reward_choice": True}))
             try:
                 assert run_adaptation_job(ctx2, uuid.UUID(r2.json()["id"]), worker="test") == "succeeded"
             finally:
                 ctx2.engine.dispose()
             job2 = client.get(f"/v1/adaptations/{r2.json()['id']}").json()
             assert job2["validation"]["reward"] == "bundle head" and job2["validation"]["repair"] is None
+            choice = job2["validation"]["reward_choice"]
+            assert choice["chosen"] in CANDIDATES and set(choice["candidates"]) == set(CANDIDATES), choice
+            assert all(set(f) == {"ordacc", "spearman"} for f in choice["candidates"].values())
+            assert job["validation"]["reward_choice"] is None  # off (the default): reported as such
     finally:
         ctx.engine.dispose()
     assert again_base["results"] == base["results"]  # the base checkpoint still runs the bundle's head
