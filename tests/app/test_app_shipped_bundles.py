@@ -38,15 +38,16 @@ def _jpeg(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def test_photo_bundle_on_real_photos_of_any_size(shipped_client):
+@pytest.mark.parametrize("bundle", ["photo-mammals", "photo-general"])
+def test_photo_bundle_on_real_photos_of_any_size(shipped_client, bundle):
     from skimage import data
 
     cat = data.chelsea()  # 300 x 451 RGB
     face = cat[40:250, 110:330]  # the cat's head and chest
-    r = shipped_client.post("/v1/exemplar-sets", data={"bundle": "photo-mammals", "name": "cat"},
+    r = shipped_client.post("/v1/exemplar-sets", data={"bundle": bundle, "name": "cat"},
                             files=[("files", ("face.jpg", _jpeg(face), "image/jpeg"))])
     assert r.status_code == 201, r.text
-    assert r.json()["bundle"] == "photo-mammals"
+    assert r.json()["bundle"] == bundle
     sid = r.json()["id"]
     astronaut = data.astronaut()  # 512 x 512
     gray = (np.asarray(Image.fromarray(cat).convert("L")))  # grayscale uploads are converted to RGB
