@@ -164,7 +164,8 @@ class JobParams(BaseModel):
     learning_rate: float
     seed: int
     activate: Literal["auto", "true", "false"] = Field(
-        description="auto: the best checkpoint, only if it beats the starting policy on the job's probes; "
+        description="auto: the best checkpoint, only if it beats the starting policy on the job's probes (on a photo "
+                    "bundle the set's labeled examples must agree: pasted probes alone never activate there); "
                     "true: the final checkpoint, whatever the probes say; false: none")
     num_images: int = Field(description="Images the job adapts on: its uploads and the pool images it took")
     num_pool_images: int = Field(0, description=(

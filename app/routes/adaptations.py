@@ -83,7 +83,8 @@ def create_adaptation(
     seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
     activate: Annotated[Literal["auto", "true", "false"], Form(description=(
         "auto (default): make the best checkpoint the set's active policy only if it beats the starting policy "
-        "on the job's probes (labeled checks built from the set's exemplars and the uploaded images); true: the "
+        "on the job's probes (labeled checks built from the set's exemplars and the uploaded images; on a photo "
+        "bundle the set's labeled examples must agree too, as pasted crops do not predict real photos); true: the "
         "final checkpoint, whatever the probes say; false: none"))] = "auto",
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
 ) -> AdaptationJobPublic:
