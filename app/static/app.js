@@ -530,6 +530,9 @@ function showJob(job) {
         el("tbody", {}, ...rows.map(([name, sel, held]) => el("tr", {}, el("td", { text: name }), el("td", { text: score(sel) }), el("td", { text: score(held) }))))),
       el("p", { class: "hint", text: `probes: ${Object.entries(v.probes || {}).map(([k, n]) => `${k} ${n}`).join(", ")}`
         + (v.faithfulness ? ` · reward faithfulness: ${Object.entries(v.faithfulness).map(([k, n]) => `${k} ${fmt(n, 2)}`).join(", ")}` : "")
+        + (v.reward ? ` · reward: ${v.reward}` : "")
+        + (v.reward_choice && v.reward_choice.chosen ? ` (the policy adapted on: ${v.reward_choice.chosen})` : "")
+        + (v.activated_iteration != null ? ` · activated: iteration ${v.activated_iteration}` : "")
         + (v.stopped_early ? " · stopped early" : "") }));
   }
 }
