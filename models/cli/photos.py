@@ -48,6 +48,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--n-train", type=int, default=d.n_train)
     sp.add_argument("--n-val", type=int, default=d.n_val)
     sp.add_argument("--anchor", default=d.anchor, choices=EMBEDDING_ANCHORS)
+    sp.add_argument("--distractors", type=int, default=d.distractors,
+                    help="paste 0..N cut-outs of other classes beside the object in each training image")
     sp.add_argument("--epochs", type=int, default=d.embedding.epochs)
     sp.add_argument("--batch-size", type=int, default=d.embedding.batch_size, help="stage-1 images per step")
     sp.add_argument("--pairs", type=int, default=d.embedding.pairs_per_image, help="stage-1 box pairs per image")
@@ -90,7 +92,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
 
 def _setup_from_args(a: Any) -> PhotoTrainSetup:
     s = PhotoTrainSetup(class_name=a.class_name, size=a.size, n_train=a.n_train, n_val=a.n_val, anchor=a.anchor,
-                        use_prototype=a.use_prototype, agent_restarts=a.agent_restarts)
+                        use_prototype=a.use_prototype, agent_restarts=a.agent_restarts,
+                        distractors=a.distractors)
     e = s.embedding
     e.epochs, e.batch_size, e.pairs_per_image, e.lr = a.epochs, a.batch_size, a.pairs, a.lr
     e.eval_every = max(1, min(e.eval_every, a.epochs))

@@ -34,7 +34,8 @@ from models.adapt import AdaptConfig, adapt
 from models.bundle import Bundle, new_bundle
 from models.config import ModelConfig
 from models.core.metrics import corloc
-from models.data.photos import generate
+from models.data.multi import photos_multi
+from models.data.photos import PasteParams, generate
 from models.data.types import LabeledImages
 from models.evaluate import evaluate_corloc, localize_boxes, ranking, ranking_metrics, rect_candidates
 from models.experiments.baselines import finetune
@@ -76,13 +77,27 @@ class FeatureCache:
         return out
 
 
+DISTRACTOR_OBJECT_SIDE = (0.25, 0.45)
+"""Long side of each cut-out when distractors are pasted (``PhotoTrainSetup.distractors``): the single-object
+range (0.25-0.6) capped so that the object and a distractor fit side by side (2 x 101 px at 224)."""
+
+
 def photo_set(bundle: Bundle, manifest: dict[str, Any], class_name: str, split: str, n: int, seed: int,
-              crops: bool = False, cache: FeatureCache | None = None) -> LabeledImages:
+              crops: bool = False, cache: FeatureCache | None = None, distractors: int = 0) -> LabeledImages:
     """``n`` generated photos of ``class_name`` (``split`` files only) carrying their backbone features;
-    ``crops`` also carries each ground-truth crop's exemplar-canvas features (for prototypes)."""
+    ``crops`` also carries each ground-truth crop's exemplar-canvas features (for prototypes).
+
+    ``distractors > 0``: each image also holds ``0..distractors`` cut-outs of other classes beside the object
+    (``models.data.multi.photos_multi`` with one instance), so that the box to find depends on the query."""
     size = bundle.config.input.size
-    b = generate(manifest, class_name, split, n, seed=seed, size=size)
     key = f"{class_name}-{split}-{n}-{seed}-{size}"
+    if distractors > 0:
+        m = photos_multi(manifest, class_name, split, n, seed=seed, size=size, min_instances=1, max_instances=1,
+                         distractors=(0, distractors), params=PasteParams(object_side=DISTRACTOR_OBJECT_SIDE))
+        b = LabeledImages(m.images, torch.cat(m.boxes))
+        key += f"-d{distractors}"
+    else:
+        b = generate(manifest, class_name, split, n, seed=seed, size=size)
     disk = cache or FeatureCache(None)
     return with_features(bundle, LabeledImages(b.images, b.boxes), crops=crops, batch=32,
                          cache=lambda kind, make: disk.get(bundle, key if kind == "images" else f"{key}-{kind}", make))
@@ -107,6 +122,10 @@ class PhotoTrainSetup:
         recon_weight=0.0, eval_every=5))
     agent: AgentTrainConfig = field(default_factory=lambda: AgentTrainConfig(
         iterations=400, eval_every=25, lr=3e-3, entropy_coef=0.1, batch_size=64))
+    distractors: int = 0
+    """Cut-outs of other classes pasted beside the object in every training and validation image, ``0..distractors``
+    each (``photo_set``). Without them the only object of an image is the answer, and an agent learns to find
+    *an* object whatever the query (on real photos its box did not change with the exemplars)."""
     agent_restarts: int = 3
     """Stage 2 runs this many times (seeds ``seed + 1000 * r``); the run with the best validation CorLoc is
     kept. One run's result depends a lot on its seed (val CorLoc 61-94 % over three seeds)."""
@@ -141,7 +160,8 @@ def train_photo_bundle(name: str, manifest: dict[str, Any], setup: PhotoTrainSet
     names = class_names(c)
 
     def drawn(split: str, n: int, draw_seed: int, crops: bool = False) -> LabeledImages:
-        parts = [photo_set(bundle, manifest, name, split, n, draw_seed, crops=crops, cache=cache) for name in names]
+        parts = [photo_set(bundle, manifest, name, split, n, draw_seed, crops=crops, cache=cache,
+                           distractors=setup.distractors) for name in names]
         return parts[0] if len(parts) == 1 else LabeledImages.concat(parts)
 
     train = drawn("train", setup.n_train, seed, crops=True)

@@ -358,3 +358,24 @@ def test_stage_commands_run_on_photos(manifest, tmp_path):
                  "--n-test", "10", "--metrics", str(out)]) == 0
     m = json.loads(out.read_text())
     assert m["class"] == "birds" and 0 <= m["corloc"] <= 100 and m["policy"] == str(policy)
+
+
+def test_training_images_with_distractors_keep_the_objects_box(manifest):
+    """``distractors``: other classes' cut-outs pasted beside the object; the box stays the object's (its alpha)."""
+    bundle = new_bundle("d", pe.photo_model_config(_tiny_setup()), 0)
+    plain = pe.photo_set(bundle, manifest, "mammals", "train", 12, 0)
+    mixed = pe.photo_set(bundle, manifest, "mammals", "train", 12, 0, distractors=2)
+    again = pe.photo_set(bundle, manifest, "mammals", "train", 12, 0, distractors=2)
+    assert mixed.images.shape == plain.images.shape and mixed.boxes.shape == (12, 4)
+    assert torch.equal(mixed.images, again.images) and torch.equal(mixed.boxes, again.boxes)  # deterministic
+    assert not torch.equal(mixed.images, plain.images)
+    side = (mixed.boxes[:, 2:] - mixed.boxes[:, :2]).max(1).values
+    assert bool((side <= 0.45 * SIZE + 1).all())  # capped so that the object and a distractor fit side by side
+    # the object is the mammals colour in its box; distractors (other colours) sit outside it
+    own = torch.tensor(COLORS["mammals"], dtype=torch.float32) / 255
+    for im, (x1, y1, x2, y2) in zip(mixed.images, mixed.boxes.round().int().tolist(), strict=True):
+        inside = im[:, y1:y2, x1:x2].reshape(3, -1)
+        assert bool(((inside - own[:, None]).abs().max(0).values < 0.25).any())
+    with_other = [((im - torch.tensor(c, dtype=torch.float32)[:, None, None] / 255).abs().max(0).values < 0.2).any()
+                  for im in mixed.images for k, c in COLORS.items() if k != "mammals"]
+    assert any(bool(x) for x in with_other)  # some images hold another class's cut-out
