@@ -54,6 +54,8 @@ def add_photo_arguments(sp: Any, reproduce: bool) -> None:
     sp.add_argument("--batch-size", type=int, default=d.embedding.batch_size, help="stage-1 images per step")
     sp.add_argument("--pairs", type=int, default=d.embedding.pairs_per_image, help="stage-1 box pairs per image")
     sp.add_argument("--lr", type=float, default=d.embedding.lr, help="stage-1 learning rate")
+    sp.add_argument("--class-weight", type=float, default=d.embedding.class_weight,
+                    help="stage-1 cross-kind term (several classes): each box nearer its own class's exemplars")
     sp.add_argument("--agent-iterations", type=int, default=d.agent.iterations)
     sp.add_argument("--agent-batch-size", type=int, default=d.agent.batch_size)
     sp.add_argument("--agent-lr", type=float, default=d.agent.lr)
@@ -96,6 +98,7 @@ def _setup_from_args(a: Any) -> PhotoTrainSetup:
                         distractors=a.distractors)
     e = s.embedding
     e.epochs, e.batch_size, e.pairs_per_image, e.lr = a.epochs, a.batch_size, a.pairs, a.lr
+    e.class_weight = a.class_weight
     e.eval_every = max(1, min(e.eval_every, a.epochs))
     g = s.agent
     g.iterations, g.batch_size, g.lr = a.agent_iterations, a.agent_batch_size, a.agent_lr

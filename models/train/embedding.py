@@ -53,6 +53,12 @@ class EmbeddingTrainConfig:
     """0 turns the autoencoder off (frozen photo backbones train the head with the triplet loss only)."""
     eval_every: int = 10
     seed: int = 0
+    class_weight: float = 0.0
+    """Weight of the cross-kind term on data of several kinds (``LabeledImages.classes``): each image's box must
+    be nearer its own kind's anchor than another kind's prototype (the mean crop embedding of ``group_size``
+    images of a kind drawn at random), by ``margin``. The ordinal triplet alone orders boxes around one object
+    and leaves the kinds mixed: a general photo bundle's prototypes then hardly change its distances, and its
+    answers do not follow the query (BENCHMARKS.md, "Does the answer follow the query"). 0: off."""
     head_only: bool = False
     """Train the projection head alone, the backbone frozen whatever the bundle's config says (reward repair
     at test time, ``models.repair``)."""
@@ -84,6 +90,7 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
         opt = torch.optim.Adam(params, lr=cfg.lr)
         cands = training_candidates(bundle) if candidates is None else candidates
         n, P = len(train), cfg.pairs_per_image
+        kinds = 0 if train.classes is None else len(train.classes.unique())
         bs = min(cfg.batch_size, n)
         best: tuple[float, dict | None, dict | None, int] = (-1.0, None, None, -1)
         history = []
@@ -112,6 +119,10 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
                     anchor = anchors_for(cfg.anchor, out[:, 0], cfg.group_size, gen)
                 trip = triplet_loss(anchor, out[:, 1:1 + P], out[:, 1 + P:], cfg.margin)
                 loss = cfg.triplet_weight * trip
+                if cfg.class_weight > 0 and kinds > 1:
+                    other = _other_kind_prototype(bundle, train, int(train.classes[idx[0]]), cfg.group_size, gen)
+                    near = (out[:, 0] - anchor).norm(dim=-1)
+                    loss = loss + cfg.class_weight * F.relu(cfg.margin + near - (out[:, 0] - other).norm(dim=-1)).mean()
                 recon = None
                 if decoder is not None:
                     recon = F.mse_loss(decoder(feats), x01)
@@ -142,3 +153,15 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
     if decoder is not None:
         bundle.training["decoder"] = best[2]
     return {"val/ordacc": best[0], "best_epoch": best[3], "history": history}
+
+
+def _other_kind_prototype(bundle: Bundle, data: LabeledImages, kind: int, group: int,
+                          gen: torch.Generator) -> Tensor:
+    """The mean crop embedding (with its gradient) of ``group`` random images of a random kind other than
+    ``kind`` -> ``[D]``."""
+    kinds = data.classes.unique()
+    others = kinds[kinds != kind]
+    pick = others[torch.randint(len(others), (1,), generator=gen)]
+    members = (data.classes == pick).nonzero().flatten()
+    idx = members[torch.randperm(len(members), generator=gen)[:group]]
+    return crop_embeddings(bundle, data, idx, grad=True).mean(0)

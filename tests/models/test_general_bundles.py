@@ -91,3 +91,26 @@ def test_the_trainers_run_on_several_kinds(bundle):
     assert 0.0 <= s1["val/ordacc"] <= 100.0
     s2 = train_agent(b, train, val, val_ex, AgentTrainConfig(iterations=2, eval_every=1, batch_size=10))
     assert 0.0 <= s2["val/corloc"] <= 100.0 and b.agent_state is not None
+
+
+def test_the_cross_kind_term_uses_another_kinds_prototype_and_only_on_several_kinds(bundle):
+    from models.features import crop_embeddings
+    from models.train.embedding import _other_kind_prototype
+
+    data = LabeledImages.concat([cmnist(4, "train", 10, "patch", 2), cmnist(7, "train", 10, "patch", 2)])
+    with torch.no_grad():
+        other = _other_kind_prototype(bundle, data, 0, 10, torch.Generator().manual_seed(0))
+        assert torch.allclose(other, crop_embeddings(bundle, data, torch.arange(10, 20)).mean(0), atol=1e-4)
+
+    def trained(train: LabeledImages, weight: float) -> dict:
+        b = copy.deepcopy(bundle)
+        cfg = EmbeddingTrainConfig(epochs=1, batch_size=10, drop_last=True, anchor="shuffle_exemplar",
+                                   recon_weight=0.0, head_only=True, eval_every=1, class_weight=weight)
+        train_embedding(b, train, train, cfg)
+        return b.embedder.head.state_dict()
+
+    one_kind = cmnist(4, "train", 20, "patch", 2)
+    assert all(torch.equal(a, b) for a, b in zip(trained(one_kind, 0.0).values(), trained(one_kind, 5.0).values(),
+                                                   strict=True))  # one kind: nothing to tell apart, term off
+    assert not all(torch.equal(a, b) for a, b in zip(trained(data, 0.0).values(), trained(data, 5.0).values(),
+                                                       strict=True))
