@@ -100,6 +100,8 @@ numpy array."""
 def _sniff(data: bytes) -> str:
     if data.startswith(b"\xff\xd8\xff"):
         return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
     return "image/png"  # PNG, or anything else: the API names what is wrong with it
 
 
@@ -135,7 +137,7 @@ def encode_image(image: ImageInput, index: int = 0) -> tuple[str, bytes, str]:
         return path.name, data, _sniff(data)
     if isinstance(image, bytes | bytearray | memoryview):
         data = bytes(image)
-        ext = "jpg" if _sniff(data) == "image/jpeg" else "png"
+        ext = {"image/jpeg": "jpg", "image/webp": "webp"}.get(_sniff(data), "png")
         return f"image{index}.{ext}", data, _sniff(data)
     if _is_pair(image):
         name, content = image

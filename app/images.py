@@ -27,10 +27,17 @@ from PIL import Image, ImageFile
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
-FORMATS = {"PNG": ("image/png", ".png"), "JPEG": ("image/jpeg", ".jpg")}
-ACCEPTED_DECLARED_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/pjpeg", "application/octet-stream", ""}
+FORMATS = {"PNG": ("image/png", ".png"), "JPEG": ("image/jpeg", ".jpg"), "WEBP": ("image/webp", ".webp")}
+ACCEPTED_DECLARED_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/pjpeg", "image/webp",
+                           "application/octet-stream", ""}
 _OTHER_IMAGE_MAGIC = (b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF", b"\x00\x00\x01\x00")
 _PNG_MAGIC, _JPEG_MAGIC = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
+ACCEPTED = "PNG, JPEG or WebP"
+"""The formats taken, as error messages name them."""
+
+
+def _is_webp(head: bytes) -> bool:
+    return head[:4] == b"RIFF" and head[8:12] == b"WEBP"
 
 ORIENTATION = 0x0112
 """The EXIF tag of the orientation the stored pixels are shown in."""
@@ -67,7 +74,7 @@ class DecodedImage:
     image: Image.Image
     """Decoded, EXIF orientation applied, its longer side at most the ``max_side`` it was decoded with."""
     format: str
-    """``PNG`` or ``JPEG``."""
+    """``PNG``, ``JPEG`` or ``WEBP``."""
     width: int
     """Of the full image, upright (EXIF orientation applied): the frame of boxes given and returned."""
     height: int
@@ -113,27 +120,29 @@ class DecodedImage:
 
 
 def sniff_format(data: bytes, name: str) -> str:
-    """``PNG`` or ``JPEG`` from the first bytes; ``ImageRejected`` otherwise."""
+    """``PNG``, ``JPEG`` or ``WEBP`` from the first bytes; ``ImageRejected`` otherwise."""
     if data.startswith(_PNG_MAGIC):
         return "PNG"
     if data.startswith(_JPEG_MAGIC):
         return "JPEG"
+    if _is_webp(data):
+        return "WEBP"
     if data.startswith(_OTHER_IMAGE_MAGIC):
-        raise ImageRejected("unsupported_type", f"{name}: only PNG and JPEG images are accepted")
-    raise ImageRejected("bad_image", f"{name}: not a PNG or JPEG image")
+        raise ImageRejected("unsupported_type", f"{name}: only {ACCEPTED} images are accepted")
+    raise ImageRejected("bad_image", f"{name}: not a {ACCEPTED} image")
 
 
 def header_pixels(fp: IO[bytes]) -> int | None:
     """Width x height read from the header of the image in ``fp`` (nothing decoded), or ``None`` if it cannot be
     read (the decode then refuses the file with its reason). Reads from the current position, leaves it anywhere."""
-    head = fp.read(8)
-    if not (head.startswith(_PNG_MAGIC) or head.startswith(_JPEG_MAGIC)):
+    head = fp.read(12)
+    if not (head.startswith(_PNG_MAGIC) or head.startswith(_JPEG_MAGIC) or _is_webp(head)):
         return None
     fp.seek(-len(head), io.SEEK_CUR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = Image.open(fp, formats=["PNG", "JPEG"])
+            img = Image.open(fp, formats=list(FORMATS))
             w, h = img.size
     except Exception:  # a broken header, or a bomb PIL will not even open: the decode refuses it, saying why
         return None
@@ -185,7 +194,7 @@ def decode_image(data: bytes, *, filename: str | None, declared_type: str | None
     name = filename or "upload"
     declared = (declared_type or "").split(";")[0].strip().lower()
     if declared not in ACCEPTED_DECLARED_TYPES:
-        raise ImageRejected("unsupported_type", f"{name}: content type {declared!r} is not PNG or JPEG")
+        raise ImageRejected("unsupported_type", f"{name}: content type {declared!r} is not {ACCEPTED}")
     if not data:
         raise ImageRejected("bad_image", f"{name}: empty file")
     if len(data) > limits.max_file_bytes:
@@ -200,10 +209,11 @@ def decode_image(data: bytes, *, filename: str | None, declared_type: str | None
                 raise ImageRejected("bad_image", f"{name}: image has no pixels")
             if w * h > limits.max_image_pixels:
                 raise ImageRejected("too_large", f"{name}: {w}x{h} pixels, the limit is {limits.max_image_pixels}")
-            if fmt == "PNG" and getattr(img, "n_frames", 1) > 1:
+            if fmt != "JPEG" and getattr(img, "n_frames", 1) > 1:  # APNG, animated WebP (an MPO JPEG: its first)
+                kind = {"PNG": "PNG", "WEBP": "WebP"}[fmt]
                 raise ImageRejected("unsupported_type", (
-                    f"{name}: an animated PNG ({img.n_frames} frames); animated images are not accepted: send the "
-                    "frame to use as a still PNG"))
+                    f"{name}: an animated {kind} ({img.n_frames} frames); animated images are not accepted: send "
+                    f"the frame to use as a still {kind}"))
             image, (full_w, full_h) = _decode(img, max_side)
     except ImageRejected:
         raise
@@ -220,7 +230,7 @@ def open_stored(data: bytes, *, max_side: int | None = None, filename: str | Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         img = Image.open(io.BytesIO(data))
-        fmt = "PNG" if img.format == "PNG" else "JPEG"
+        fmt = img.format if img.format in FORMATS else "JPEG"  # MPO: a JPEG with more pictures
         image, (w, h) = _decode(img, max_side)
     return DecodedImage(filename, data, image, fmt, w, h)
 

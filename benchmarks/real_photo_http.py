@@ -5,11 +5,11 @@
 
 For each class of the real-photo benchmark (``models.data.realphotos``; ``qloc fetch-real-photos``) one
 exemplar set is made of the exemplar photos' boxes cut from their photos (sent as PNG crops), then each val
-and test photo is sent alone (its own file when JPEG or PNG, else re-encoded as PNG, lossless: the API takes
-PNG and JPEG) and timed from request to parsed answer (upload, decode, resize, localize, JSON). Two warm-up
-requests are not timed; each set's creation is (``set_creation_s``: it fits the set's "not found"
-calibration). Prints the latency percentiles over all photos and over the photos up to 1024 px and
-above, and the CorLoc of the answers per split (it must match ``benchmarks/real_photos.py``'s ``nearest``).
+and test photo is sent alone (its own file: WebP, JPEG or PNG) and timed from request to parsed answer
+(upload, decode, resize, localize, JSON). Two warm-up requests are not timed; each set's creation is
+(``set_creation_s``: it fits the set's "not found" calibration). Prints the latency percentiles over all
+photos and over the photos up to 1024 px and above, and the CorLoc of the answers per split (it must match
+``benchmarks/real_photos.py``'s ``nearest``).
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ def _png(image) -> bytes:
 
 
 def upload(photo: realphotos.RealPhoto) -> tuple[str, bytes, str]:
-    """The photo's own file when the API takes its format, else PNG (lossless)."""
+    """The photo's own file (WebP, JPEG or PNG), as a user would send it."""
     path = realphotos.real_photo_dir() / "images" / photo.file_name
     suffix = path.suffix.lower()
-    if suffix in (".jpg", ".jpeg", ".png"):
-        return f"photo{suffix}", path.read_bytes(), "image/png" if suffix == ".png" else "image/jpeg"
-    return "photo.png", _png(photo.image), "image/png"
+    return f"photo{suffix}", path.read_bytes(), {".png": "image/png", ".webp": "image/webp"}.get(suffix, "image/jpeg")
 
 
 def main() -> None:

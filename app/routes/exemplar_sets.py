@@ -67,7 +67,7 @@ BOXES_DESCRIPTION = (
     "as the set's labeled examples (`num_labeled`), which adaptation jobs use to check themselves. "
     "Example: `[[10, 20, 60, 90]]`. Absent (or empty): the files are crops.")
 NEGATIVES_DESCRIPTION = (
-    "Optional: crops of look-alikes the answers should avoid (PNG/JPEG, checked as `files`; QLOC_INFERENCE=local "
+    "Optional: crops of look-alikes the answers should avoid (PNG/JPEG/WebP, checked as `files`; QLOC_INFERENCE=local "
     "only). Their embeddings are kept with the set (`num_negatives`), not the files. They enter the calibration "
     "(pasted into its backgrounds as wrong answers) and, through it, every answer's `confidence`: a box nearer a "
     "look-alike than the exemplars gets a lower one; `rerank=true` on localize also picks the visited box the "
@@ -167,7 +167,7 @@ def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep, remote: RemoteDep,
     files: Annotated[list[UploadFile], File(description=(
-        "1..64 PNG/JPEG crops of the object sought; with `boxes`, whole images that show it"))],
+        "1..64 PNG/JPEG/WebP crops of the object sought; with `boxes`, whole images that show it"))],
     name: Annotated[str | None, Form(max_length=200)] = None,
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
@@ -286,7 +286,7 @@ def localize(
     set_id: uuid.UUID, request: Request, settings: SettingsDep, inference: InferenceDep, caller: CallerDep,
     metrics: MetricsDep, store: StoreDep,
     files: Annotated[list[UploadFile], File(description=(
-        "Images to search (PNG/JPEG, any size up to the limits; not animated). Each is seen upright (its EXIF "
+        "Images to search (PNG/JPEG/WebP, any size up to the limits; not animated). Each is seen upright (its EXIF "
         "orientation applied) and decoded downscaled to QLOC_DECODE_MAX_SIDE; `width`, `height` and every box "
         "are in the full upright image's pixels"))],
     checkpoint: CheckpointQuery = "active",

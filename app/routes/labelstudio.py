@@ -214,10 +214,10 @@ def setup(set_id: uuid.UUID, body: SetupRequest, request: Request, session: Sess
 
 
 @router.post("/predict", responses={
-    400: error("A task's image is not a readable PNG/JPEG"),
+    400: error("A task's image is not a readable PNG, JPEG or WebP"),
     409: error("The set's bundle file was replaced since the set was made (as localize)"),
     413: error("A task's image is too large"),
-    415: error("A task's image is not a PNG or JPEG"),
+    415: error("A task's image is not a PNG, JPEG or WebP"),
     422: invalid("Invalid body, a label config without a usable RectangleLabels tag, a task without its image, "
                "or an image that cannot be fetched (unreachable, an error answer, a scheme other than http(s), "
                "a Label Studio path with Label Studio's address unknown)"),
@@ -306,7 +306,7 @@ def _project_images(fetcher: ImageFetcher, project: dict[str, Any], es: Exemplar
             continue
         try:
             blob = fetcher.fetch(data[key], where, _task_id(task))
-            sniff_format(blob, where)  # not PNG/JPEG: skipped here rather than refusing the whole job
+            sniff_format(blob, where)  # not PNG/JPEG/WebP: skipped here rather than refusing the whole job
         except Refused as e:
             problems.append(e.detail)
             continue

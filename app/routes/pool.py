@@ -68,7 +68,7 @@ def state(session: Session, settings: Settings, set_id: uuid.UUID) -> dict[str, 
 def add_pool_images(
     set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(description=(
-        "Unlabeled PNG/JPEG images of the kind the set's object appears in (as many per request as other uploads "
+        "Unlabeled PNG/JPEG/WebP images of the kind the set's object appears in (as many per request as other uploads "
         "allow: QLOC_MAX_FILES_PER_REQUEST)"))],
 ) -> PoolImagesAdded:
     """Add unlabeled images to the set's pool, for adaptation jobs (`source=pool` or `both`).

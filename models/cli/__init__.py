@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp, digit=None)
     sp.add_argument("--bundle", required=True)
     sp.add_argument("--policy", help="an adapted policy checkpoint (default: the bundle's base policy)")
-    sp.add_argument("--exemplars", nargs="+", required=True, help="exemplar crop files (PNG/JPEG)")
+    sp.add_argument("--exemplars", nargs="+", required=True, help="exemplar crop files (PNG/JPEG/WebP)")
     sp.add_argument("--images", nargs="+", required=True, help="images to search")
     sp.add_argument("--samples", type=int, default=0, help="best-of-(1 + N) search, as localize?samples=N")
     sp.add_argument("--nearest", choices=("auto", "yes", "no"), default="auto",

@@ -38,6 +38,14 @@ def apng_bytes(frames: int = 3) -> bytes:
     return buf.getvalue()
 
 
+def awebp_bytes(frames: int = 3) -> bytes:
+    """An animated WebP: refused (415) like an animated PNG."""
+    imgs = [Image.new("RGB", (10, 10), (60 * i, 0, 0)) for i in range(frames)]
+    buf = io.BytesIO()
+    imgs[0].save(buf, "WEBP", save_all=True, append_images=imgs[1:])
+    return buf.getvalue()
+
+
 GOOD = png_bytes(40, 40)
 # (case, multipart files, expected status); the settings allow 8 files of 200 kB, 1 Mpx each
 CASES = {
@@ -54,6 +62,8 @@ CASES = {
     "gif_declared_png": (files(gif_bytes()), 415),
     "declared_text": (files(GOOD, content_type="text/plain"), 415),
     "animated_png": (files(GOOD, apng_bytes()), 415),
+    "animated_webp": (files(GOOD, awebp_bytes(), content_type="image/webp"), 415),
+    "riff_not_webp": (files(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 32), 415),
     "no_files": ([], 422),
     "wrong_field_name": (files(GOOD, field="file"), 422),
 }

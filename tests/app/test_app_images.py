@@ -1,4 +1,4 @@
-"""Decoding uploads: PNG and JPEG in any mode, everything else refused with the reason."""
+"""Decoding uploads: PNG, JPEG and WebP in any mode, everything else refused with the reason."""
 
 import io
 import subprocess
@@ -41,6 +41,8 @@ def test_jpeg_and_undeclared_type():
     (png_bytes(50, 50), "text/plain", "unsupported_type"),
     (encode(Image.new("L", (5, 5)), "GIF"), "image/png", "unsupported_type"),
     (encode(Image.new("L", (5, 5)), "BMP"), None, "unsupported_type"),
+    (b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 32, None, "unsupported_type"),  # RIFF, but a sound
+    (encode(Image.new("RGB", (20, 20)), "WEBP")[:30], "image/webp", "bad_image"),  # a WebP cut short
     (png_bytes(400, 300, square=False), "image/png", "too_large"),
     (b"\x89PNG\r\n\x1a\n" + b"\x00" * 1_000_001, "image/png", "too_large"),
 ])
@@ -160,6 +162,34 @@ def test_animated_png_is_refused():
     assert e.value.reason == "unsupported_type"
     assert "animated" in e.value.detail and "3 frames" in e.value.detail and "still PNG" in e.value.detail
     assert decode_image(apng(1), filename=None, declared_type=None, limits=LIMITS).image.size == (20, 20)
+
+
+@pytest.mark.parametrize("lossless", [False, True])
+def test_webp_is_decoded_downscaled_upright_and_stored_as_webp(lossless):
+    box = (200, 100, 360, 180)
+    img = scene(800, 400, box, seed=3)
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    buf = io.BytesIO()
+    img.transpose(Image.Transpose.ROTATE_90).save(buf, "WEBP", lossless=lossless, quality=95, exif=exif.tobytes())
+    data = buf.getvalue()
+    assert header_pixels(io.BytesIO(data)) == 320_000
+    im = decode_image(data, filename="p.webp", declared_type="image/webp", limits=BIG, max_side=200)
+    assert (im.format, im.content_type, im.ext) == ("WEBP", "image/webp", ".webp")
+    assert (im.width, im.height) == (800, 400) and im.image.size == (200, 100)  # upright, downscaled
+    found = im.box_to_full(bright_box(im.image))
+    assert all(abs(a - b) <= 8 for a, b in zip(found, box, strict=True))
+    stored = open_stored(data, max_side=200)
+    assert stored.format == "WEBP" and np.array_equal(np.asarray(stored.image), np.asarray(im.image))
+
+
+def test_animated_webp_is_refused():
+    frames = [Image.new("RGB", (20, 20), (60 * i, 0, 0)) for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "WEBP", save_all=True, append_images=frames[1:])
+    with pytest.raises(ImageRejected) as e:
+        decode_image(buf.getvalue(), filename="anim.webp", declared_type="image/webp", limits=LIMITS)
+    assert e.value.reason == "unsupported_type" and "animated WebP" in e.value.detail and "still WebP" in e.value.detail
 
 
 def test_stored_images_decode_as_uploads_do():

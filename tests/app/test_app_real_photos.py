@@ -8,11 +8,10 @@ takes (decode, exemplar crops cut from boxes, resize to the input, boxes scaled 
 photos the shipped bundle answers: of the test photos it answers at IoU >= 0.6, the only ones whose object covers
 less than 40 % of the image (so that the whole image, or a box near it, is wrong: IoU < 0.4), one per class
 (the best), IoU 0.73 (a 1920 x 1080 photo), 0.87 and 0.71 in the benchmark's run.
-The API takes PNG and JPEG: the WebP photos are re-encoded as PNG (lossless), the others sent as they are
-(one birds exemplar is a 6028 x 3391 JPEG: the limits are raised above the service's default 16 MP for it).
+Every photo is sent as its own file (WebP, JPEG or PNG); one birds exemplar is a 6028 x 3391 JPEG: the limits are
+raised above the service's default 16 MP for it.
 """
 
-import io
 import json
 from pathlib import Path
 
@@ -45,14 +44,11 @@ pytestmark = pytest.mark.skipif(not _fetched(), reason="run `qloc fetch-real-pho
 
 
 def _upload(photo: realphotos.RealPhoto, name: str) -> tuple[str, bytes, str]:
-    """The photo's own file when the API takes its format (JPEG, PNG), else PNG (lossless)."""
+    """The photo's own file (WebP, JPEG or PNG), as a user would send it."""
     path = realphotos.real_photo_dir() / "images" / photo.file_name
-    if path.suffix.lower() in (".jpg", ".jpeg", ".png"):
-        mime = "image/png" if path.suffix.lower() == ".png" else "image/jpeg"
-        return f"{name}{path.suffix.lower()}", path.read_bytes(), mime
-    buf = io.BytesIO()
-    photo.image.save(buf, "PNG")
-    return f"{name}.png", buf.getvalue(), "image/png"
+    suffix = path.suffix.lower()
+    mime = {".png": "image/png", ".webp": "image/webp"}.get(suffix, "image/jpeg")
+    return f"{name}{suffix}", path.read_bytes(), mime
 
 
 @pytest.fixture

@@ -76,6 +76,20 @@ def test_localize_answers_in_the_upright_frame_of_a_rotated_jpeg(client):
     assert rotated["score"] == pytest.approx(reference["score"], abs=1e-5)
 
 
+def test_a_lossless_webp_answers_as_its_png_does_and_is_stored_as_webp(client, settings):
+    set_id = new_set(client)
+    img = scene(120, 80, (60, 10, 110, 40))
+    buf = io.BytesIO()
+    img.save(buf, "WEBP", lossless=True)
+    webp = localize(client, set_id, buf.getvalue(), "img.webp", "image/webp")
+    png = localize(client, set_id, as_png(img), "img.png", "image/png")
+    assert (webp["width"], webp["height"]) == (120, 80)
+    assert webp["box"] == pytest.approx(png["box"], abs=1e-4) and webp["score"] == pytest.approx(png["score"], abs=1e-5)
+    r = client.post(URL, files=[("files", ("crop.webp", buf.getvalue(), "image/webp"))])  # exemplars too
+    assert r.status_code == 201, r.text
+    assert list((settings.storage_dir).rglob("*.webp"))  # stored as uploaded, with its own extension
+
+
 def test_localize_maps_boxes_from_the_downscaled_decode_to_full_pixels(small):
     _, client = small
     set_id = new_set(client)

@@ -257,14 +257,14 @@ def test_errors_from_the_api_are_shown(page, stack: Stack) -> None:
     error = page.locator("#errors .error").first
     error.wait_for()
     assert error.get_attribute("data-status") == "400"
-    assert error.inner_text().startswith("Localizing: HTTP 400: notes.png: not a PNG or JPEG image")
+    assert error.inner_text().startswith("Localizing: HTTP 400: notes.png: not a PNG, JPEG or WebP image")
     error.locator("button").click()  # dismissed
     assert page.locator("#errors .error").count() == 0
 
     page.set_input_files("#localize-files", files=[{"name": "notes.txt", "mimeType": "text/plain",
                                                     "buffer": b"hello"}])
     page.wait_for_selector("#errors .error[data-status='415']")
-    assert "notes.txt: content type 'text/plain' is not PNG or JPEG" in page.inner_text("#errors")
+    assert "notes.txt: content type 'text/plain' is not PNG, JPEG or WebP" in page.inner_text("#errors")
 
     page.fill("#opt-samples", "999")  # FastAPI's list of issues, made readable
     page.set_input_files("#localize-files", files=[{"name": "a.png", "mimeType": "image/png", "buffer": crop()}])
