@@ -6,8 +6,11 @@ Each target: 5 exemplar crops and 64 unlabeled images (disjoint draws of the tra
 default job size), 200 test images (the test split). The job runs as the worker runs it: 128 synthetic
 probes (``models.guard.synthetic_probes``), the service's defaults (200 iterations, lr 1e-3, batch 32, a
 checkpoint every 25), every checkpoint scored, early stop, ``decide("auto")``. One JSON object on stdout.
-``--choice`` runs each job a second time with the reward chosen on the probes (``models.repair``), on the same
-reward repair (a job whose choice is the embedding is the same job, not run twice).
+``--labeled``: the 5 exemplar images (whole, with their boxes) are also the set's labeled examples, as when a
+client makes the set from whole images with ``boxes`` (the first probes; on RGB bundles they must confirm a
+checkpoint before it is activated). ``--choice`` runs each job a second time with the reward chosen on the
+probes (``models.repair``), on the same reward repair (a job whose choice is the embedding is the same job,
+not run twice).
 
     python benchmarks/guarded_adaptation.py --suite digits --seeds 0 1 2 > runs/guard-digits.json
 """
@@ -69,14 +72,14 @@ def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> d
 
 
 def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
-               repair: RepairConfig | None = None, choice: bool = False) -> dict:
+               repair: RepairConfig | None = None, choice: bool = False, labeled: bool = False) -> dict:
     t0 = time.perf_counter()
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
     test = kind.draw(bundle, "test", n_test, seed)
     proto = prototype_of(bundle, ex)
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
-                          generator_seed=seed, repair=repair)
+                          generator_seed=seed, repair=repair, labeled=ex if labeled else None)
     guard, rep = setup.guard, setup.repair
     job = run_job(bundle, proto, setup, unl, test, settings, seed)
     d, per_ckpt, last = job["decision"], job["per_ckpt"], job["last"]
@@ -104,7 +107,8 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
     if choice:  # the same job with the reward chosen on the probes (models.repair), on the same repair
         t3 = time.perf_counter()
         ch = guarded_setup(bundle, proto, crops, unl.images, None, synthetic=settings.synthetic_probes,
-                           generator_seed=seed, repair=repair, choice=True, repaired=rep)
+                           generator_seed=seed, repair=repair, choice=True, repaired=rep,
+                           labeled=ex if labeled else None)
         if ch.choice.chosen == "embedding":  # the same reward, probes and guard: the same job
             cj, cd = job, d
         else:
@@ -139,6 +143,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", help="only these targets of the suite (their describe() contains one)")
     p.add_argument("--no-template", action="store_true",
                    help="skip template matching (full-resolution NCC of 224-px photos takes minutes per image set)")
+    p.add_argument("--labeled", action="store_true",
+                   help="the exemplar images with their boxes are also the set's labeled examples (see above)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
@@ -148,7 +154,8 @@ def main() -> None:
     repair = RepairConfig(epochs=a.repair_epochs) if a.repair else None
     settings = Settings()
     t0 = time.perf_counter()
-    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair, a.choice)
+    rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair, a.choice,
+                       a.labeled)
             for seed in a.seeds for kind in kinds]
     gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
                            r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)
