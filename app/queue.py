@@ -61,6 +61,20 @@ def create_celery(settings: Settings) -> Celery:
     return app
 
 
+def declare_queues(settings: Settings) -> list[str]:
+    """Create the job queue (and, with ``inference=workers``, the localize queue) on the broker -> their names.
+    Idempotent. ``scripts/run migrate`` runs it (``python -m app.queue``) before the API and the worker start: on
+    a fresh SQLAlchemy broker (the embedded default) both would otherwise insert the queue's row at once, and the
+    loser -- the worker's consumer, seen in CI -- stops with ``UNIQUE constraint failed: kombu_queue.name``,
+    leaving every job queued."""
+    names = [settings.queue] + ([settings.localize_queue] if settings.inference == "workers" else [])
+    with create_celery(settings).connection_for_write() as conn:
+        conn.ensure_connection(max_retries=3)
+        for name in names:
+            conn.default_channel.queue_declare(queue=name, durable=True, auto_delete=False)
+    return names
+
+
 class JobQueue:
     """What the API needs from the broker: enqueue a job id, check the broker is reachable."""
 
@@ -76,3 +90,7 @@ class JobQueue:
         with self.celery.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=3)
             conn.default_channel.queue_declare(queue=self.settings.queue, durable=True, auto_delete=False)
+
+
+if __name__ == "__main__":  # python -m app.queue: the broker side of ``scripts/run migrate``
+    print("declared broker queues: " + ", ".join(declare_queues(Settings())))

@@ -32,6 +32,7 @@ from sqlalchemy import func, select
 
 from app.config import Settings
 from app.db import make_engine, make_sessionmaker
+from app.queue import declare_queues
 from app.tables import AdaptationJob, Checkpoint, Exemplar, ExemplarSet, JobImage, PoolImage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,6 +267,8 @@ class Stack:
     def __init__(self, settings: Settings, log_dir: Path):
         self.settings = settings
         self.log_dir = log_dir
+        # What ``scripts/run migrate`` does before the API and the worker start (they would race to create them)
+        declare_queues(settings)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}

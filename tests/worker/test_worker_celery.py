@@ -1,9 +1,17 @@
 """The Celery side: one configuration from the settings, a thin task that takes a job id."""
 
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from app.config import Settings
-from app.queue import ADAPT_TASK, broker_transport_options, create_celery
+from app.queue import ADAPT_TASK, broker_transport_options, create_celery, declare_queues
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_configuration_from_settings():
@@ -25,6 +33,22 @@ def test_broker_options():
     sqlite = broker_transport_options(Settings())
     assert sqlite == {"connect_args": {"timeout": 30}} and "visibility_timeout" not in sqlite
     assert broker_transport_options(Settings(broker_url="sqla+postgresql://h/db")) == {}
+
+
+def test_the_queues_are_declared_before_api_and_worker_start(tmp_path):
+    """``scripts/run migrate`` (``python -m app.queue``) creates the queue on a fresh SQLAlchemy broker, once: the API
+    and the worker then find it instead of both inserting it (the loser, a worker, stopped with a UNIQUE error)."""
+    broker = tmp_path / "broker.db"
+    env = {**os.environ, "QLOC_BROKER_URL": f"sqla+sqlite:///{broker}"}
+    for _ in range(2):  # idempotent
+        r = subprocess.run([sys.executable, "-m", "app.queue"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "declared broker queues: qloc" in r.stdout, r.stderr
+    with sqlite3.connect(broker) as db:
+        assert db.execute("SELECT name FROM kombu_queue").fetchall() == [("qloc",)]
+    workers = Settings(broker_url=f"sqla+sqlite:///{broker}", inference="workers", result_backend="redis://h:1/0")
+    assert declare_queues(workers) == ["qloc", "qloc-localize"]
+    assert "python\" -m app.queue" in (REPO / "scripts" / "run").read_text()  # the migrate step runs it
 
 
 def test_the_task_is_thin_and_safe_to_redeliver():
