@@ -5,6 +5,8 @@ images, or uses the features a frozen backbone computed once (``LabeledImages.fe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -151,20 +153,27 @@ def evaluate_corloc(bundle: Bundle, agent: Agent, data: LabeledImages, prototype
 
 
 @torch.no_grad()
-def ranking(bundle: Bundle, data: LabeledImages, prototype: Tensor, candidates: Tensor | None = None,
-            batch: int = 16, chunk: int = 2048) -> Tensor:
+def ranking(bundle: Bundle, data: LabeledImages, prototype: Tensor | None, candidates: Tensor | None = None,
+            batch: int = 16, chunk: int = 2048, scorer: Any = None) -> Tensor:
     """The ranking baseline: for each image the candidate box nearest ``prototype [D]`` -> ``[N, 4]`` (CPU).
 
     Every candidate costs one RoIAlign + head call on the image's feature map (the backbone runs once per
     image, or not at all when ``data`` carries features), ``batch`` images and ``chunk`` candidates at a time.
+    ``scorer`` (``models.repair``'s candidates: ``box_distances(embedder, feats, boxes, images01)``) ranks by its
+    distance instead of the embedding distance to ``prototype`` (then unused); one that reads pixels
+    (``scorer.pixels``) is given ``data.images``.
     """
     cands = ranking_candidates(bundle) if candidates is None else candidates  # [K, 4]
     dev = bundle.device
-    cands, proto = cands.to(dev), prototype.to(dev)
+    cands = cands.to(dev)
+    proto = prototype.to(dev) if scorer is None else None
+    emb = bundle.embedder
     out = []
     for i in range(0, len(data), batch):
         feats = data.feats[i:i + batch] if data.feats is not None else features_of(bundle, data.images[i:i + batch])
-        dists = torch.cat([(bundle.embedder.embed(feats, cands[j:j + chunk].expand(len(feats), -1, -1)) - proto)
-                           .norm(dim=-1) for j in range(0, len(cands), chunk)], dim=1)  # [b, K]
+        pixels = data.images[i:i + batch].to(dev) if getattr(scorer, "pixels", False) else None
+        parts = [cands[j:j + chunk].expand(len(feats), -1, -1) for j in range(0, len(cands), chunk)]
+        dists = torch.cat([(emb.embed(feats, c) - proto).norm(dim=-1) if scorer is None
+                           else scorer.box_distances(emb, feats, c, pixels) for c in parts], dim=1)  # [b, K]
         out.append(cands[dists.argmin(dim=1)].cpu())
     return torch.cat(out)

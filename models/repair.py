@@ -54,7 +54,7 @@ from models.calibration import box_ncc, make_templates
 from models.core.metrics import spearman
 from models.core.ordinal import sample_pairs
 from models.data.types import LabeledImages
-from models.evaluate import ranking, ranking_candidates, ranking_metrics, training_candidates
+from models.evaluate import ranking, ranking_metrics, training_candidates
 from models.features import features_of, with_features
 from models.guard import Guard, GuardConfig, synthetic_probes
 from models.inference import Localizer, exemplar_canvas, normalize
@@ -251,20 +251,6 @@ def scorer_faithfulness(bundle: Bundle, scorer: Candidate, probes: LabeledImages
     return {"ordacc": round(float((d_pos < d_neg).float().mean() * 100), 2), "spearman": round(float(rho.mean()), 4)}
 
 
-@torch.no_grad()
-def scorer_ranking(bundle: Bundle, scorer: Candidate, images01: Tensor, candidates: Tensor | None = None,
-                   batch: int = 16) -> Tensor:
-    """The ranking baseline under ``scorer``: each image's candidate box of least distance -> ``[N, 4]`` (CPU)."""
-    cands = (ranking_candidates(bundle) if candidates is None else candidates).to(bundle.device)
-    out = []
-    for i in range(0, len(images01), batch):
-        im = images01[i:i + batch].to(bundle.device)
-        feats = features_of(bundle, im)
-        d = scorer.box_distances(bundle.embedder.eval(), feats, cands.expand(len(im), -1, -1), im)  # [b, K]
-        out.append(cands[d.argmin(dim=1)].cpu())
-    return torch.cat(out) if out else torch.zeros(0, 4)
-
-
 @dataclass
 class RewardChoice:
     """The reward a job adapts on, chosen on probes, and what every candidate scored there."""
@@ -374,7 +360,8 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
         chosen = choose_reward(cur_bundle, candidate_scorers(cur_bundle, cur_proto, crops), val,
                                margin=choice_margin, seed=generator_seed)
         if chosen.chosen != "embedding":
-            erase = scorer_ranking(cur_bundle, chosen.scorer, images01)
+            erase = ranking(cur_bundle, LabeledImages(images01, torch.zeros(len(images01), 4)), None,
+                            scorer=chosen.scorer)
     parts = [labeled] if labeled is not None and len(labeled) else []
     if synthetic > 0:
         parts.append(synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(3), erase))
