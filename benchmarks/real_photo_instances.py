@@ -14,7 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +37,7 @@ def main(bundles: list[str]) -> None:
         hits = []
         for inst, photos in sorted(groups.items()):
             for q in photos:
-                crop = np.array(q.image.crop(tuple(round(v) for v in q.box)))
-                proto = loc.prototype([torch.from_numpy(crop).permute(2, 0, 1).float() / 255])
+                proto = loc.prototype([q.image.crop(tuple(round(v) for v in q.box))])  # a PIL crop, as uploads
                 for t in photos:
                     if t is q:
                         continue
