@@ -91,9 +91,11 @@ def adapt(bundle: Bundle, prototype: Tensor, images01: Tensor, cfg: AdaptConfig,
             break
         idx = torch.randperm(n, generator=gen)[:cfg.batch_size]
         feats = cached[idx.to(cached.device)] if cached is not None else features_of(bundle, images01[idx])
-        pixels = images01[idx].to(dev) if scorer is not None and scorer.pixels else None  # for a scorer reading them
+        chosen = {}  # the embedding distance (default): policy_step called as it always was
+        if scorer is not None:  # a reward chosen on the probes; the pixels only for a scorer that reads them
+            chosen = {"scorer": scorer, "images01": images01[idx].to(dev) if scorer.pixels else None}
         stats = policy_step(bundle, agent, opt, feats, proto.expand(len(idx), -1), cfg, gen, reference=reference,
-                            scorer=scorer, images01=pixels)
+                            **chosen)
         it += 1
         rewards.append(stats["charts/return"])
         if on_progress is not None:
