@@ -100,7 +100,7 @@ def decode_call(data: dict[str, Any]) -> LocalizeCall:
 
 
 def encode_answer(answer: LocalizeAnswer) -> dict[str, Any]:
-    return {"nearest": answer.nearest,
+    return {"nearest": answer.nearest, "refined": answer.refined,
             "results": [{"box": list(r.box), "score": r.score,
                          "trajectory": None if r.trajectory is None else [list(b) for b in r.trajectory],
                          "instances": None if r.instances is None else [[list(i.box), i.score] for i in r.instances]}
@@ -113,7 +113,7 @@ def decode_answer(data: dict[str, Any]) -> LocalizeAnswer:
                       None if r["trajectory"] is None else [tuple(b) for b in r["trajectory"]],
                       None if r.get("instances") is None else [Instance(tuple(b), float(d))  # type: ignore[arg-type]
                                                                for b, d in r["instances"]])
-         for r in data["results"]], bool(data["nearest"]))
+         for r in data["results"]], bool(data["nearest"]), bool(data.get("refined", False)))
 
 
 def refusal(e: InferenceRefused) -> dict[str, Any]:

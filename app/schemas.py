@@ -112,6 +112,10 @@ class LocalizeResponse(BaseModel):
     bundle: str
     samples: int = Field(description="Extra sampled episodes per image (best-of-N search); 0 = greedy only")
     nearest: bool = Field(description="The answer is the visited box nearest the exemplars, not the last one")
+    refined: bool = Field(False, description=(
+        "The answers were refined by a small local search around the agent's box on the checkpoint's repaired "
+        "reward: checkpoints of adaptation jobs whose reward repair was kept (`validation.reward` is "
+        "`repaired head`), as the job's guard scored them. false for the base policy and other checkpoints"))
     results: list[LocalizationResult]
     kept: list[uuid.UUID] | None = Field(None, description=(
         "With `keep=true`: the ids of the pool images the uploaded images became, in upload order"))

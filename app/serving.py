@@ -77,6 +77,8 @@ class LocalizeAnswer:
     """One per image, in the pixels of the images as given in the call."""
     nearest: bool
     """Whether the answers are the nearest visited boxes (the option as resolved)."""
+    refined: bool = False
+    """Whether the answers were refined on the checkpoint's repaired reward (``models.refine``)."""
 
 
 class InferenceRefused(Exception):  # noqa: N818 -- an answer for the client, not a crash
@@ -166,7 +168,7 @@ class LocalInference:
         if reward is None:
             served = Served(loaded.localizer.agent(state), loaded.localizer, None)
         else:  # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype
-            localizer = Localizer(loaded.bundle.with_head(reward.head), loaded.localizer.device)
+            localizer = Localizer(loaded.bundle.with_head(reward.head, reward.refine), loaded.localizer.device)
             served = Served(localizer.agent(state), localizer, reward.prototype.float())
         with self._agents_lock:
             self._agents[key] = served
@@ -244,7 +246,7 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
         at += n
         if not c.trajectory and mine and mine[0].trajectory is not None:
             mine = [Localization(r.box, r.score, None, r.instances) for r in mine]
-        answers.append(LocalizeAnswer(mine, c.nearest))
+        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine))
     return answers
 
 

@@ -6,6 +6,8 @@ Each target: 5 exemplar crops and 64 unlabeled images (disjoint draws of the tra
 default job size), 200 test images (the test split). The job runs as the worker runs it: 128 synthetic
 probes (``models.guard.synthetic_probes``), the service's defaults (200 iterations, lr 1e-3, batch 32, a
 checkpoint every 25), every checkpoint scored, early stop, ``decide("auto")``. One JSON object on stdout.
+Checkpoints adapted on a kept repair are scored as localize serves them, refined (``models.refine``);
+``corloc_after_policy_unrefined`` is the last one without the refinement.
 ``--labeled``: the 5 exemplar images (whole, with their boxes) are also the set's labeled examples, as when a
 client makes the set from whole images with ``boxes`` (the first probes; on RGB bundles they must confirm a
 checkpoint before it is activated). ``--choice`` runs each job a second time with the reward chosen on the
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -68,7 +71,11 @@ def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> d
     adapt_s = time.perf_counter() - t1
     d = guard.decide("auto")
     per_ckpt = {it: evaluate_corloc(bundle, bundle.new_agent(s), test, proto)[0] for it, s in states.items()}
-    return {"decision": d, "per_ckpt": per_ckpt, "last": max(per_ckpt), "adapt_seconds": round(adapt_s, 2)}
+    last = max(per_ckpt)
+    unrefined = (evaluate_corloc(replace(bundle, refine=False), bundle.new_agent(states[last]), test, proto)[0]
+                 if bundle.refine else per_ckpt[last])  # what the last checkpoint gives without models.refine
+    return {"decision": d, "per_ckpt": per_ckpt, "last": last, "last_unrefined": unrefined,
+            "refined": bundle.refine, "adapt_seconds": round(adapt_s, 2)}
 
 
 def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
@@ -92,6 +99,7 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
     tm_s = time.perf_counter() - t2
     row = {"target": kind.describe(), "seed": seed, **kind.meta(),
            "corloc_before": before, "corloc_after_policy": per_ckpt[last],
+           "corloc_after_policy_unrefined": job["last_unrefined"], "refined": job["refined"],
            "corloc_after_guard": per_ckpt[d["activate"]] if d["activate"] is not None else before,
            "corloc_template": tm,
            "corloc_ranking": corloc(ranking(bundle, test.subset(torch.arange(k)), proto), test.boxes[:k]),

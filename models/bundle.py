@@ -9,7 +9,9 @@ dimension of its prototypes (files written before these two existed lack them, a
 Format 2 adds ``"reward"``: ``{"head": state dict, "prototype": [D]}`` when the policy was adapted on a
 repaired reward (``models.repair``): the projection head it learned and the exemplars' prototype under
 that head, which serve the checkpoint in place of the bundle's head and the set's prototype. Format-1
-files (the agent only) load as before, with no reward of their own.
+files (the agent only) load as before, with no reward of their own. Format 3 adds ``"refine": true`` to the
+reward: the checkpoint's answers are refined on its head (``models.refine``), as its job's guard scored them;
+a format-2 reward is served without refinement, as it was written.
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
 
 A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
@@ -37,8 +39,9 @@ from models.nets.agent import Agent
 from models.nets.embedding import ProjectionHead, RoIEmbedder
 
 FORMAT_VERSION = 1
-POLICY_FORMAT_VERSION = 2
-"""Policy checkpoints: 2 may carry a repaired reward (head + prototype); 1 is the agent only."""
+POLICY_FORMAT_VERSION = 3
+"""Policy checkpoints: 3 carries a repaired reward whose answers are refined; 2 a repaired reward (head +
+prototype); 1 is the agent only. Each file is written with the lowest version that holds it."""
 
 
 @dataclass
@@ -60,6 +63,11 @@ class Bundle:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where the embedder's weights are; ``to`` is the one way to move them, and it updates this."""
 
+    refine: bool = False
+    """Whether answers are refined by a local search on this bundle's embedding (``models.refine``): set on a copy
+    whose head was repaired on the client's images and kept because it orders their boxes well (``models.repair``),
+    never by a bundle file."""
+
     def to(self, device: str | torch.device) -> Bundle:
         """Move the embedder to ``device`` (in place) -> this bundle."""
         self.device = torch.device(device)
@@ -71,16 +79,17 @@ class Bundle:
         """Dimension of the embeddings the bundle makes, hence of an exemplar set's prototype."""
         return int(self.config.head.out_features)
 
-    def with_head(self, head: dict[str, Tensor]) -> Bundle:
-        """This bundle with another projection head (a checkpoint's repaired reward): the encoder is shared,
-        not copied, so serving a repaired checkpoint costs one head. The copy keeps no file identity of
-        its own beyond this bundle's (``sha256``: checkpoints of this bundle still check against it)."""
+    def with_head(self, head: dict[str, Tensor], refine: bool = False) -> Bundle:
+        """This bundle with another projection head (a checkpoint's repaired reward), its answers refined on it
+        when ``refine``: the encoder is shared, not copied, so serving a repaired checkpoint costs one head. The
+        copy keeps no file identity of its own beyond this bundle's (``sha256``: checkpoints of this bundle still
+        check against it)."""
         emb = copy.copy(self.embedder)
         emb._modules = dict(self.embedder._modules)  # its own module table: the new head is not the original's
         new_head = ProjectionHead(self.config.head)
         new_head.load_state_dict(head)
         emb.head = new_head.to(self.device).eval().requires_grad_(False)
-        return replace(self, embedder=emb)
+        return replace(self, embedder=emb, refine=refine)
 
     def new_agent(self, state: dict[str, Tensor] | None = None) -> Agent:
         """An ``Agent`` on the embedder's device, loaded with ``state`` (default: the base policy)."""
@@ -202,9 +211,9 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
                     bundle_sha256: str | None = None, prototype_dim: int | None = None,
                     reward: Reward | None = None) -> bytes:
     """The exact bytes ``save_policy`` writes (for callers with their own blob storage). ``reward``: the
-    repaired head and prototype the policy was adapted with (format 2); without it the file is format 1,
-    byte for byte what earlier versions wrote."""
-    version = POLICY_FORMAT_VERSION if reward is not None else 1
+    repaired head and prototype the policy was adapted with (format 2; 3 when its answers are refined); without
+    it the file is format 1, byte for byte what earlier versions wrote."""
+    version = 1 if reward is None else 3 if reward.refine else 2
     obj: dict[str, Any] = {"format": "qloc-policy", "format_version": version, "bundle": bundle_name}
     if bundle_sha256 is not None:
         obj["bundle_sha256"] = str(bundle_sha256)
@@ -213,6 +222,8 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
     obj["agent"] = _cpu(agent_state)
     if reward is not None:
         obj["reward"] = {"head": _cpu(reward.head), "prototype": reward.prototype.detach().cpu().float().clone()}
+        if reward.refine:
+            obj["reward"]["refine"] = True
     obj["meta"] = meta or {}
     return _to_bytes(obj)
 
@@ -223,6 +234,8 @@ class Reward:
 
     head: dict[str, Tensor]
     prototype: Tensor
+    refine: bool = False
+    """Answers are refined on this head (``models.refine``; format 3)."""
 
 
 
@@ -261,7 +274,7 @@ def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: 
                 f"{source} is a policy for prototypes of dimension {int(dim)}, but bundle {bundle.name!r} "
                 f"makes prototypes of dimension {bundle.prototype_dim}")
     r = obj.get("reward")
-    reward = None if r is None else Reward(r["head"], r["prototype"])
+    reward = None if r is None else Reward(r["head"], r["prototype"], bool(r.get("refine", False)))
     if reward is not None and bundle is not None and reward.prototype.numel() != bundle.prototype_dim:
         raise PolicyMismatch(f"{source} carries a prototype of dimension {reward.prototype.numel()}, but bundle "
                              f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")

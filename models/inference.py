@@ -18,6 +18,7 @@ from models.bundle import Bundle
 from models.config import InputSpec
 from models.instances import InstanceConfig, find_instances
 from models.nets.agent import Agent
+from models.refine import refine
 from models.rollout import Rollout, rollout, search
 
 
@@ -157,6 +158,8 @@ class Localizer:
         """Localize ``images01 [B, C, S, S]`` (input size, [0, 1]) -> the time-major ``Rollout``.
 
         Only the final box is embedded (its distance is the score) unless ``rewards`` asks for every step's.
+        A bundle that refines (``Bundle.refine``: a repaired head) refines the answer of greedy runs
+        (``models.refine``): the refined box is the trajectory's last.
         ``samples > 0`` (greedy only) adds that many sampled episodes per image and keeps, per image, the
         episode whose final box is nearest the prototype; ``generator`` (default: seed 0) makes it repeatable.
         ``nearest`` (greedy only) answers with the visited box nearest the prototype instead of the last
@@ -179,10 +182,22 @@ class Localizer:
             if not deterministic or rewards:
                 raise ValueError("samples (best-of-N search) and nearest are for greedy inference without rewards")
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            return search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen,
-                          nearest=nearest)
-        return rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
-                       deterministic=deterministic, generator=generator, rewards=rewards)
+            ro = search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen,
+                        nearest=nearest)
+        else:
+            ro = rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
+                         deterministic=deterministic, generator=generator, rewards=rewards)
+        if self.bundle.refine and deterministic and not rewards:
+            ro = self._refined(ro, feats, proto)
+        return ro
+
+    def _refined(self, ro: Rollout, feats: Tensor, proto: Tensor) -> Rollout:
+        """``ro`` answering with its final box refined on the embedding (``models.refine``): the refined box
+        replaces the last one, in the trajectory too."""
+        boxes, dists = refine(self.embedder, feats, proto, ro.boxes[-1], ro.distances[-1],
+                              (float(self.spec.size), float(self.spec.size)), self.bundle.config.env.min_side)
+        return ro._replace(boxes=torch.cat([ro.boxes[:-1], boxes[None]]),
+                           distances=torch.cat([ro.distances[:-1], dists[None]]))
 
     def localize(self, images: list[Image.Image] | list[Tensor], prototype: Tensor,
                  agent_state: dict[str, Tensor] | None = None, *, deterministic: bool = True,

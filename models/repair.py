@@ -133,8 +133,8 @@ def repair_reward(bundle: Bundle, crops: list[Tensor], train: LabeledImages, val
     record = {"kept": kept, "before": before, "after": after, "best_epoch": summary["best_epoch"],
               "epochs": cfg.epochs, "train_probes": len(train), "val_probes": len(val),
               "seconds": round(time.perf_counter() - t0, 2)}
-    if kept:
-        return Repair(True, repaired, new_proto.cpu(), record)
+    if kept:  # its answers are refined on the head that now orders the client's boxes (models.refine)
+        return Repair(True, replace(repaired, refine=True), new_proto.cpu(), record)
     return Repair(False, bundle, proto.cpu(), record)
 
 

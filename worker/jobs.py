@@ -143,7 +143,7 @@ class AdaptationRun:
         self.images01 = images01  # also the backgrounds of the calibration refresh (``finish``)
         prototype = prototype_from_bytes(es.prototype)
         if start_reward is not None:
-            bundle, prototype = bundle.with_head(start_reward.head), start_reward.prototype.float()
+            bundle, prototype = bundle.with_head(start_reward.head, start_reward.refine), start_reward.prototype.float()
         self.setup = self._setup(bundle, prototype, images01, agent_state)
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
@@ -245,7 +245,7 @@ class AdaptationRun:
                 raise LeaseLost
         reward = None  # a repaired head (this job's, or its start's) is served with the policy it trained
         if self.setup is not None and self.reward_head is not None:
-            reward = Reward(self.reward_head, self.setup.prototype)
+            reward = Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine)
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
                                                       prototype_dim=self.bundle.prototype_dim, reward=reward))

@@ -375,6 +375,7 @@ class Localized:
     nearest: bool
     results: list[LocalizationResult]
     kept: list[uuid.UUID] | None
+    refined: bool = False
 
 
 def formatted(done: Localized, opts: AnswerOptions) -> Response:
@@ -388,7 +389,7 @@ def formatted(done: Localized, opts: AnswerOptions) -> Response:
                                                to_name="image", model_version=str(ckpt.id)))
     body = LocalizeResponse(
         exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=done.samples,
-        nearest=done.nearest, kept=done.kept, results=results)
+        nearest=done.nearest, refined=done.refined, kept=done.kept, results=results)
     # Serialized once, here (what ``response_model_exclude_none`` gives); returned as is, FastAPI would dump,
     # validate and serialize the model again.
     return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
@@ -444,4 +445,4 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
                                       InstanceResult(box=list(im.box_to_full(i.box)), score=i.score,
                                                      confidence=i.confidence, found=i.found) for i in j.instances])
                for im, r, j in zip(images, answer.results, judged, strict=True)]
-    return Localized(es, ckpt, n_samples, answer.nearest, results, kept)
+    return Localized(es, ckpt, n_samples, answer.nearest, results, kept, answer.refined)

@@ -115,3 +115,8 @@ def test_instances_travel_to_localize_workers_and_back():
                                           [Instance((1.0, 2.0, 3.0, 4.0), 0.5), Instance((5.0, 6.0, 9.0, 9.0), 0.7)]),
                              Localization((0.0, 0.0, 1.0, 1.0), 0.1)], nearest=False)
     assert decode_answer(encode_answer(answer)) == answer
+    refined = LocalizeAnswer(answer.results, nearest=False, refined=True)  # a repaired checkpoint's answers
+    assert decode_answer(encode_answer(refined)) == refined
+    older = encode_answer(answer)
+    del older["refined"]  # from a worker of the version before
+    assert decode_answer(older).refined is False

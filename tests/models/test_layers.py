@@ -2,7 +2,7 @@
 
 Roles, lowest first (``models/__init__.py`` says the same):
 0 ``config``, ``core`` (pure tensor math) and ``plots``; 1 ``backbones`` and ``data``; 2 ``nets`` and
-``presets``; 3 ``bundle``, ``rollout`` and ``instances``; 4 ``inference``; 5 ``features`` and ``policy``;
+``presets``; 3 ``bundle``, ``rollout``, ``instances`` and ``refine``; 4 ``inference``; 5 ``features`` and ``policy``;
 6 ``evaluate`` and ``adapt``; 7 ``train``; 8 ``experiments``; 9 ``cli``.
 So data never imports training, training never imports experiments or the CLI, and the production
 path (``inference``, ``adapt``) never imports a trainer. ``app`` and ``worker`` are never imported.
@@ -22,7 +22,7 @@ RANKS = {
     "config": 0, "core": 0, "plots": 0,
     "backbones": 1, "data": 1,
     "nets": 2, "presets": 2,
-    "bundle": 3, "rollout": 3, "instances": 3,
+    "bundle": 3, "rollout": 3, "instances": 3, "refine": 3,
     "inference": 4,
     "features": 5, "policy": 5, "calibration": 5,
     "evaluate": 6, "adapt": 6, "guard": 6,

@@ -106,10 +106,20 @@ def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still
     assert not torch.equal(next(iter(bundle.embedder.head.state_dict().values())), next(iter(head.values())))
 
     obj = torch.load(io.BytesIO(new), weights_only=True)
-    obj["format_version"] = 3
+    assert obj["format_version"] == 2 and "refine" not in obj["reward"]  # a format-2 reward serves unrefined
+    assert reward.refine is False and served.refine is False and bundle.refine is False
+
+    refined = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                              prototype_dim=bundle.prototype_dim, reward=Reward(head, proto, refine=True))
+    obj3 = torch.load(io.BytesIO(refined), weights_only=True)
+    assert obj3["format_version"] == 3 and obj3["reward"]["refine"] is True
+    _, _, reward3 = checkpoint_from_bytes(refined, bundle)
+    assert reward3.refine is True and bundle.with_head(reward3.head, reward3.refine).refine is True
+
+    obj3["format_version"] = 4
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    with pytest.raises(ValueError, match="format 3"):
+    torch.save(obj3, buf)
+    with pytest.raises(ValueError, match="format 4"):
         checkpoint_from_bytes(buf.getvalue(), bundle)
 
 

@@ -113,6 +113,7 @@ def uploads():
 
 def same_answers(a: dict, b: dict) -> None:
     assert a["checkpoint_id"] == b["checkpoint_id"] and a["nearest"] == b["nearest"] and a["samples"] == b["samples"]
+    assert a["refined"] == b["refined"]
     assert len(a["results"]) == len(b["results"])
     for ra, rb in zip(a["results"], b["results"], strict=True):
         assert (ra["width"], ra["height"], ra["filename"]) == (rb["width"], rb["height"], rb["filename"])

@@ -73,6 +73,7 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     finally:
         ctx.engine.dispose()
     assert again_base["results"] == base["results"]  # the base checkpoint still runs the bundle's head
+    assert adapted["refined"] is True and base["refined"] is False and again_base["refined"] is False
 
     with ctx.session_factory() as session:
         row = session.get(Checkpoint, uuid.UUID(ckpt["id"]))
@@ -80,17 +81,19 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
         row2 = session.get(Checkpoint, uuid.UUID(job2["checkpoint_id"]))
         data2 = BlobStore(s.storage_dir).read_verified(row2.blob, row2.sha256)
     agent, _, reward = checkpoint_from_bytes(data, bundle)
-    assert reward is not None  # format 2: the head and the prototype under it
+    assert reward is not None and reward.refine  # format 3: the head, the prototype under it, refined answers
     reward2 = checkpoint_from_bytes(data2, bundle)[2]
-    assert reward2 is not None and torch.equal(reward2.prototype, reward.prototype)
+    assert reward2 is not None and torch.equal(reward2.prototype, reward.prototype) and reward2.refine
     assert all(torch.equal(v, reward.head[k]) for k, v in reward2.head.items())
-    repaired = Localizer(bundle.with_head(reward.head), "cpu")
+    repaired = Localizer(bundle.with_head(reward.head, refine=True), "cpu")
     assert torch.allclose(reward.prototype, repaired.prototype(crops), atol=1e-4)
     pils = [Image.open(io.BytesIO(_png(im))) for im in probe]  # what the API decoded
     expected = repaired.localize(pils, reward.prototype, agent)
     for got, want in zip(adapted["results"], expected, strict=True):
         assert torch.allclose(torch.tensor(got["box"]), torch.tensor(want.box), atol=1e-3), (got, want)
         assert abs(got["score"] - want.score) < 1e-3
+    unrefined = Localizer(bundle.with_head(reward.head), "cpu").localize(pils, reward.prototype, agent)
+    assert all(w.score <= u.score + 1e-6 for w, u in zip(expected, unrefined, strict=True))
     # and the same agent with the bundle's head and the set's prototype would score otherwise
     plain = Localizer(bundle, "cpu").localize(pils, Localizer(bundle, "cpu").prototype(crops), agent)
     assert any(abs(p.score - w.score) > 1e-2 for p, w in zip(plain, expected, strict=True))

@@ -1,0 +1,87 @@
+"""Local refinement of an answer (``models.refine``): the neighbours it tries, that it never moves away from the
+prototype, that it finds a known box again, and that a bundle that refines answers its greedy runs with it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.bundle import load_bundle
+from models.core.boxes import paired_iou
+from models.experiments.cmnist import cmnist
+from models.features import features_of
+from models.inference import Localizer
+from models.refine import RefineConfig, neighbours, refine
+
+BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle(BUNDLE, "cpu")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return cmnist(4, "val", 12, "patch", 3)
+
+
+def test_neighbours_shift_and_scale_the_box_and_stay_in_the_image():
+    boxes = torch.tensor([[20.0, 30.0, 50.0, 70.0], [0.0, 0.0, 30.0, 30.0], [60.0, 50.0, 84.0, 84.0]])
+    c = neighbours(boxes, (84.0, 84.0), 28.0, 0.1, 0.1, 3)
+    assert c.shape == (3, 27, 4)
+    assert torch.equal(c[0, 13], boxes[0])  # the middle candidate is the box itself
+    w, h = c[..., 2] - c[..., 0], c[..., 3] - c[..., 1]
+    assert (c[..., :2] >= 0).all() and (c[..., 2:] <= 84.0 + 1e-4).all()
+    assert (w >= 28.0 - 1e-4).all() and (h >= 28.0 - 1e-4).all()
+    # box 0 (30 x 40): centres move by 0 or +-3 px in x, 0 or +-4 px in y; sides by 0.9, 1, 1.1
+    cx, cy = (c[0, :, 0] + c[0, :, 2]) / 2, (c[0, :, 1] + c[0, :, 3]) / 2
+    assert sorted(set(torch.round(cx - 35, decimals=3).tolist())) == [-3.0, 0.0, 3.0]
+    assert sorted(set(torch.round(cy - 50, decimals=3).tolist())) == [-4.0, 0.0, 4.0]
+    assert sorted(set(torch.round(w[0], decimals=3).tolist())) == [28.0, 30.0, 33.0]  # 27 lifted to 28
+    with pytest.raises(ValueError):
+        RefineConfig(grid=2)
+    with pytest.raises(ValueError):
+        RefineConfig(shift=0.0)
+
+
+def test_refine_never_moves_away_from_the_prototype_and_finds_a_known_box_again(bundle, digits):
+    feats = features_of(bundle, digits.images)
+    emb = bundle.embedder
+    truth = digits.boxes
+    protos = emb.embed(feats, truth[:, None])[:, 0]  # each image's prototype: its own true box's embedding
+    off = torch.tensor([4.0, -3.0, 7.0, 2.0])  # a start a few pixels off (shifted and larger)
+    start = (truth + off).clamp(0, 84)
+    d0 = (emb.embed(feats, start[:, None])[:, 0] - protos).norm(dim=-1)
+    boxes, d = refine(emb, feats, protos, start, d0, (84.0, 84.0), 28.0)
+    assert (d <= d0).all()
+    assert torch.allclose(d, (emb.embed(feats, boxes[:, None])[:, 0] - protos).norm(dim=-1), atol=1e-4)
+    assert paired_iou(boxes, truth).mean() > paired_iou(start, truth).mean() + 0.05
+    same, d_same = refine(emb, feats, protos, start, d0, (84.0, 84.0), 28.0, RefineConfig(rounds=0))
+    assert torch.equal(same, start) and torch.equal(d_same, d0)
+    # already at the minimum (the true box, distance 0): nothing moves
+    at, _ = refine(emb, feats, protos, truth, torch.zeros(len(truth)), (84.0, 84.0), 28.0)
+    assert torch.equal(at, truth)
+
+
+def test_a_bundle_that_refines_answers_greedy_runs_with_the_refined_box(bundle, digits):
+    plain, refining = Localizer(bundle, "cpu"), Localizer(replace(bundle, refine=True), "cpu")
+    proto = plain.prototype([digits.images[i][:, int(b[1]):int(b[3]), int(b[0]):int(b[2])]
+                             for i, b in enumerate(digits.boxes[:5])])
+    agent = plain.agent()
+    a, b = plain.run(digits.images, proto, agent), refining.run(digits.images, proto, agent)
+    assert torch.equal(a.boxes[:-1], b.boxes[:-1]) and torch.equal(a.actions, b.actions)  # the same walk
+    assert (b.distances[-1] <= a.distances[-1] + 1e-6).all()
+    assert not torch.equal(a.boxes[-1], b.boxes[-1])  # some answers moved
+    one = torch.cat([refining.run(digits.images[i:i + 1], proto, agent).boxes[-1] for i in range(len(digits))])
+    assert torch.allclose(one, b.boxes[-1], atol=1e-4)  # batched = one by one
+    best = refining.run(digits.images, proto, agent, samples=3)
+    assert (best.distances[-1] <= plain.run(digits.images, proto, agent, samples=3).distances[-1] + 1e-6).all()
+    sampled = [loc.run(digits.images, proto, agent, deterministic=False, generator=torch.Generator().manual_seed(1))
+               for loc in (plain, refining)]
+    assert torch.equal(sampled[0].boxes, sampled[1].boxes)  # sampled episodes (adaptation's) are not refined
+    out = refining.localize([digits.images[0]], proto, trajectory=True)[0]
+    assert list(out.box) == pytest.approx(out.trajectory[-1]) and out.box == pytest.approx(b.boxes[-1, 0].tolist())
