@@ -59,7 +59,7 @@ class LocalizeResponse(_Model):
     samples: int = 0
     nearest: bool = False
     refined: bool = False
-    """The answers were refined on the checkpoint's repaired reward (a job whose reward repair was kept)."""
+    """The answers were refined on the checkpoint's repaired reward (a grayscale bundle's job whose repair was kept)."""
     results: list[Localization]
     kept: list[uuid.UUID] | None = None
     """With ``keep=True``: the ids of the images added to the set's pool."""

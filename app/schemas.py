@@ -115,7 +115,8 @@ class LocalizeResponse(BaseModel):
     refined: bool = Field(False, description=(
         "The answers were refined by a small local search around the agent's box on the checkpoint's repaired "
         "reward: checkpoints of adaptation jobs whose reward repair was kept (`validation.reward` is "
-        "`repaired head`), as the job's guard scored them. false for the base policy and other checkpoints"))
+        "`repaired head`) on a grayscale bundle, as the job's guard scored them. false for the base policy, "
+        "photo bundles and other checkpoints"))
     results: list[LocalizationResult]
     kept: list[uuid.UUID] | None = Field(None, description=(
         "With `keep=true`: the ids of the pool images the uploaded images became, in upload order"))

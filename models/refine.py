@@ -12,8 +12,9 @@ so the answer's distance never grows.
 Vectorized over the batch: each round is one RoIAlign + head call on the cached feature map for
 ``B x grid^3`` boxes; the backbone does not run again.
 
-Serving uses it for checkpoints adapted on a repaired reward (``models.bundle.Reward.refine``): the guard
-scored those checkpoints with it, so what the job verified is what localize answers.
+Serving uses it for checkpoints adapted on a repaired reward of a grayscale bundle (``models.bundle.Reward.refine``,
+``models.repair.refines``): the guard scored those checkpoints with it, so what the job verified is what localize
+answers.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from models.data.types import exemplar_crops
 from models.experiments.datasets import GlyphKind
 from models.guard import synthetic_probes
 from models.inference import Localizer
-from models.repair import RepairConfig, faithfulness, guarded_setup, repair_reward
+from models.repair import RepairConfig, faithfulness, guarded_setup, refines, repair_reward
 
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
 
@@ -49,6 +49,7 @@ def test_repair_trains_the_head_only_and_orders_boxes_of_a_new_kind_better(bundl
     assert rep.kept, rep.record
     assert rep.record["after"]["ordacc"] > rep.record["before"]["ordacc"] + 5
     assert rep.bundle is not bundle
+    assert rep.bundle.refine and not bundle.refine  # a grayscale bundle's kept repair refines its answers
     for k, v in rep.bundle.embedder.encoder.state_dict().items():  # the backbone never moves
         assert torch.equal(v, encoder[k]), k
     assert any(not torch.equal(v, head[k]) for k, v in rep.head.items())  # the head did
@@ -59,6 +60,11 @@ def test_repair_trains_the_head_only_and_orders_boxes_of_a_new_kind_better(bundl
     before = faithfulness(bundle, Localizer(bundle, "cpu").prototype(crops), test)
     after = faithfulness(rep.bundle, rep.prototype, test)
     assert after["ordacc"] > before["ordacc"] + 5 and after["spearman"] < before["spearman"]
+
+
+def test_only_grayscale_bundles_refine_after_a_kept_repair(bundle):
+    photo = load_bundle(BUNDLE.parent / "photo-mammals.pt", "cpu")
+    assert refines(bundle) and not refines(photo)  # photos: refined probes flattered worse checkpoints (REFINE_RGB)
 
 
 def test_repair_not_confirmed_on_held_out_probes_keeps_the_bundle_as_it_is(bundle, glyph_job):
