@@ -79,11 +79,12 @@ def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> d
 
 
 def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
-               repair: RepairConfig | None = None, choice: bool = False, labeled: bool = False) -> dict:
+               repair: RepairConfig | None = None, choice: bool = False, labeled: bool = False,
+               split: str = "test") -> dict:
     t0 = time.perf_counter()
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
-    test = kind.draw(bundle, "test", n_test, seed)
+    test = kind.draw(bundle, split, n_test, seed)  # "val": a held-out part of the train split, never test
     proto = prototype_of(bundle, ex)
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=repair, labeled=ex if labeled else None)
@@ -151,6 +152,9 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", help="only these targets of the suite (their describe() contains one)")
     p.add_argument("--no-template", action="store_true",
                    help="skip template matching (full-resolution NCC of 224-px photos takes minutes per image set)")
+    p.add_argument("--bundle", help="a bundle file instead of the suite's shipped one (e.g. bundles/mnist-general.pt)")
+    p.add_argument("--split", choices=("test", "val"), default="test",
+                   help="evaluate on the test split, or on val (model selection: never the test images)")
     p.add_argument("--labeled", action="store_true",
                    help="the exemplar images with their boxes are also the set's labeled examples (see above)")
     a = p.parse_args()
@@ -158,12 +162,14 @@ def main() -> None:
     name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
     if a.kinds:
         kinds = [k for k in kinds if any(s in k.describe() for s in a.kinds)]
-    bundle = load_bundle(f"bundles/{name}.pt", a.device)
+    if a.bundle:
+        name = a.bundle
+    bundle = load_bundle(a.bundle or f"bundles/{name}.pt", a.device)
     repair = RepairConfig(epochs=a.repair_epochs) if a.repair else None
     settings = Settings()
     t0 = time.perf_counter()
     rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair, a.choice,
-                       a.labeled)
+                       a.labeled, a.split)
             for seed in a.seeds for kind in kinds]
     gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
                            r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)

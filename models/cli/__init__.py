@@ -25,7 +25,7 @@ from models.data import photo_cache_dir
 from models.data.cmnist import BACKGROUNDS
 from models.evaluate import evaluate_corloc, ordacc_all
 from models.experiments.cmnist import TrainSetup, TransferSetup, cmnist, train_bundle, transfer
-from models.experiments.datasets import CMnistKind, GlyphKind, PhotoKind
+from models.experiments.datasets import CMnistDigitsKind, CMnistKind, GlyphKind, PhotoKind
 from models.experiments.report import mean_std, summarize
 from models.features import prototype_of
 from models.inference import Localizer, resolve_device
@@ -53,8 +53,11 @@ def _bar_logger(total: int, desc: str, key: str):
     return log, bar
 
 
-def _kind(a: argparse.Namespace) -> CMnistKind | GlyphKind | PhotoKind:
-    """The dataset kind a command runs on (``--data``), with its target (``--digit`` / ``--glyph`` / ``--class``)."""
+def _kind(a: argparse.Namespace) -> CMnistKind | CMnistDigitsKind | GlyphKind | PhotoKind:
+    """The dataset kind a command runs on (``--data``), with its target (``--digit`` / ``--glyph`` / ``--class``;
+    ``--digits``: several digits at once, for the training commands)."""
+    if a.data == "cmnist" and getattr(a, "digits", None):
+        return CMnistDigitsKind(tuple(a.digits), a.background)
     if a.data == "cmnist":
         return CMnistKind(a.digit, a.background)
     if a.data == "glyphs":
@@ -87,7 +90,8 @@ def cmd_train_embedding(a: argparse.Namespace) -> dict:
     train, val = kind.draw(bundle, "train", n_train, a.seed), kind.draw(bundle, "val", n["n_val"], a.seed)
     res = train_embedding(bundle, train, val, cfg, val_exemplars=val_ex, candidates=kind.candidates(bundle), on_log=log)
     bar.close()
-    bundle.provenance = {"data": f"{kind.describe()}, {n_train} train images", "seed": a.seed,
+    each = " of each digit" if isinstance(kind, CMnistDigitsKind) else ""
+    bundle.provenance = {"data": f"{kind.describe()}, {n_train} train images{each}", "seed": a.seed,
                          "embedding": {k: v for k, v in res.items() if k != "history"},
                          "history": {"embedding": res["history"], "agent": []}}
     return _saved(a.out, bundle, {"val/ordacc": res["val/ordacc"], "best_epoch": res["best_epoch"]})
@@ -301,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("train-embedding", help="stage 1: the ordinal embedding of a new bundle")
     common(sp)
+    sp.add_argument("--digits", type=int, nargs="+", choices=range(10),
+                    help="cMNIST: several digits at once, a general bundle (sizes are per digit; overrides --digit)")
     sp.add_argument("--n-train", type=int, help="training images (default: the dataset kind's, 50 for cMNIST)")
     sp.add_argument("--epochs", type=int, help="default: the dataset kind's (100 for cMNIST, 15 for photos)")
     sp.add_argument("--name", help="bundle name (default: the output file's stem)")
@@ -309,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("train-agent", help="stage 2: the agent on a stage-1 bundle")
     common(sp)
+    sp.add_argument("--digits", type=int, nargs="+", choices=range(10),
+                    help="cMNIST: several digits at once, a general bundle (sizes are per digit; overrides --digit)")
     sp.add_argument("--bundle", required=True)
     sp.add_argument("--n-train", type=int, help="training images (default: the dataset kind's, 50 for cMNIST)")
     sp.add_argument("--iterations", type=int, help="default: the dataset kind's (300 for cMNIST, 400 for photos)")

@@ -88,6 +88,41 @@ class CMnistKind(_CanvasKind):
 
 
 @dataclass
+class CMnistDigitsKind(_CanvasKind):
+    """Several digits at once, for a general bundle (issue 11): each role draws ``n`` images *of every digit*
+    (``CMnistKind``'s draws, digit by digit), labeled by kind (``LabeledImages.classes``), so stage 1 batches one
+    digit at a time and stage 2 trains one digit per iteration. Stage 1 keeps the epoch whose validation exemplars'
+    prototypes (one per digit) order the validation boxes best: group prototypes of mixed digits would not."""
+
+    digits: tuple[int, ...] = tuple(range(10))
+    background: str = "patch"
+    name: str = "cmnist"
+
+    def __post_init__(self) -> None:
+        if len(self.digits) < 2 or len(set(self.digits)) != len(self.digits) or not set(self.digits) <= set(range(10)):
+            raise ValueError(f"digits must be two or more distinct digits 0-9, got {list(self.digits)}")
+
+    def describe(self) -> str:
+        return f"cMNIST digits {''.join(map(str, self.digits))} {self.background}"
+
+    def meta(self) -> dict[str, Any]:
+        return {"digits": list(self.digits), "background": self.background}
+
+    def sizes(self) -> dict[str, int]:
+        return {"n_train": TrainSetup().n_train, "n_val": 20, "exemplars": TrainSetup().exemplars}  # per digit
+
+    def embedding_config(self) -> EmbeddingTrainConfig:
+        # Ten times the images of one digit per epoch: 30 epochs are 300 steps (one digit: 100 epochs, 100 steps).
+        return replace(TrainSetup().embedding, epochs=30, eval_every=5)
+
+    def select_with_exemplars(self) -> bool:
+        return True
+
+    def _images(self, split: str, n: int, seed: int, offset: int) -> LabeledImages:
+        return LabeledImages.concat([cmnist(d, split, n, self.background, seed, offset=offset) for d in self.digits])
+
+
+@dataclass
 class GlyphKind(_CanvasKind):
     """Glyphs (``models.data.glyphs``): the character ``char`` on the ``background``, on cMNIST canvases with
     the cMNIST networks, training defaults and seeds; test images from the held-out test fonts."""
