@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     """Root of the blob store (uploaded images, checkpoints)."""
     bundle_dir: Path = Path("bundles")
     """Every ``<name>.pt`` here can be served as bundle ``<name>``."""
-    default_bundle: str = "mnist-digit4"
+    default_bundle: str = "mnist-general"
+    """The bundle of a set created without ``bundle``: the cMNIST bundle trained on all ten digits, chosen over the
+    one-digit ``mnist-digit4`` on kinds of objects neither saw (BENCHMARKS.md, "A general cMNIST bundle")."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     localize_samples: int = Field(0, ge=0, le=MAX_SAMPLES)
     """Default of localize's ``samples``: extra sampled episodes per image for the best-of-N search
