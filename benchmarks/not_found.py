@@ -19,6 +19,7 @@ negative crops; ``models.calibration.Templates``), fit leave-one-out on the same
 Prints one JSON line per variant and saves the reliability curves to benchmarks/figures/not_found.png.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py [QUERY]   # default 4 (the bundle's); 2, 7, 9: new
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py 4 --bundle bundles/mnist-general.pt   # another bundle
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ LOOKALIKES_OF = {4: (7, 9), 7: (1, 9), 2: (3, 7), 9: (4, 7)}
 """The negative exemplars' digits per query (the digits most often mistaken for it)."""
 
 
-def main(query: int = 4) -> None:
+def main(query: int = 4, bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt") -> None:
     torch.set_num_threads(1)
-    bundle = load_bundle(ROOT / "bundles" / "mnist-digit4.pt")
+    bundle = load_bundle(bundle_path)
     loc = Localizer(bundle, "cpu")
     nearest = loc.default_nearest
     ex = cmnist(query, "train", 5, "patch", 1000)
@@ -117,7 +118,7 @@ def main(query: int = 4) -> None:
                 row.update(fit_ece=cal.stats["ece"], ncc_ms_per_image=round(ncc_ms, 3))
             curves[label] = reliability_bins(conf, right)
             print(json.dumps(row), flush=True)
-    if query == 4:  # the figure of the report
+    if query == 4 and bundle_path.name == "mnist-digit4.pt":  # the figure of the report
         plot(curves, ROOT / "benchmarks" / "figures" / "not_found.png")
 
 
@@ -144,4 +145,10 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("query", type=int, nargs="?", default=4)
+    p.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "mnist-digit4.pt")
+    a = p.parse_args()
+    main(a.query, a.bundle)
