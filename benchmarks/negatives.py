@@ -7,7 +7,7 @@ and without the negatives: CorLoc of the answer (IoU >= 0.5 with the 4) -- witho
 agent's either way; with ``rerank`` it is the visited box the calibration with negatives likes best -- and
 how well the confidence tells right answers from wrong ones (AUROC; the share of wrong answers found).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/negatives.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/negatives.py [--bundle bundles/mnist-general.pt]
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def rerank(localizer: Localizer, images01: torch.Tensor, paths: torch.Tensor, pr
     return k + 1, d_p[rows, k], d_n[rows, k], conf[rows, k]
 
 
-def main() -> None:
+def main(bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt") -> None:
     torch.set_num_threads(1)
-    loc = Localizer(load_bundle(ROOT / "bundles" / "mnist-digit4.pt"), "cpu")
+    loc = Localizer(load_bundle(bundle_path), "cpu")
     nearest = loc.default_nearest
     crops = exemplar_crops(cmnist(4, "train", 5, "patch", 1000))
     proto = loc.prototype(crops)
@@ -123,4 +123,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "mnist-digit4.pt")
+    main(p.parse_args().bundle)

@@ -83,7 +83,8 @@ def cmd_train_embedding(a: argparse.Namespace) -> dict:
     bundle = new_bundle(a.name or Path(a.out).stem, kind.model_config(), a.seed).to(dev)
     base = kind.embedding_config()
     epochs = a.epochs or base.epochs
-    cfg = replace(base, epochs=epochs, seed=a.seed, eval_every=max(1, min(base.eval_every, epochs)))
+    cfg = replace(base, epochs=epochs, seed=a.seed, eval_every=max(1, min(base.eval_every, epochs)),
+                  class_weight=base.class_weight if a.class_weight is None else a.class_weight)
     val_ex = kind.draw(bundle, "val_exemplars", n["exemplars"], a.seed, after=n["n_val"]) \
         if kind.select_with_exemplars() else None
     log, bar = _bar_logger(cfg.epochs, "stage 1 (embedding)", "epoch")
@@ -309,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cMNIST: several digits at once, a general bundle (sizes are per digit; overrides --digit)")
     sp.add_argument("--n-train", type=int, help="training images (default: the dataset kind's, 50 for cMNIST)")
     sp.add_argument("--epochs", type=int, help="default: the dataset kind's (100 for cMNIST, 15 for photos)")
+    sp.add_argument("--class-weight", type=float,
+                    help="stage 1's cross-kind term on data of several kinds (--digits): each box nearer its own "
+                         "kind's exemplars than another kind's, weighted so (default: the kind's, 0 = off)")
     sp.add_argument("--name", help="bundle name (default: the output file's stem)")
     sp.add_argument("--out", required=True, help="bundle file to write")
     sp.set_defaults(func=cmd_train_embedding)

@@ -36,10 +36,28 @@ def test_bad_digit_lists_are_refused(digits):
         CMnistDigitsKind(digits)
 
 
+def test_the_cross_kind_weight_reaches_stage_1(monkeypatch, tmp_path):
+    import models.cli as cli
+
+    seen = {}
+
+    def fake_train(bundle, train, val, cfg, **kw):  # records the config, trains nothing
+        seen["cfg"] = cfg
+        return {"val/ordacc": 50.0, "best_epoch": 1, "history": []}
+
+    monkeypatch.setattr(cli, "train_embedding", fake_train)
+    out = tmp_path / "e.pt"
+    assert main(["train-embedding", "--digits", "1", "2", "--n-train", "10", "--epochs", "1", "--class-weight", "0.25",
+                 "--out", str(out)]) == 0
+    assert seen["cfg"].class_weight == 0.25
+    assert main(["train-embedding", "--digits", "1", "2", "--n-train", "10", "--epochs", "1", "--out", str(out)]) == 0
+    assert seen["cfg"].class_weight == 0.0  # the kind's default: off
+
+
 def test_cli_trains_a_general_bundle(tmp_path, capsys):
     emb, out = tmp_path / "emb.pt", tmp_path / "general.pt"
     assert main(["train-embedding", "--digits", "0", "5", "--n-train", "10", "--epochs", "1", "--device", "cpu",
-                 "--name", "mnist-general", "--out", str(emb)]) == 0
+                 "--class-weight", "0.1", "--name", "mnist-general", "--out", str(emb)]) == 0
     r = json.loads(capsys.readouterr().out)
     assert 0 <= r["val/ordacc"] <= 100
     b = load_bundle(emb)
