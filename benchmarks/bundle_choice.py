@@ -24,6 +24,7 @@ import torch
 from models.bundle import load_bundle
 from models.evaluate import evaluate_corloc, ranking_metrics
 from models.experiments.datasets import CMnistKind, GlyphKind
+from models.experiments.report import mean_std
 from models.features import prototype_of
 
 GLYPHS = ("A", "K", "R", "e", "#", "&", "@", "?")
@@ -61,9 +62,7 @@ def main() -> None:
             per_seed = {k: [statistics.fmean(r[k] for r in rows if r["bundle"] == path and r["seed"] == s
                                              and r["glyph"] == is_glyph) for s in a.seeds]
                         for k in ("corloc", "ordacc", "spearman")}
-            summary.setdefault(path, {})[group] = {
-                k: {"mean": round(statistics.fmean(v), 2), "std": round(statistics.stdev(v), 2) if len(v) > 1 else 0.0}
-                for k, v in per_seed.items()}
+            summary.setdefault(path, {})[group] = {k: mean_std(v, 2) for k, v in per_seed.items()}
     print(json.dumps({"split": a.split, "seeds": a.seeds, "command": " ".join(["python", *sys.argv]),
                       "wall_seconds": round(time.perf_counter() - t0, 1), "summary": summary, "rows": rows}, indent=1))
 

@@ -109,7 +109,7 @@ class CMnistDigitsKind(_CanvasKind):
         return {"digits": list(self.digits), "background": self.background}
 
     def sizes(self) -> dict[str, int]:
-        return {"n_train": TrainSetup().n_train, "n_val": 20, "exemplars": TrainSetup().exemplars}  # per digit
+        return {**super().sizes(), "n_val": 20}  # per digit: the one-digit sizes, a tenth of its validation images
 
     def embedding_config(self) -> EmbeddingTrainConfig:
         # Ten times the images of one digit per epoch: 30 epochs are 300 steps (one digit: 100 epochs, 100 steps).
