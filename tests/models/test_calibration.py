@@ -136,6 +136,36 @@ def test_box_ncc_is_one_for_the_crop_minus_one_inverted_and_vectorized_over_boxe
     assert float(box_ncc(img[:1], off, t)[0, 0, 0]) >= float(box_ncc(img[:1], off, t, jitter=0.0)[0, 0, 0])
 
 
+def _jittered_loop(boxes: torch.Tensor, jitter: float) -> torch.Tensor:
+    """The reads as first written, one box variant at a time: the reference of the vectorized ``jittered``."""
+    x1, y1, x2, y2 = boxes.unbind(-1)
+    w, h = x2 - x1, y2 - y1
+    cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+    out = []
+    for dx in (-1, 0, 1):
+        for dy in (-1, 0, 1):
+            for k in (1 - jitter, 1.0, 1 + jitter):
+                ncx, ncy = cx + dx * jitter * w, cy + dy * jitter * h
+                out.append(torch.stack([ncx - k * w / 2, ncy - k * h / 2, ncx + k * w / 2, ncy + k * h / 2], -1))
+    return torch.stack(out, dim=-2)
+
+
+@pytest.mark.parametrize("jitter", [0.1, 0.25])
+def test_jittered_reads_are_the_loops_bit_for_bit(jitter: float):
+    from models.calibration import jittered
+
+    g = torch.Generator().manual_seed(3)
+    xy = torch.rand(5, 3, 2, generator=g) * 60
+    boxes = torch.cat([xy, xy + 1 + torch.rand(5, 3, 2, generator=g) * 30], -1)  # [5, 3, 4]
+    for b in (boxes, boxes.double(), boxes[0, 0]):
+        got = jittered(b, jitter)
+        assert got.shape == (*b.shape[:-1], 27, 4) and got.dtype == b.dtype
+        assert torch.equal(got, _jittered_loop(b, jitter))
+    assert torch.equal(jittered(boxes, 0.0), boxes[..., None, :])  # no jitter: the box alone
+    mid = jittered(boxes, jitter)[..., 13, :]  # no shift, scale 1: the box itself
+    assert torch.allclose(mid, boxes)
+
+
 def test_leave_one_out_never_compares_a_pasted_positive_with_its_own_exemplar():
     from models.calibration import (
         Samples,
