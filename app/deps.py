@@ -70,6 +70,28 @@ async def get_inference(request: Request) -> InferenceBackend:
 
 InferenceDep = Annotated[InferenceBackend, Depends(get_inference)]
 
+@dataclass(frozen=True)
+class Serving:
+    """What the localize path reads from the app, as one dependency: FastAPI resolves each dependency on every
+    request, and one client's 1-image latency felt six of them (BENCHMARKS.md, concurrent clients)."""
+
+    settings: Settings
+    store: BlobStore
+    bundles: BundleRegistry
+    metrics: Metrics
+    inference: InferenceBackend
+    local: bool
+    """Whether this process runs the model (not ``QLOC_INFERENCE=workers``)."""
+
+
+async def get_serving(request: Request) -> Serving:
+    st = request.app.state
+    return Serving(st.settings, st.store, st.bundles, st.metrics, st.inference,
+                   getattr(st, "remote", None) is None)
+
+
+ServingDep = Annotated[Serving, Depends(get_serving)]
+
 _api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="One of QLOC_API_KEYS")
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <one of QLOC_API_KEYS>")
 

@@ -212,7 +212,12 @@ def get_remote(request: Request) -> WorkerInference | None:
     return getattr(request.app.state, "remote", None)
 
 
-RemoteDep = Annotated[WorkerInference | None, Depends(get_remote)]
+async def remote_dep(request: Request) -> WorkerInference | None:
+    """``get_remote`` as a dependency, run on the event loop: a sync one costs a thread hop per request."""
+    return get_remote(request)
+
+
+RemoteDep = Annotated[WorkerInference | None, Depends(remote_dep)]
 
 
 def answer_refusal(e: InferenceRefused) -> HTTPException:

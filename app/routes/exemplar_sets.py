@@ -17,7 +17,15 @@ from sqlalchemy.orm import Session
 from app import crud, export, pool
 from app.calibration import RERANK_CANDIDATES, calibrate_new_set, judge
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
-from app.deps import BundlesDep, Caller, CallerDep, InferenceDep, MetricsDep, SessionDep, SettingsDep, StoreDep
+from app.deps import (
+    BundlesDep,
+    Caller,
+    CallerDep,
+    ServingDep,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+)
 from app.export import AnswerOptions
 from app.images import DecodedImage
 from app.inference import (
@@ -283,8 +291,7 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpo
                "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
                "seconds (with `Retry-After`)")})
 def localize(
-    set_id: uuid.UUID, request: Request, settings: SettingsDep, inference: InferenceDep, caller: CallerDep,
-    metrics: MetricsDep, store: StoreDep,
+    set_id: uuid.UUID, request: Request, serving: ServingDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(description=(
         "Images to search (PNG/JPEG/WebP, any size up to the limits; not animated). Each is seen upright (its EXIF "
         "orientation applied) and decoded downscaled to QLOC_DECODE_MAX_SIDE; `width`, `height` and every box "
@@ -332,8 +339,6 @@ def localize(
     label: Annotated[str | None, Query(max_length=200, description=(
         "format=labelstudio: the rectangle's label (default: the set's name, else `object`); `from_name` / "
         "`to_name` are `label` / `image`, as Label Studio's bounding-box template"))] = None,
-    bundles: BundlesDep = None,  # type: ignore[assignment]  # injected (a default only to follow the queries)
-    remote: RemoteDep = None,  # type: ignore[assignment]
 ) -> Response:
     """Localize the set's object in each image: one box per image, in the pixels of the full image as a viewer
     shows it (EXIF orientation applied), whatever resolution it was analysed at.
@@ -346,9 +351,10 @@ def localize(
     # activated by a worker process, or a set deleted by another API process, is seen at once.
     opts = AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label)
     with request.app.state.session_factory() as session:
-        done = localize_files(session, set_id, settings, inference, caller, metrics, store, files,
-                              RunOptions(checkpoint, trajectory, samples, nearest, keep, max_instances), opts,
-                              bundles=bundles, local=remote is None)
+        done = localize_files(session, set_id, serving.settings, serving.inference, caller, serving.metrics,
+                              serving.store, files, RunOptions(checkpoint, trajectory, samples, nearest, keep,
+                                                               max_instances), opts,
+                              bundles=serving.bundles, local=serving.local)
     return formatted(done, opts)
 
 
