@@ -73,6 +73,16 @@ def get_exemplar_set(session: Session, *, set_id: uuid.UUID, owner: str | None) 
                                    owner)).first()
 
 
+def get_exemplar_set_and_active(session: Session, *, set_id: uuid.UUID, owner: str | None
+                                ) -> tuple[ExemplarSet, Checkpoint | None] | None:
+    """The set, if ``owner`` may see it, with its active checkpoint (None: none active), in one query (a left
+    join): the localize path, where one client's latency feels each round trip."""
+    row = session.execute(_scoped(
+        select(ExemplarSet, Checkpoint).outerjoin(Checkpoint, Checkpoint.id == ExemplarSet.active_checkpoint_id)
+        .where(ExemplarSet.id == set_id), ExemplarSet.owner, owner)).first()
+    return None if row is None else (row[0], row[1])
+
+
 def labeled_examples(session: Session, set_id: uuid.UUID) -> list[Exemplar]:
     """The set's labeled examples: its exemplar rows that have a box, ordered by ``position``.
 

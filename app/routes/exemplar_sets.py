@@ -407,10 +407,11 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     """Localize the set's object in uploaded ``files`` (the pipeline of every way in: the localize route, Label
     Studio's /predict): decode, the inference backend, the calibration's verdict, the pool (``keep``)."""
     checkpoint, trajectory, samples, nearest, keep = run.checkpoint, run.trajectory, run.samples, run.nearest, run.keep
-    es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
-    if es is None:
+    found = crud.get_exemplar_set_and_active(session, set_id=set_id, owner=caller.scope)
+    if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
-    ckpt = resolve_checkpoint(session, es, checkpoint)
+    es, active = found
+    ckpt = active if checkpoint == "active" and active is not None else resolve_checkpoint(session, es, checkpoint)
     if opts.format == "coco" and opts.image_ids is not None and len(opts.ids(0)) != len(files):
         raise _unprocessable(f"image_ids has {len(opts.ids(0))} ids for {len(files)} files: one per file, in "
                              "upload order")

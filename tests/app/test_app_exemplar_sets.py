@@ -156,6 +156,35 @@ def test_localize_trajectory_and_checkpoint_choice(client):
     assert client.post(url, files=files(png_bytes()), params={"checkpoint": other}).status_code == 404
 
 
+def test_localize_reads_the_set_and_its_active_checkpoint_in_one_query(client):
+    """One SQL round trip before the model runs (one client's latency feels each); other checkpoints still
+    resolve, and a set unknown to the caller is still a 404."""
+    from sqlalchemy import event
+
+    body = create_set(client).json()
+    url = f"/v1/exemplar-sets/{body['id']}/localize"
+    selects: list[str] = []
+
+    def count(conn, cursor, statement, *args):  # noqa: ANN001, ANN002
+        if statement.lstrip().upper().startswith("SELECT"):
+            selects.append(statement)
+
+    engine = client.app.state.engine
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        r = client.post(url, files=files(png_bytes()))
+        assert r.status_code == 200, r.text
+        assert r.json()["checkpoint_id"] == body["active_checkpoint_id"]
+        assert len(selects) == 1 and "JOIN" in selects[0].upper(), [q[-300:] for q in selects]
+        selects.clear()
+        r = client.post(url, files=files(png_bytes()), params={"checkpoint": "base"})
+        assert r.status_code == 200 and r.json()["checkpoint_id"] == body["active_checkpoint_id"]
+        assert len(selects) == 2  # the set, then the base checkpoint by its kind
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert client.post(f"/v1/exemplar-sets/{uuid.uuid4()}/localize", files=files(png_bytes())).status_code == 404
+
+
 def test_health_ready_metrics(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     r = client.get("/readyz")
