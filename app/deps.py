@@ -70,6 +70,7 @@ async def get_inference(request: Request) -> InferenceBackend:
 
 InferenceDep = Annotated[InferenceBackend, Depends(get_inference)]
 
+
 @dataclass(frozen=True)
 class Serving:
     """What the localize path reads from the app, as one dependency: FastAPI resolves each dependency on every

@@ -17,15 +17,7 @@ from sqlalchemy.orm import Session
 from app import crud, export, pool
 from app.calibration import RERANK_CANDIDATES, calibrate_new_set, judge
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
-from app.deps import (
-    BundlesDep,
-    Caller,
-    CallerDep,
-    ServingDep,
-    SessionDep,
-    SettingsDep,
-    StoreDep,
-)
+from app.deps import BundlesDep, Caller, CallerDep, ServingDep, SessionDep, SettingsDep, StoreDep
 from app.export import AnswerOptions
 from app.images import DecodedImage
 from app.inference import (
