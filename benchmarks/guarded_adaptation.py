@@ -70,12 +70,13 @@ def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> d
           should_stop=lambda: guard.should_stop, scorer=setup.scorer)
     adapt_s = time.perf_counter() - t1
     d = guard.decide("auto")
+    d_confirmed = guard.decide("auto", pick="confirmed")  # the alternative rule on the same records
     per_ckpt = {it: evaluate_corloc(bundle, bundle.new_agent(s), test, proto)[0] for it, s in states.items()}
     last = max(per_ckpt)
     unrefined = (evaluate_corloc(replace(bundle, refine=False), bundle.new_agent(states[last]), test, proto)[0]
                  if bundle.refine else per_ckpt[last])  # what the last checkpoint gives without models.refine
-    return {"decision": d, "per_ckpt": per_ckpt, "last": last, "last_unrefined": unrefined,
-            "refined": bundle.refine, "adapt_seconds": round(adapt_s, 2)}
+    return {"decision": d, "decision_confirmed": d_confirmed, "per_ckpt": per_ckpt, "last": last,
+            "last_unrefined": unrefined, "refined": bundle.refine, "adapt_seconds": round(adapt_s, 2)}
 
 
 def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
@@ -102,14 +103,18 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
            "corloc_before": before, "corloc_after_policy": per_ckpt[last],
            "corloc_after_policy_unrefined": job["last_unrefined"], "refined": job["refined"],
            "corloc_after_guard": per_ckpt[d["activate"]] if d["activate"] is not None else before,
+           "corloc_after_guard_confirmed": (per_ckpt[job["decision_confirmed"]["activate"]]
+                                            if job["decision_confirmed"]["activate"] is not None else before),
            "corloc_template": tm,
            "corloc_ranking": corloc(ranking(bundle, test.subset(torch.arange(k)), proto), test.boxes[:k]),
            "corloc_probe_before": guard.base["select"]["corloc"],
            "corloc_probe_best": (d["validation"]["best"] or guard.base)["select"]["corloc"],
            "verdict": d["verdict"], "activated": d["activate"], "stopped_early": d["validation"]["stopped_early"],
+           "activated_confirmed": job["decision_confirmed"]["activate"],
            "last_iteration": last, "faithfulness_spearman": guard.faithfulness["spearman"],
            "checkpoints": [{"iteration": c["iteration"], "probe_select": c["select"]["corloc"],
-                            "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]]}
+                            "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]],
+                            **{k: c[k] for k in ("gain", "noise", "held_gain", "held_noise")}}
                            for c in guard.checkpoints],
            "reward": setup.reward, "repair": rep.record if rep is not None else None,
            "adapt_seconds": job["adapt_seconds"], "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
@@ -176,12 +181,14 @@ def main() -> None:
     ckpt_probe = torch.tensor([c["probe_select"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
     ckpt_test = torch.tensor([c["test"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
     worst = min(r["corloc_after_guard"] - r["corloc_before"] for r in rows)
+    worst_confirmed = min(r["corloc_after_guard_confirmed"] - r["corloc_before"] for r in rows)
     if a.choice:
         worst_choice = min(r["corloc_after_guard_choice"] - r["corloc_before"] for r in rows)
     out = {"suite": a.suite, "bundle": name, "seeds": a.seeds, "command": " ".join(["python", *sys.argv]),
            "wall_seconds": round(time.perf_counter() - t0, 1), "rows": rows,
            "summary": summarize(rows, "target"),
            "worst_guarded_change": round(worst, 2),
+           "worst_guarded_change_confirmed": round(worst_confirmed, 2),
            "probe_vs_test": {
                "spearman_checkpoints": round(float(spearman(ckpt_probe[None], ckpt_test[None])[0]), 3),
                "spearman_gains": round(float(spearman(gains[None, :, 0], gains[None, :, 1])[0]), 3)

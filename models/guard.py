@@ -31,6 +31,7 @@ from models.features import features_of
 from models.inference import Localizer
 
 VERDICTS = ("improved", "no better", "worse", "reward unreliable")
+PICKS = ("best", "confirmed")
 PROBE_SCALE = (0.6, 1.2)
 """Pasted crops' long side, as a factor of the bundle's ``exemplar_size`` (the scale its agent sees objects)."""
 ACTIVATE_MODES = ("auto", "true", "false")
@@ -63,6 +64,11 @@ class GuardConfig:
     min_faithfulness: float = 0.3
     """The reward is called unreliable when -Spearman(distance to the prototype, IoU) on the probes is
     below this: the embedding barely orders boxes by overlap, so the reward cannot be trusted."""
+    pick: str = "best"
+    """Which checkpoint ``activate=auto`` may take. ``best``: the best on the selection half, activated only if
+    the held-out half confirms it. ``confirmed``: if that one is not confirmed, the best on the selection half
+    among those the held-out half confirms (each still above the noise on both halves). Measured beside the
+    default in one run (``Guard.decide(pick=...)``; benchmarks/guarded_adaptation.py), not yet the default."""
     synthetic_confirms: bool | None = None
     """Whether pasted (synthetic) probes may confirm an improvement on their own for ``activate=auto``. ``None``:
     for grayscale bundles only (``SYNTHETIC_CONFIRMS_FOR_GRAY``). Otherwise the job activates only when the set's
@@ -181,16 +187,28 @@ class Guard:
     def best(self) -> dict[str, Any] | None:
         return None if self._best is None else self.checkpoints[self._best[2]]
 
-    def decide(self, mode: str = "auto") -> dict[str, Any]:
+    def decide(self, mode: str = "auto", *, pick: str | None = None) -> dict[str, Any]:
         """The job's verdict and what to activate -> ``{"verdict", "message", "activate": iteration | None,
         "validation": {...}}``. ``mode``: ``auto`` (the best checkpoint, only if it beats the start), ``true``
-        (the last checkpoint, whatever the probes say), ``false`` (none)."""
+        (the last checkpoint, whatever the probes say), ``false`` (none). ``pick``: ``GuardConfig.pick`` for
+        this call (default: the config's)."""
         if mode not in ACTIVATE_MODES:
             raise ValueError(f"activate must be one of {ACTIVATE_MODES}, got {mode!r}")
+        pick = self.cfg.pick if pick is None else pick
+        if pick not in PICKS:
+            raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
         best, last = self.best, (self.checkpoints[-1] if self.checkpoints else None)
         base = self.base or {}
-        improved = (best is not None and best["gain"] > best["noise"]  # chosen on the selection half ...
-                    and best["held_gain"] > best["held_noise"])  # ... and confirmed on the held-out half
+
+        def beats(c: dict[str, Any]) -> bool:  # chosen on the selection half, confirmed on the held-out half
+            return c["gain"] > c["noise"] and c["held_gain"] > c["held_noise"]
+
+        improved = best is not None and beats(best)
+        if not improved and pick == "confirmed":
+            passing = [c for c in self.checkpoints if beats(c)]
+            if passing:
+                best = max(passing, key=lambda c: (c["select"]["corloc"], c["select"]["mean_iou"]))
+                improved = True
         unreliable = -self.faithfulness["spearman"] < self.cfg.min_faithfulness
         if improved:
             verdict = "improved"

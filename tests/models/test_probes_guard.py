@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from models.bundle import new_bundle
@@ -172,3 +173,30 @@ def test_the_guard_scores_the_served_answer_on_a_real_bundle():
     assert rec["gain"] == 0 and rec["select"] == base["select"]
     assert set(g.faithfulness) == {"ordacc", "spearman"}
     assert g.decide("auto")["activate"] is None
+
+
+def test_pick_confirmed_takes_the_best_checkpoint_the_held_out_half_confirms():
+    """The default takes the best checkpoint on the selection half or nothing; ``pick="confirmed"`` falls back on
+    the best of those both halves call better, and never on one that only the selection half favours."""
+    n = 200
+    base = _hits(n, 0.5, 1)
+    g = _Scripted({}, n)
+    lucky = base.clone()
+    lucky[g.select] = True  # all right on the selection half, the start's answers on the held-out half
+    steady = base | _hits(n, 0.7, 3)  # better on both halves, less so on the selection half
+    g.hits.update({"start": base, "lucky": lucky, "steady": steady})
+    g.start("start")
+    g.observe(10, "steady")
+    g.observe(20, "lucky")
+    assert g.best["iteration"] == 20 and g.best["held_gain"] == 0.0
+    d = g.decide("auto")
+    assert d["verdict"] == "no better" and d["activate"] is None
+    d = g.decide("auto", pick="confirmed")
+    assert d["verdict"] == "improved" and d["activate"] == 10 and d["validation"]["best"]["iteration"] == 10
+
+    g = _Scripted({"start": base, "lucky": lucky}, n, GuardConfig(pick="confirmed"))
+    g.start("start")
+    g.observe(20, "lucky")
+    assert g.decide("auto")["activate"] is None  # nothing confirmed: nothing taken
+    with pytest.raises(ValueError, match="pick"):
+        g.decide("auto", pick="any")
