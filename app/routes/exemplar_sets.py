@@ -259,8 +259,13 @@ CheckpointQuery = Annotated[str, Query(
     description="`active` (default), `base` (the bundle's own policy) or a checkpoint id of this set")]
 
 
-def resolve_checkpoint(session: Session, es: ExemplarSet, which: str) -> Checkpoint:
-    if which == "active" and es.active_checkpoint_id is not None:
+def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active: Checkpoint | None = None
+                       ) -> Checkpoint:
+    """The checkpoint ``which`` names in ``es``. ``active``: the set's active checkpoint where the caller read it
+    with the set (``crud.get_exemplar_set_and_active``): then ``active`` costs no query."""
+    if which == "active" and active is not None and active.id == es.active_checkpoint_id:
+        ckpt = active
+    elif which == "active" and es.active_checkpoint_id is not None:
         ckpt = session.get(Checkpoint, es.active_checkpoint_id)
     elif which in ("active", "base"):
         ckpt = session.scalars(select(Checkpoint).where(Checkpoint.exemplar_set_id == es.id,
@@ -403,7 +408,7 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
     es, active = found
-    ckpt = active if checkpoint == "active" and active is not None else resolve_checkpoint(session, es, checkpoint)
+    ckpt = resolve_checkpoint(session, es, checkpoint, active=active)
     if opts.format == "coco" and opts.image_ids is not None and len(opts.ids(0)) != len(files):
         raise _unprocessable(f"image_ids has {len(opts.ids(0))} ids for {len(files)} files: one per file, in "
                              "upload order")
