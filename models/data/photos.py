@@ -329,8 +329,9 @@ def load_manifest(path: str | os.PathLike | None = None) -> dict[str, Any]:
     path = Path(path) if path is not None else photo_cache_dir()
     if path.is_dir():
         path = path / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `qloc fetch-photos --cache {path.parent}` first")
+    if not path.is_file():  # the fetch's --cache is the folder that holds the manifest
+        folder = path.parent if path.name == MANIFEST else path
+        raise FileNotFoundError(f"{path} not found: run `qloc fetch-photos --cache {folder}` first")
     data = json.loads(path.read_text())
     if data.get("format") != MANIFEST_FORMAT or data.get("version", 0) > MANIFEST_VERSION:
         raise ValueError(f"{path} is not a qloc photo manifest this version reads")

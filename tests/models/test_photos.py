@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -251,6 +252,13 @@ def test_unknown_class_and_split_are_refused(cache):
         generate(m, "dragons", "train", n=1)
     with pytest.raises(ValueError, match="split"):
         generate(m, "birds", "holdout", n=1)
+
+
+def test_a_missing_manifest_names_the_fetch_that_makes_it(tmp_path):
+    # the hint must name the folder that would hold the manifest, whether a folder or the file was asked for
+    for asked in (tmp_path / "photos", tmp_path / "photos" / "manifest.json"):
+        with pytest.raises(FileNotFoundError, match=re.escape(f"--cache {tmp_path / 'photos'}` first")):
+            load_manifest(asked)
 
 
 def test_copyright_parser_takes_the_last_matching_stanza():
