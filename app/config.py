@@ -71,9 +71,14 @@ class Settings(BaseSettings):
     """Images that may wait for the engine (not counting the batch it runs); a localize call that would pass
     it is answered 503 with ``Retry-After`` at once, rather than wait without bound."""
     inference_threads: int = Field(0, ge=0, le=1024)
-    """torch's intra-op threads in the API process. 0: half the cores (at least 1), the other half left to
-    HTTP, decoding and the database: on 2 cores, 1 thread answers 32 concurrent clients faster than 2
-    (BENCHMARKS.md, "Localize under concurrent clients")."""
+    """torch's intra-op threads in each API process. 0: half the cores shared out among the ``api_workers``
+    processes (at least 1 each), the other half left to HTTP, decoding and the database: on 2 cores, 1 thread
+    answers 32 concurrent clients faster than 2 (BENCHMARKS.md, "Localize under concurrent clients")."""
+    api_workers: int = Field(1, ge=1, le=64)
+    """API processes ``scripts/run api`` starts (uvicorn ``--workers``), each with its own model, engine thread
+    and batches: Python's lock serves one request's Python at a time per process, so on more cores more
+    processes serve more concurrent clients. ``/metrics`` then adds up every process's numbers (Prometheus's
+    multiprocess mode, in ``PROMETHEUS_MULTIPROC_DIR``: a fresh temporary folder unless set)."""
 
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)

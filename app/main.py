@@ -98,7 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.queue = JobQueue(settings)
     if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-        torch.set_num_threads(settings.inference_threads or max(1, cores // 2))
+        torch.set_num_threads(settings.inference_threads or max(1, cores // (2 * settings.api_workers)))
     app.state.inference = BatchedInference(
         app.state.bundles, app.state.store, default_nearest=settings.localize_nearest,
         window_s=settings.batch_window_ms / 1000, max_batch_images=settings.batch_max_images,

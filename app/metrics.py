@@ -1,16 +1,20 @@
 """Prometheus metrics: request latency, localize batch sizes, and job counts / durations read from SQL.
 
 Jobs run in worker processes, so their counts and durations are collected from the job table at
-scrape time (SQL is the source of truth); the API's own histograms live in its process.
+scrape time (SQL is the source of truth); the API's own histograms live in its process. With several API
+processes (``QLOC_API_WORKERS``; ``scripts/run`` then sets ``PROMETHEUS_MULTIPROC_DIR``), each writes its
+histograms to files there and a scrape, whichever process answers it, adds up every process's files
+(prometheus_client's multiprocess mode).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, multiprocess
 from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,13 +50,21 @@ class JobCollector:
 
 class Metrics:
     def __init__(self, session_factory: sessionmaker[Session]):
-        self.registry = CollectorRegistry()
+        own = CollectorRegistry()  # this process's histograms
         self.request_latency = Histogram(
             "qloc_http_request_duration_seconds", "HTTP request latency", ["method", "route", "status"],
-            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+            registry=own, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.localize_batch = Histogram(
-            "qloc_localize_batch_size", "Images per localize request", registry=self.registry,
+            "qloc_localize_batch_size", "Images per localize request", registry=own,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self.multiprocess = bool(shared)
+        if shared:  # several API processes: a scrape reads every process's files, this one's included
+            self.registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.registry, path=shared)
+        else:
+            self.registry = own
+        """What ``/metrics`` exposes."""
         self.registry.register(JobCollector(session_factory))
 
 

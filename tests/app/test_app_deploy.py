@@ -108,3 +108,51 @@ def test_run_command_serves_api_and_worker_and_stops_both(tmp_path, bundle_dir):
         proc.wait(timeout=10)
         log.close()
     assert Path(settings.database_url.removeprefix("sqlite:///")).exists()
+
+
+def test_several_api_processes_serve_and_metrics_add_up_over_them(tmp_path, bundle_dir):
+    """``QLOC_API_WORKERS=2``: two uvicorn processes serve; every scrape, whichever process answers it, counts
+    the requests of both (prometheus_client's multiprocess mode); a stale metrics folder is emptied first."""
+    settings = make_test_settings(tmp_path, bundle_dir)
+    port, shared = free_port(), tmp_path / "prometheus"
+    shared.mkdir()
+    (shared / "histogram_1.db").write_bytes(b"stale: a scrape would fail on it")
+    env = {**os.environ, **settings_env(settings), "QLOC_PORT": str(port), "QLOC_BOOTSTRAP": "0",
+           "QLOC_API_WORKERS": "2", "PROMETHEUS_MULTIPROC_DIR": str(shared),
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run([str(REPO / "scripts/run"), "migrate"], cwd=REPO, env=env, check=True, capture_output=True)
+    log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(REPO / "scripts/run"), "api"], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids := {p.stem.rsplit("_", 1)[1] for p in shared.glob("histogram_*.db")} - {"1"}) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "api.log").read_text()
+            time.sleep(0.3)
+        assert not (shared / "histogram_1.db").exists() and len(pids) == 2  # one file per process, stale one gone
+        n = 30
+        for _ in range(n):  # a connection each: the two processes share the listening socket
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()
+                    time.sleep(0.3)
+        line = re.compile(r'^qloc_http_request_duration_seconds_count\{method="GET",route="/healthz",status="200"\} '
+                          r"(\S+)$", re.MULTILINE)
+        for _ in range(6):  # whichever process answers
+            r = httpx.get(f"{base}/metrics", timeout=10)
+            assert r.status_code == 200, r.text
+            assert [float(v) for v in line.findall(r.text)] == [n], r.text
+            assert "qloc_jobs{" in r.text  # the job gauges, read from SQL, once
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
