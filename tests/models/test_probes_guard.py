@@ -176,8 +176,9 @@ def test_the_guard_scores_the_served_answer_on_a_real_bundle():
 
 
 def test_pick_confirmed_takes_the_best_checkpoint_the_held_out_half_confirms():
-    """The default takes the best checkpoint on the selection half or nothing; ``pick="confirmed"`` falls back on
-    the best of those both halves call better, and never on one that only the selection half favours."""
+    """``pick="best"`` takes the best checkpoint on the selection half or nothing; ``pick="confirmed"`` (the
+    default) falls back on the best of those both halves call better, never on one only the selection half
+    favours."""
     n = 200
     base = _hits(n, 0.5, 1)
     g = _Scripted({}, n)
@@ -189,10 +190,11 @@ def test_pick_confirmed_takes_the_best_checkpoint_the_held_out_half_confirms():
     g.observe(10, "steady")
     g.observe(20, "lucky")
     assert g.best["iteration"] == 20 and g.best["held_gain"] == 0.0
-    d = g.decide("auto")
+    d = g.decide("auto", pick="best")
     assert d["verdict"] == "no better" and d["activate"] is None
-    d = g.decide("auto", pick="confirmed")
+    d = g.decide("auto")
     assert d["verdict"] == "improved" and d["activate"] == 10 and d["validation"]["best"]["iteration"] == 10
+    assert GuardConfig().pick == "confirmed"
 
     g = _Scripted({"start": base, "lucky": lucky}, n, GuardConfig(pick="confirmed"))
     g.start("start")
