@@ -58,14 +58,12 @@ class Metrics:
             "qloc_localize_batch_size", "Images per localize request", registry=own,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        self.multiprocess = bool(shared)
         if shared:  # several API processes: a scrape reads every process's files, this one's included
             self.registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(self.registry, path=shared)
         else:
             self.registry = own
-        """What ``/metrics`` exposes."""
-        self.registry.register(JobCollector(session_factory))
+        self.registry.register(JobCollector(session_factory))  # what /metrics exposes: the above and the jobs
 
 
 class RequestMetricsMiddleware:

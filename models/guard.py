@@ -70,7 +70,7 @@ class GuardConfig:
     the best on the selection half among those the held-out half confirms (each still above the noise on both
     halves). Measured against ``best`` on the same jobs (``Guard.decide(pick=...)``;
     benchmarks/guarded_adaptation.py): the two differ in 3 of 75 jobs, each time ``confirmed`` higher (new kinds
-    of objects, new digits), and never on photos (BENCHMARKS.md, "Guarded adaptation: which checkpoint")."""
+    of objects, new digits), and never on photos (BENCHMARKS.md, "A general cMNIST bundle", the never-worse check)."""
     synthetic_confirms: bool | None = None
     """Whether pasted (synthetic) probes may confirm an improvement on their own for ``activate=auto``. ``None``:
     for grayscale bundles only (``SYNTHETIC_CONFIRMS_FOR_GRAY``). Otherwise the job activates only when the set's
