@@ -50,20 +50,18 @@ class JobCollector:
 
 class Metrics:
     def __init__(self, session_factory: sessionmaker[Session]):
-        own = CollectorRegistry()  # this process's histograms
+        self.registry = CollectorRegistry()  # what /metrics exposes
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared:  # several API processes: the histograms go to files, a scrape reads every process's
+            multiprocess.MultiProcessCollector(self.registry, path=shared)
+        own = None if shared else self.registry  # registered in both would count this process twice
         self.request_latency = Histogram(
             "qloc_http_request_duration_seconds", "HTTP request latency", ["method", "route", "status"],
             registry=own, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.localize_batch = Histogram(
             "qloc_localize_batch_size", "Images per localize request", registry=own,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if shared:  # several API processes: a scrape reads every process's files, this one's included
-            self.registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(self.registry, path=shared)
-        else:
-            self.registry = own
-        self.registry.register(JobCollector(session_factory))  # what /metrics exposes: the above and the jobs
+        self.registry.register(JobCollector(session_factory))
 
 
 class RequestMetricsMiddleware:
