@@ -112,9 +112,13 @@ class Settings(BaseSettings):
     checkpoint_every: int = Field(25, ge=1)
     adapt_batch_size: int = Field(32, ge=1)
     """Images per adaptation iteration (at most the job's images)."""
-    synthetic_probes: int = Field(128, ge=8, le=4096)
+    synthetic_probes: int = Field(256, ge=8, le=4096)
     """Synthetic probes per job: the set's exemplar crops pasted into the job's images, boxes known. With the
-    set's labeled examples they score the starting policy and every checkpoint (``activate=auto``)."""
+    set's labeled examples they score the starting policy and every checkpoint (``activate=auto``); the reward
+    repair trains on as many more and keeps its head on half as many. 256 since 2026-11-27 (128 before), chosen
+    on validation images: the guard's noise is smaller, so it refuses fewer real gains (new digits 2 -> 5 of 9
+    jobs activated) with no job below its start, for 1.5-3.4x a job's time on one CPU thread (BENCHMARKS.md,
+    "More probes")."""
     early_stop_patience: int = Field(2, ge=0, le=1000)
     """A job stops early after this many checkpoints in a row whose probe CorLoc is below the best so far by more
     than the probes' noise (0: never stop early)."""
@@ -130,8 +134,8 @@ class Settings(BaseSettings):
     measured, and without repair it turned glyph adaptation from harmful into a gain (BENCHMARKS.md, "Rewards
     chosen on the probes")."""
     repair_epochs: int = Field(30, ge=1, le=500)
-    """Epochs of reward repair over its probes (128 by default: a few seconds on a GPU, about a minute on a CPU
-    core for the cMNIST bundle)."""
+    """Epochs of reward repair over its probes (``synthetic_probes``, 256 by default: a few seconds on a GPU, about
+    a minute on a CPU core for the cMNIST bundle, two to three for a photo bundle)."""
     job_soft_time_limit: float = Field(3600.0, gt=0)
     """Seconds; the job is marked failed (its checkpoints kept) when it runs longer."""
     job_time_limit: float = Field(3660.0, gt=0)

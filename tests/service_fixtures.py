@@ -99,7 +99,7 @@ def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settin
 FAST_JOB: dict[str, Any] = {"synthetic_probes": 16}
 """Overrides for tests that need jobs to run (leases, recovery, delivery, checkpoints), not to score them on many
 probes: 16 synthetic probes, the fewest with which the reward repair still runs (``models.repair.MIN_TRAIN_PROBES``),
-instead of 128. A job's setup (repair, probes, guard) then takes about a quarter of the time."""
+instead of 256. A job's setup (repair, probes, guard) then takes a small part of the time."""
 
 LIVE_WORKER: dict[str, Any] = {**FAST_JOB, "heartbeat_timeout": 6.0}
 """``FAST_JOB`` for a job run by a Celery worker in a subprocess, with a lease that outlives several late beats

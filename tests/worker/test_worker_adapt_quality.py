@@ -11,11 +11,13 @@ import torch
 from PIL import Image
 from service_fixtures import make_test_settings, migrate
 
+from app.config import Settings
 from models.core.boxes import paired_iou
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
 SHIPPED = Path(__file__).resolve().parents[2] / "bundles"
+DEFAULT_PROBES = Settings.model_fields["synthetic_probes"].default
 
 
 def _png(t: torch.Tensor) -> bytes:
@@ -87,7 +89,7 @@ def test_adaptation_job_lifts_corloc_on_a_new_background(tmp_path, monkeypatch):
     v = polled["validation"]
     assert polled["verdict"] == "improved", v["message"]
     assert v["activated_iteration"] is not None and v["best"]["iteration"] == v["activated_iteration"]
-    assert v["base"]["select"]["n"] + v["base"]["held"]["n"] == v["probes"]["synthetic"] == 128
+    assert v["base"]["select"]["n"] + v["base"]["held"]["n"] == v["probes"]["synthetic"] == DEFAULT_PROBES
     assert [c["iteration"] for c in v["checkpoints"]] == [25, 50, 75, 100][:len(v["checkpoints"])]
     assert es["active_checkpoint_id"] != polled["params"]["base_checkpoint_id"]
     assert after >= before + 30, (before, after)
