@@ -71,12 +71,13 @@ def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> d
     adapt_s = time.perf_counter() - t1
     d = guard.decide("auto")
     d_best = guard.decide("auto", pick="best")  # the rule before pick="confirmed", on the same records
+    d_agree = guard.decide("auto", labeled_rule="agree")  # the labeled rule before "beyond_noise" (RGB bundles)
     per_ckpt = {it: evaluate_corloc(bundle, bundle.new_agent(s), test, proto)[0] for it, s in states.items()}
     last = max(per_ckpt)
     unrefined = (evaluate_corloc(replace(bundle, refine=False), bundle.new_agent(states[last]), test, proto)[0]
                  if bundle.refine else per_ckpt[last])  # what the last checkpoint gives without models.refine
-    return {"decision": d, "decision_pick_best": d_best, "per_ckpt": per_ckpt, "last": last,
-            "last_unrefined": unrefined, "refined": bundle.refine, "adapt_seconds": round(adapt_s, 2)}
+    return {"decision": d, "decision_pick_best": d_best, "decision_labeled_agree": d_agree, "per_ckpt": per_ckpt,
+            "last": last, "last_unrefined": unrefined, "refined": bundle.refine, "adapt_seconds": round(adapt_s, 2)}
 
 
 def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
@@ -105,17 +106,21 @@ def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranki
            "corloc_after_guard": per_ckpt[d["activate"]] if d["activate"] is not None else before,
            "corloc_after_guard_pick_best": (per_ckpt[job["decision_pick_best"]["activate"]]
                                             if job["decision_pick_best"]["activate"] is not None else before),
+           "corloc_after_guard_labeled_agree": (per_ckpt[job["decision_labeled_agree"]["activate"]]
+                                                if job["decision_labeled_agree"]["activate"] is not None else before),
            "corloc_template": tm,
            "corloc_ranking": corloc(ranking(bundle, test.subset(torch.arange(k)), proto), test.boxes[:k]),
            "corloc_probe_before": guard.base["select"]["corloc"],
            "corloc_probe_best": (d["validation"]["best"] or guard.base)["select"]["corloc"],
            "verdict": d["verdict"], "activated": d["activate"], "stopped_early": d["validation"]["stopped_early"],
            "activated_pick_best": job["decision_pick_best"]["activate"],
+           "activated_labeled_agree": job["decision_labeled_agree"]["activate"],
            "last_iteration": last, "faithfulness_spearman": guard.faithfulness["spearman"],
            "probe_labeled_before": guard.base.get("labeled"),  # the set's labeled examples (--labeled), if any
            "checkpoints": [{"iteration": c["iteration"], "probe_select": c["select"]["corloc"],
                             "probe_held": c["held"]["corloc"], "test": per_ckpt[c["iteration"]],
-                            **{k: c[k] for k in ("gain", "noise", "held_gain", "held_noise", "labeled") if k in c}}
+                            **{k: c[k] for k in ("gain", "noise", "held_gain", "held_noise", "labeled",
+                                                          "labeled_gain", "labeled_noise") if k in c}}
                            for c in guard.checkpoints],
            "reward": setup.reward, "repair": rep.record if rep is not None else None,
            "adapt_seconds": job["adapt_seconds"], "job_seconds": round(job_s, 2), "template_seconds": round(tm_s, 2)}
@@ -183,6 +188,7 @@ def main() -> None:
     ckpt_test = torch.tensor([c["test"] for r in rows for c in r["checkpoints"]], dtype=torch.float64)
     worst = min(r["corloc_after_guard"] - r["corloc_before"] for r in rows)
     worst_pick_best = min(r["corloc_after_guard_pick_best"] - r["corloc_before"] for r in rows)
+    worst_agree = min(r["corloc_after_guard_labeled_agree"] - r["corloc_before"] for r in rows)
     if a.choice:
         worst_choice = min(r["corloc_after_guard_choice"] - r["corloc_before"] for r in rows)
     out = {"suite": a.suite, "bundle": name, "seeds": a.seeds, "command": " ".join(["python", *sys.argv]),
@@ -190,6 +196,7 @@ def main() -> None:
            "summary": summarize(rows, "target"),
            "worst_guarded_change": round(worst, 2),
            "worst_guarded_change_pick_best": round(worst_pick_best, 2),
+           "worst_guarded_change_labeled_agree": round(worst_agree, 2),
            "probe_vs_test": {
                "spearman_checkpoints": round(float(spearman(ckpt_probe[None], ckpt_test[None])[0]), 3),
                "spearman_gains": round(float(spearman(gains[None, :, 0], gains[None, :, 1])[0]), 3)

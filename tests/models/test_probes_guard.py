@@ -87,7 +87,8 @@ def test_the_guard_activates_only_a_clear_gain_and_says_why():
     g.observe(20, "better")
     d = g.decide("auto")
     assert d["verdict"] == "improved" and d["activate"] == 20 and d["validation"]["best"]["iteration"] == 20
-    assert d["validation"]["probes"] == {"synthetic": n, "select": 100, "held": 100, "synthetic_confirms": True}
+    assert d["validation"]["probes"] == {"synthetic": n, "select": 100, "held": 100, "synthetic_confirms": True,
+                                            "labeled_rule": "beyond_noise"}
     assert g.decide("false")["activate"] is None and g.decide("true")["activate"] == 20
 
     g = _Scripted({"start": base, "same": same}, n)
@@ -125,6 +126,20 @@ def test_on_a_photo_bundle_pasted_probes_alone_do_not_activate():
     assert rec["labeled"]["corloc"] == 100.0 and g.base["labeled"]["corloc"] == 50.0
     assert g.decide("auto")["activate"] == 20
 
+    slight = better.clone()
+    slight[:8] = start[:8]
+    slight[4] = True  # one more of the 8 labeled examples right, none lost: within their noise
+    g = _Scripted({"start": start, "better": slight}, n, channels=3, labeled=8)
+    g.start("start")
+    rec = g.observe(20, "better")
+    assert rec["labeled_gain"] == 12.5 and rec["labeled_gain"] < rec["labeled_noise"]
+    d = g.decide("auto")
+    assert d["activate"] is None and "by more than their noise" in d["message"]
+    assert d["validation"]["probes"]["labeled_rule"] == "beyond_noise"
+    assert g.decide("auto", labeled_rule="agree")["activate"] == 20  # the rule before 2026-11-28 took it
+    with pytest.raises(ValueError, match="labeled_rule"):
+        g.decide("auto", labeled_rule="loose")
+
     disagree = better.clone()
     disagree[:8] = False  # better on the pasted probes, worse on the client's real boxes
     g = _Scripted({"start": start, "better": disagree}, n, channels=3, labeled=8)
@@ -132,6 +147,25 @@ def test_on_a_photo_bundle_pasted_probes_alone_do_not_activate():
     g.observe(20, "better")
     d = g.decide("auto")
     assert d["verdict"] == "improved" and d["activate"] is None and "do not confirm it" in d["message"]
+
+
+@pytest.mark.parametrize(("n", "gained", "lost", "activated"),
+                         [(5, 2, 0, False), (5, 3, 0, True), (5, 3, 1, False), (20, 3, 0, False), (20, 4, 0, True),
+                          (20, 6, 1, True), (20, 5, 2, False)])
+def test_labeled_examples_confirm_a_photo_checkpoint_only_beyond_their_noise(n, gained, lost, activated):
+    """The labeled rule of RGB bundles: twice the standard error of the paired difference, as on the probes.
+    Five labeled examples need 3 more right and none lost; twenty need 4 more, or 6 more for one lost."""
+    m = 200
+    start, better = _hits(m, 0.5, 1), _hits(m, 0.9, 2)
+    start[:n], better[:n] = True, True  # the labeled examples come first: right before and after ...
+    start[lost:lost + gained] = False  # ... but ``gained`` of them only after,
+    better[:lost] = False  # and ``lost`` only before
+    g = _Scripted({"start": start, "better": better}, m, channels=3, labeled=n)
+    g.start("start")
+    rec = g.observe(20, "better")
+    assert round(rec["labeled_gain"] * n / 100) == gained - lost
+    assert (g.decide("auto")["activate"] == 20) is activated
+    assert g.decide("auto", labeled_rule="agree")["activate"] == 20  # every case here gains: the old rule took it
 
 
 def test_a_policy_that_gets_worse_is_refused_and_stops_the_job_early():
