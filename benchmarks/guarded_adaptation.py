@@ -2,17 +2,17 @@
 against the starting policy, policy-only adaptation (the final checkpoint, what ``activate=true`` gives),
 template matching and the ranking baseline, with the probes' own scores beside the test CorLoc.
 
-Each target: 5 exemplar crops and 64 unlabeled images (disjoint draws of the train split, the service's
-default job size), 200 test images (the test split). The job runs as the worker runs it: 128 synthetic
-probes (``models.guard.synthetic_probes``), the service's defaults (200 iterations, lr 1e-3, batch 32, a
-checkpoint every 25), every checkpoint scored, early stop, ``decide("auto")``. One JSON object on stdout.
-Checkpoints adapted on a kept repair are scored as localize serves them, refined (``models.refine``);
-``corloc_after_policy_unrefined`` is the last one without the refinement.
-``--labeled``: the 5 exemplar images (whole, with their boxes) are also the set's labeled examples, as when a
+Each target: 5 exemplar crops (``--exemplars``) and 64 unlabeled images (disjoint draws of the train split,
+the service's default job size), 200 test images (the test split). The job runs as the worker runs it:
+256 synthetic probes (``QLOC_SYNTHETIC_PROBES``, ``models.guard.synthetic_probes``), the service's defaults
+(200 iterations, lr 1e-3, batch 32, a checkpoint every 25), every checkpoint scored, early stop,
+``decide("auto")``. One JSON object on stdout. Checkpoints adapted on a kept repair are scored as localize
+serves them, refined (``models.refine``); ``corloc_after_policy_unrefined`` is the last one without it.
+``--labeled``: the exemplar images (whole, with their boxes) are also the set's labeled examples, as when a
 client makes the set from whole images with ``boxes`` (the first probes; on RGB bundles they must confirm a
-checkpoint before it is activated). ``--choice`` runs each job a second time with the reward chosen on the
-probes (``models.repair``), on the same reward repair (a job whose choice is the embedding is the same job,
-not run twice).
+checkpoint beyond their noise before it is activated; each row also reports the rule before, ``agree``).
+``--choice`` runs each job a second time with the reward chosen on the probes (``models.repair``), on the
+same reward repair (a job whose choice is the embedding is the same job, not run twice).
 
     python benchmarks/guarded_adaptation.py --suite digits --seeds 0 1 2 > runs/guard-digits.json
 """
@@ -82,10 +82,10 @@ def run_job(bundle, proto, setup, unl, test, settings: Settings, seed: int) -> d
 
 def run_target(bundle, kind, seed: int, settings: Settings, n_test: int, n_ranking: int, template: bool = True,
                repair: RepairConfig | None = None, choice: bool = False, labeled: bool = False,
-               split: str = "test") -> dict:
+               split: str = "test", exemplars: int = 5) -> dict:
     t0 = time.perf_counter()
-    ex = kind.draw(bundle, "exemplars", 5, seed)
-    unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
+    ex = kind.draw(bundle, "exemplars", exemplars, seed)
+    unl = kind.draw(bundle, "unlabeled", 64, seed, after=exemplars)
     test = kind.draw(bundle, split, n_test, seed)  # "val": a held-out part of the train split, never test
     proto = prototype_of(bundle, ex)
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
@@ -168,6 +168,9 @@ def main() -> None:
                    help="evaluate on the test split, or on val (model selection: never the test images)")
     p.add_argument("--labeled", action="store_true",
                    help="the exemplar images with their boxes are also the set's labeled examples (see above)")
+    p.add_argument("--exemplars", type=int, default=5,
+                   help="exemplar images (crops; with --labeled also the labeled examples): a set created from that "
+                        "many boxed images")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
@@ -180,7 +183,7 @@ def main() -> None:
     settings = Settings()
     t0 = time.perf_counter()
     rows = [run_target(bundle, kind, seed, settings, a.n_test, a.ranking_images, not a.no_template, repair, a.choice,
-                       a.labeled, a.split)
+                       a.labeled, a.split, a.exemplars)
             for seed in a.seeds for kind in kinds]
     gains = torch.tensor([[r["corloc_probe_best"] - r["corloc_probe_before"],
                            r["corloc_after_guard"] - r["corloc_before"]] for r in rows], dtype=torch.float64)
