@@ -188,6 +188,8 @@ class ProbeScore(BaseModel):
 class PolicyScore(BaseModel):
     select: ProbeScore = Field(description="On the probes that choose the checkpoint and decide")
     held: ProbeScore = Field(description="On the held-out probes, which only report")
+    labeled: ProbeScore | None = Field(None, description=(
+        "On the set's labeled examples alone (also among the probes); null for a set without them"))
 
 
 class CheckpointScore(PolicyScore):
@@ -196,13 +198,21 @@ class CheckpointScore(PolicyScore):
     noise: float = Field(description="Twice the standard error of that paired difference, in points")
     held_gain: float = Field(description="Held-out CorLoc minus the starting policy's, in points")
     held_noise: float = Field(description="Twice the standard error of that paired difference, in points")
+    labeled_gain: float | None = Field(None, description=(
+        "CorLoc on the set's labeled examples minus the starting policy's, in points (null without them)"))
+    labeled_noise: float | None = Field(None, description=(
+        "Twice the standard error of that paired difference, in points: on a photo (RGB) bundle `activate=auto` "
+        "needs `labeled_gain` above it (null without labeled examples, and for jobs made before)"))
 
 
 class Validation(BaseModel):
     """How the job checked itself: the starting policy and every checkpoint scored on labeled probes."""
 
-    probes: dict[str, int] = Field(description="Probe counts: labeled (the set's boxed examples), synthetic "
-                                               "(exemplar crops pasted into the job's images), select, held")
+    probes: dict[str, int | bool | str] = Field(description=(
+        "Probe counts: labeled (the set's boxed examples), synthetic (exemplar crops pasted into the job's images), "
+        "select, held; and the rule that applied: `synthetic_confirms` (whether pasted probes may confirm a gain on "
+        "their own: grayscale bundles) and `labeled_rule` (`beyond_noise`: the labeled examples must confirm it "
+        "beyond their noise; absent for jobs made before)"))
     faithfulness: dict[str, float] = Field(description="How well the reward's embedding orders boxes by overlap "
                                                        "on the probes: OrdAcc (%) and Spearman rho (negative is good)")
     base: PolicyScore

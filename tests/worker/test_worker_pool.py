@@ -1,6 +1,7 @@
 """Adaptation jobs on an exemplar set's image pool: the worker adapts on the images the pool held when the job
 was created (its snapshot), with the job's own uploads first; end to end through a real Celery worker too."""
 
+import json
 import uuid
 
 import httpx
@@ -93,3 +94,25 @@ def test_a_pool_job_end_to_end_through_the_worker(stack):
 
         assert c.delete(f"/v1/exemplar-sets/{set_id}").status_code == 204
         assert not any(set_id in f for f in stored_files(stack.settings.storage_dir))
+
+
+def test_a_job_on_a_set_with_boxes_reports_its_labeled_examples(api, ctx):
+    """A set made from whole images with ``boxes``: the job scores the start and every checkpoint on those labeled
+    examples too, and the job resource carries them (``validation.base.labeled``, each checkpoint's
+    ``labeled_gain`` / ``labeled_noise``) with the rule that applied (``probes.labeled_rule``)."""
+    boxes = [[10, 12, 50, 60], [30, 20, 80, 70], [0, 0, 40, 40]]
+    r = api.post("/v1/exemplar-sets", files=named("w0", "w1", "w2", seed=3), data={"boxes": json.dumps(boxes)})
+    assert r.status_code == 201, r.text
+    set_id = r.json()["id"]
+    assert r.json()["num_labeled"] == 3
+    job = api.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"iterations": "2", "activate": "auto"},
+                   files=named("u0", "u1", "u2", "u3", seed=40)).json()
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    v = api.get(f"/v1/adaptations/{job['id']}").json()["validation"]
+    assert v["probes"]["labeled"] == 3 and v["probes"]["labeled_rule"] == "beyond_noise"
+    assert v["probes"]["synthetic_confirms"] is True  # the test bundle is grayscale: pasted probes may confirm
+    assert v["base"]["labeled"]["n"] == 3 and 0 <= v["base"]["labeled"]["corloc"] <= 100
+    for c in v["checkpoints"]:
+        assert c["labeled"]["n"] == 3
+        assert c["labeled_gain"] == pytest.approx(c["labeled"]["corloc"] - v["base"]["labeled"]["corloc"], abs=0.01)
+        assert c["labeled_noise"] >= 100 / 3 - 0.01  # at least one labeled example's worth
