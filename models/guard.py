@@ -11,8 +11,9 @@ chosen on one half, confirmed on the other. On photos, pasted crops favour polic
 not (BENCHMARKS.md): confirmation at one standard error still let a worse checkpoint through, and on real
 photographs even this rule did -- so for RGB bundles the set's labeled examples must confirm it as well
 (``GuardConfig.synthetic_confirms``): without them, a photo job reports its verdict and activates nothing.
-Since 2026-11-28 they must confirm it the way the probes do, beyond their own noise (``GuardConfig.labeled_rule``):
-"at least as many right" let through two photo jobs that ended 7.5 and 1.5 points below their start.
+Since the eighth session of 2026-11-27 they must confirm it the way the probes do, beyond their own noise
+(``GuardConfig.labeled_rule``): "at least as many right" let through photo jobs that ended 7.5 and 1.5 points below
+their start.
 """
 
 from __future__ import annotations
@@ -80,12 +81,12 @@ class GuardConfig:
     labeled examples (real boxes, the first probes) confirm it (``labeled_rule``)."""
     labeled_rule: str = "beyond_noise"
     """How the set's labeled examples confirm a checkpoint where pasted probes may not on their own (RGB bundles).
-    ``beyond_noise`` (the default since 2026-11-28): its CorLoc on them beats the start's by more than twice the
-    standard error of the paired difference, as on the probes -- with 5 labeled examples, 3 more of them right
-    and none lost; with 20, 4 more. ``agree`` (the rule before): at least as many right as the start. On photos
-    with 5 labeled examples ``agree`` let through jobs that ended up to 7.5 points below their start, and no rule
-    on 5 examples told those from real gains (BENCHMARKS.md, "Labeled examples beyond their noise"): a photo job
-    now mostly refuses unless the set has more labeled examples."""
+    ``beyond_noise`` (the default since 2026-11-27's eighth session): its CorLoc on them beats the start's by more
+    than twice the standard error of the paired difference, as on the probes -- with 5 labeled examples, 3 more of
+    them right and none lost; with 20, 4 more. ``agree`` (the rule before): at least as many right as the start.
+    On photos with 5 labeled examples ``agree`` let through jobs that ended up to 7.5 points below their start,
+    and no rule on 5 examples told those from real gains (BENCHMARKS.md, "Labeled examples beyond their noise"):
+    a photo job now mostly refuses unless the set has more labeled examples."""
 
 
 SYNTHETIC_CONFIRMS_FOR_GRAY = True

@@ -136,7 +136,7 @@ def test_on_a_photo_bundle_pasted_probes_alone_do_not_activate():
     d = g.decide("auto")
     assert d["activate"] is None and "by more than their noise" in d["message"]
     assert d["validation"]["probes"]["labeled_rule"] == "beyond_noise"
-    assert g.decide("auto", labeled_rule="agree")["activate"] == 20  # the rule before 2026-11-28 took it
+    assert g.decide("auto", labeled_rule="agree")["activate"] == 20  # the rule before took it
     with pytest.raises(ValueError, match="labeled_rule"):
         g.decide("auto", labeled_rule="loose")
 
