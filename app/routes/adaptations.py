@@ -84,8 +84,9 @@ def create_adaptation(
     activate: Annotated[Literal["auto", "true", "false"], Form(description=(
         "auto (default): make the best checkpoint the set's active policy only if it beats the starting policy "
         "on the job's probes (labeled checks built from the set's exemplars and the uploaded images; on a photo "
-        "bundle the set's labeled examples must agree too, as pasted crops do not predict real photos); true: the "
-        "final checkpoint, whatever the probes say; false: none"))] = "auto",
+        "bundle the set's labeled examples must confirm the gain too, beyond their own noise, as pasted crops do not "
+        "predict real photos: with 5 of them, 3 more right and none lost); true: the final checkpoint, whatever "
+        "the probes say; false: none"))] = "auto",
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
 ) -> AdaptationJobPublic:
     """Queue a test-time adaptation of the set's active policy on unlabeled images: the posted files, the set's
