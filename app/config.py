@@ -119,6 +119,13 @@ class Settings(BaseSettings):
     on validation images: the guard's noise is smaller, so it refuses fewer real gains (new digits 2 -> 5 of 9
     jobs activated), for 1.5-3.4x a job's time on one CPU thread. On the test split no cMNIST-style job of 54 ended
     below its start; photo jobs with 5 labeled examples still can (BENCHMARKS.md, "More probes")."""
+    labeled_rule: Literal["beyond_noise", "agree"] = "beyond_noise"
+    """How a set's labeled examples confirm a photo (RGB) job's checkpoint for ``activate=auto``, where pasted probes
+    may not confirm it alone (``models.guard.GuardConfig.labeled_rule``). ``beyond_noise`` (the default since
+    2026-11-27's eighth session): more of them right by more than twice the standard error of the paired
+    difference, as on the probes: no photo job ended below its start, but few activate (BENCHMARKS.md, "Labeled
+    examples beyond their noise"). ``agree`` (the rule before): at least as many right as at the start; on photos
+    it took most real gains and let some jobs end up to 7.5 points below their start."""
     early_stop_patience: int = Field(2, ge=0, le=1000)
     """A job stops early after this many checkpoints in a row whose probe CorLoc is below the best so far by more
     than the probes' noise (0: never stop early)."""

@@ -181,7 +181,8 @@ class AdaptationRun:
         repair = (RepairConfig(epochs=ctx.settings.repair_epochs) if ctx.settings.reward_repair else None)
         setup = guarded_setup(bundle, prototype, crops, images01, agent_state, synthetic=ctx.settings.synthetic_probes,
                               generator_seed=self.job.seed, labeled=labeled, repair=repair,
-                              guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience),
+                              guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience,
+                                                    labeled_rule=ctx.settings.labeled_rule),
                               choice=ctx.settings.reward_choice)
         if setup.repair is not None:
             log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,

@@ -96,10 +96,14 @@ def test_a_pool_job_end_to_end_through_the_worker(stack):
         assert not any(set_id in f for f in stored_files(stack.settings.storage_dir))
 
 
-def test_a_job_on_a_set_with_boxes_reports_its_labeled_examples(api, ctx):
+@pytest.mark.parametrize("rule", ["agree", None])
+def test_a_job_on_a_set_with_boxes_reports_its_labeled_examples(api, db_settings, rule):
     """A set made from whole images with ``boxes``: the job scores the start and every checkpoint on those labeled
     examples too, and the job resource carries them (``validation.base.labeled``, each checkpoint's
-    ``labeled_gain`` / ``labeled_noise``) with the rule that applied (``probes.labeled_rule``)."""
+    ``labeled_gain`` / ``labeled_noise``) with the rule that applied (``probes.labeled_rule``: the worker's
+    ``QLOC_LABELED_RULE``, ``beyond_noise`` when unset)."""
+    update = {**FAST_JOB, **({"labeled_rule": rule} if rule else {})}
+    ctx = WorkerContext.create(db_settings.model_copy(update=update))
     boxes = [[10, 12, 50, 60], [30, 20, 80, 70], [0, 0, 40, 40]]
     r = api.post("/v1/exemplar-sets", files=named("w0", "w1", "w2", seed=3), data={"boxes": json.dumps(boxes)})
     assert r.status_code == 201, r.text
@@ -107,9 +111,12 @@ def test_a_job_on_a_set_with_boxes_reports_its_labeled_examples(api, ctx):
     assert r.json()["num_labeled"] == 3
     job = api.post(f"/v1/exemplar-sets/{set_id}/adaptations", data={"iterations": "2", "activate": "auto"},
                    files=named("u0", "u1", "u2", "u3", seed=40)).json()
-    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    try:
+        assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    finally:
+        ctx.engine.dispose()
     v = api.get(f"/v1/adaptations/{job['id']}").json()["validation"]
-    assert v["probes"]["labeled"] == 3 and v["probes"]["labeled_rule"] == "beyond_noise"
+    assert v["probes"]["labeled"] == 3 and v["probes"]["labeled_rule"] == (rule or "beyond_noise")
     assert v["probes"]["synthetic_confirms"] is True  # the test bundle is grayscale: pasted probes may confirm
     assert v["base"]["labeled"]["n"] == 3 and 0 <= v["base"]["labeled"]["corloc"] <= 100
     for c in v["checkpoints"]:
