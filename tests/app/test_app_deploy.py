@@ -14,7 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from service_fixtures import REPO, VENV_BIN, files, free_port, make_test_settings, png_bytes, settings_env
+from service_fixtures import (
+    REPO,
+    VENV_BIN,
+    files,
+    free_port,
+    live_worker_settings,
+    make_test_settings,
+    png_bytes,
+    settings_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +74,10 @@ def test_run_script_modes_and_usage():
 
 
 def test_run_command_serves_api_and_worker_and_stops_both(tmp_path, bundle_dir):
-    """``scripts/run``: migrate, worker, API; a job succeeds; SIGTERM stops API and worker."""
-    settings = make_test_settings(tmp_path, bundle_dir)
+    """``scripts/run``: migrate, worker, API; a job succeeds; SIGTERM stops API and worker. The job runs with
+    ``LIVE_WORKER``'s settings (16 probes): on a loaded 2-core machine a job on the default 256 probes could take
+    longer than the test waits, and this test is about the run command, not the job's quality."""
+    settings = live_worker_settings(tmp_path, bundle_dir)
     port = free_port()
     env = {**os.environ, **settings_env(settings), "QLOC_PORT": str(port), "QLOC_BOOTSTRAP": "0",
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
