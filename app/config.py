@@ -118,7 +118,8 @@ class Settings(BaseSettings):
     repair trains on as many more and keeps its head on half as many. 256 since 2026-11-27 (128 before), chosen
     on validation images: the guard's noise is smaller, so it refuses fewer real gains (new digits 2 -> 5 of 9
     jobs activated), for 1.5-3.4x a job's time on one CPU thread. On the test split no cMNIST-style job of 54 ended
-    below its start; photo jobs with 5 labeled examples still can (BENCHMARKS.md, "More probes")."""
+    below its start; photo jobs with 5 labeled examples could until the labeled examples had to confirm a gain beyond
+    their noise (``labeled_rule``; BENCHMARKS.md, "More probes", "Labeled examples beyond their noise")."""
     labeled_rule: Literal["beyond_noise", "agree"] = "beyond_noise"
     """How a set's labeled examples confirm a photo (RGB) job's checkpoint for ``activate=auto``, where pasted probes
     may not confirm it alone (``models.guard.GuardConfig.labeled_rule``). ``beyond_noise`` (the default since
