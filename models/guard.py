@@ -249,13 +249,9 @@ class Guard:
             message = "no checkpoint beat the starting policy on the probes by more than their noise"
         trusted = (self.cfg.synthetic_confirms if self.cfg.synthetic_confirms is not None
                    else SYNTHETIC_CONFIRMS_FOR_GRAY and self.bundle.config.input.channels == 1)
-
-        def labeled_confirms(c: dict[str, Any]) -> bool:
-            if labeled_rule == "agree":
-                return c["labeled"]["corloc"] >= base["labeled"]["corloc"]
-            return c["labeled_gain"] > c["labeled_noise"]
-
-        confirmed = improved and (trusted or (len(self.labeled) > 0 and best is not None and labeled_confirms(best)))
+        labeled_ok = len(self.labeled) > 0 and best is not None and (
+            best["labeled_gain"] >= 0 if labeled_rule == "agree" else best["labeled_gain"] > best["labeled_noise"])
+        confirmed = improved and (trusted or labeled_ok)
         if improved and not confirmed:
             beyond = (f" by more than their noise ({best['labeled_noise']})"
                       if labeled_rule == "beyond_noise" and len(self.labeled) else "")
