@@ -17,6 +17,9 @@ bundle's input as the fit read it. It needs no model, so it holds with ``QLOC_IN
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -96,13 +99,37 @@ class Judged:
     """With ``max_instances``: each instance's verdict, best first (those under ``min_confidence`` left out)."""
 
 
+_DECODED: OrderedDict[Hashable, Calibration] = OrderedDict()
+_DECODED_LOCK = threading.Lock()
+DECODED_CACHE_SIZE = 256
+
+
+def decoded(calibration: dict, key: Hashable | None) -> Calibration:
+    """``Calibration.from_dict(calibration)``, kept under ``key`` (the row it was read from: a stored calibration is
+    written once, never changed) so that each request does not decode its templates again; ``None``: not kept."""
+    if key is None:
+        return Calibration.from_dict(calibration)
+    with _DECODED_LOCK:
+        cal = _DECODED.get(key)
+        if cal is not None:
+            _DECODED.move_to_end(key)
+            return cal
+    cal = Calibration.from_dict(calibration)
+    with _DECODED_LOCK:
+        _DECODED[key] = cal
+        while len(_DECODED) > DECODED_CACHE_SIZE:
+            _DECODED.popitem(last=False)
+    return cal
+
+
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
-          negatives: bytes | None, rerank_boxes: bool) -> list[Judged]:
+          negatives: bytes | None, rerank_boxes: bool, calibration_key: Hashable | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
-    use the negatives' fit of the calibration. Without a calibration: confidence None, found True. The results'
+    use the negatives' fit of the calibration (``calibration_key``: the row it was read from, see ``decoded``).
+    Without a calibration: confidence None, found True. The results'
     ``instances`` are judged the same way, in the same pass as the answers (the pixels are read once);
     ``min_confidence`` drops those under it. ``rerank_boxes`` (needs the results' instances: the route asks for
     ``RERANK_CANDIDATES``) answers with the instance the calibration finds most likely right (with NCC fits and
@@ -114,7 +141,7 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         confs: list[list[float | None]] = [[None] * (1 + n) for n in counts]
     else:
         boxes, scores = _rows(results, counts)
-        conf = _confidences(Calibration.from_dict(calibration), images, boxes, scores, loaded=loaded,
+        conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
                             prototype=prototype, negatives=negatives)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)

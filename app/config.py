@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     """torch's intra-op threads in each API process. 0: half the cores shared out among the ``api_workers``
     processes (at least 1 each), the other half left to HTTP, decoding and the database: on 2 cores, 1 thread
     answers 32 concurrent clients faster than 2 (BENCHMARKS.md, "Localize under concurrent clients")."""
+    route_threads: int = Field(1, ge=1, le=1024)
+    """Request threads of an API process that may run the localize path's own work at once (reading the set,
+    judging the answers with the calibration); the others wait their turn. Waiting for the model and decoding
+    images take no turn. Python runs one thread at a time, and 32 threads handing its lock to one another
+    spent more CPU than the work: on 2 cores, 32 clients got 1.27x the requests/s with 1 turn, 1.21x with 2
+    (BENCHMARKS.md, "Localize under concurrent clients"). More help where the database is slow to answer."""
     api_workers: int = Field(1, ge=1, le=64)
     """API processes ``scripts/run api`` starts (uvicorn ``--workers``), each with its own model, engine thread
     and batches: Python's lock serves one request's Python at a time per process, so on more cores more

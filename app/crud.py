@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.jobstates import FINISHED_STATES
@@ -77,10 +77,16 @@ def get_exemplar_set_and_active(session: Session, *, set_id: uuid.UUID, owner: s
                                 ) -> tuple[ExemplarSet, Checkpoint | None] | None:
     """The set, if ``owner`` may see it, with its active checkpoint (None: none active), in one query (a left
     join): the localize path, where one client's latency feels each round trip."""
-    row = session.execute(_scoped(
-        select(ExemplarSet, Checkpoint).outerjoin(Checkpoint, Checkpoint.id == ExemplarSet.active_checkpoint_id)
-        .where(ExemplarSet.id == set_id), ExemplarSet.owner, owner)).first()
+    stmt = _SET_AND_ACTIVE if owner is None else _SET_AND_ACTIVE_OWNED
+    row = session.execute(stmt, {"set_id": set_id} if owner is None else {"set_id": set_id, "owner": owner}).first()
     return None if row is None else (row[0], row[1])
+
+
+# Built once (the localize path runs it on every request): the ORM caches the compiled SQL, not the statement.
+_SET_AND_ACTIVE = (select(ExemplarSet, Checkpoint)
+                   .outerjoin(Checkpoint, Checkpoint.id == ExemplarSet.active_checkpoint_id)
+                   .where(ExemplarSet.id == bindparam("set_id")))
+_SET_AND_ACTIVE_OWNED = _SET_AND_ACTIVE.where(ExemplarSet.owner == bindparam("owner"))
 
 
 def labeled_examples(session: Session, set_id: uuid.UUID) -> list[Exemplar]:

@@ -4,6 +4,10 @@ Two processes (API and worker) write the embedded SQLite file. A deferred SQLite
 reads and then writes can fail at once with "database is locked" when another process wrote in
 between; ``BEGIN IMMEDIATE`` takes the write lock up front, so writers queue on the busy timeout
 instead. Every transaction is kept short for that reason.
+
+A transaction that only reads may say so (``begin_read``): on SQLite it then begins deferred, and under WAL
+it neither waits for the write lock nor holds it (the localize path: concurrent requests read the set at once
+instead of one after another).
 """
 
 from __future__ import annotations
@@ -35,9 +39,19 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):  # type: ignore[no-untyped-def]
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
+
+
+_READ_ONLY = "qloc_read_only"
+
+
+def begin_read(session: Session) -> None:
+    """Begin ``session``'s transaction as one that only reads (call it first; the transaction must not write):
+    on SQLite a deferred ``BEGIN``, which takes no write lock. The session's next transaction, after a commit
+    or rollback, is an ordinary one again. On other databases nothing changes."""
+    session.connection(execution_options={_READ_ONLY: True})
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

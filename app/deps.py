@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
@@ -83,12 +84,14 @@ class Serving:
     inference: InferenceBackend
     local: bool
     """Whether this process runs the model (not ``QLOC_INFERENCE=workers``)."""
+    turns: threading.BoundedSemaphore
+    """The localize path's turns (``QLOC_ROUTE_THREADS``; ``app.routes.exemplar_sets.localize_files``)."""
 
 
 async def get_serving(request: Request) -> Serving:
     st = request.app.state
     return Serving(st.settings, st.store, st.bundles, st.metrics, st.inference,
-                   getattr(st, "remote", None) is None)
+                   getattr(st, "remote", None) is None, st.route_turns)
 
 
 ServingDep = Annotated[Serving, Depends(get_serving)]

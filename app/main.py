@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -96,6 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.bundles = BundleRegistry(settings.bundle_dir,
                                        settings.device if settings.inference == "local" else "cpu")
     app.state.queue = JobQueue(settings)
+    app.state.route_turns = threading.BoundedSemaphore(settings.route_threads)
     if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
         torch.set_num_threads(settings.inference_threads or max(1, cores // (2 * settings.api_workers)))

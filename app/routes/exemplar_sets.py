@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -17,6 +19,7 @@ from sqlalchemy.orm import Session
 from app import crud, export, pool
 from app.calibration import RERANK_CANDIDATES, calibrate_new_set, judge
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
+from app.db import begin_read
 from app.deps import BundlesDep, Caller, CallerDep, ServingDep, SessionDep, SettingsDep, StoreDep
 from app.export import AnswerOptions
 from app.images import DecodedImage
@@ -351,7 +354,7 @@ def localize(
         done = localize_files(session, set_id, serving.settings, serving.inference, caller, serving.metrics,
                               serving.store, files, RunOptions(checkpoint, trajectory, samples, nearest, keep,
                                                                max_instances), opts,
-                              bundles=serving.bundles, local=serving.local)
+                              bundles=serving.bundles, local=serving.local, turns=serving.turns)
     return formatted(done, opts)
 
 
@@ -400,22 +403,32 @@ def formatted(done: Localized, opts: AnswerOptions) -> Response:
 
 def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend,  # noqa: PLR0913
                    caller: Caller, metrics: Metrics, store: BlobStore, files: list[UploadFile], run: RunOptions,
-                   opts: AnswerOptions, *, bundles: BundleRegistry | None = None, local: bool = True) -> Localized:
+                   opts: AnswerOptions, *, bundles: BundleRegistry | None = None, local: bool = True,
+                   turns: threading.BoundedSemaphore | None = None) -> Localized:
     """Localize the set's object in uploaded ``files`` (the pipeline of every way in: the localize route, Label
-    Studio's /predict): decode, the inference backend, the calibration's verdict, the pool (``keep``)."""
+    Studio's /predict): decode, the inference backend, the calibration's verdict, the pool (``keep``).
+
+    ``turns`` (``QLOC_ROUTE_THREADS``) bounds how many threads run its reads and verdicts at once: Python runs
+    one thread at a time, and many threads handing its lock to one another cost more CPU than the work. Decoding,
+    the model and the pool's writes take no turn (they mostly wait, or release the lock)."""
     checkpoint, trajectory, samples, nearest, keep = run.checkpoint, run.trajectory, run.samples, run.nearest, run.keep
-    found = crud.get_exemplar_set_and_active(session, set_id=set_id, owner=caller.scope)
-    if found is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
-    es, active = found
-    ckpt = resolve_checkpoint(session, es, checkpoint, active=active)
+    turn = turns if turns is not None else nullcontext()
+    with turn:
+        if not session.in_transaction():  # it reads until the commit below (keep=true writes in its own transaction)
+            begin_read(session)
+        found = crud.get_exemplar_set_and_active(session, set_id=set_id, owner=caller.scope)
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+        es, active = found
+        ckpt = resolve_checkpoint(session, es, checkpoint, active=active)
+        session.commit()  # end the read transaction before the slow part
     if opts.format == "coco" and opts.image_ids is not None and len(opts.ids(0)) != len(files):
         raise _unprocessable(f"image_ids has {len(opts.ids(0))} ids for {len(files)} files: one per file, in "
                              "upload order")
-    calibration = ckpt.calibration if ckpt.calibration is not None else es.calibration
+    calibration, calibration_key = ((ckpt.calibration, ("checkpoint", ckpt.id)) if ckpt.calibration is not None
+                                    else (es.calibration, ("set", es.id)))
     use_negatives = es.negatives is not None and calibration is not None and local and bundles is not None
     rerank = opts.rerank and calibration is not None  # among several candidates: the instances
-    session.commit()  # end the read transaction before the slow part
     n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
     if keep:  # a full pool is refused before the work (add_to_pool decides for good after it)
@@ -433,10 +446,12 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
         answer = inference.localize(call)
     except InferenceRefused as e:
         raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
-    judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
-                   min_confidence=opts.min_confidence, prototype=es.prototype,
-                   loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
-                   negatives=es.negatives if use_negatives else None, rerank_boxes=rerank)
+    with turn:
+        judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
+                       min_confidence=opts.min_confidence, prototype=es.prototype,
+                       loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
+                       negatives=es.negatives if use_negatives else None, rerank_boxes=rerank,
+                       calibration_key=calibration_key)
     for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
         if j.instances is not None:
             j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]

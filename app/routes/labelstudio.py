@@ -258,7 +258,7 @@ def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: 
             uploads = [_upload(b, where) for b, (_, where, _) in zip(blobs, part, strict=True)]
             done = localize_files(session, set_id, settings, inference, caller, metrics, store, uploads,
                                   RunOptions(max_instances=access.max_instances), AnswerOptions(), bundles=bundles,
-                                  local=remote is None)
+                                  local=remote is None, turns=request.app.state.route_turns)
             model_version = str(done.checkpoint.id)
             tasks = export.labelstudio(done.results, label=target.label, from_name=target.from_name,
                                        to_name=target.to_name, model_version=model_version)

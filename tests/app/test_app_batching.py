@@ -311,3 +311,41 @@ def test_the_app_batches_by_default_and_stops_its_engine_on_shutdown(settings):
         engine = app.state.inference.batcher._thread
         assert engine.is_alive() and app.state.inference.batcher.stats.items == 19
     assert not engine.is_alive()
+
+
+def test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model(settings, monkeypatch):
+    """QLOC_ROUTE_THREADS=1: the requests' verdicts never run at once, yet requests waiting for a held engine
+    do not keep the next one from its turn (they queue for the model together, and run as one batch)."""
+    from app.routes import exemplar_sets
+
+    active, most = [0], [0]
+    lock = threading.Lock()
+    real_judge = exemplar_sets.judge
+
+    def judge(*args, **kwargs):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.02)  # a wide window for another thread to enter, were turns not taken
+        try:
+            return real_judge(*args, **kwargs)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(exemplar_sets, "judge", judge)
+    app = create_app(settings.model_copy(update={"route_threads": 1}))
+    with TestClient(app) as c:
+        held = HeldInference(app.state.bundles, app.state.store)
+        app.state.inference = held
+        set_id = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
+        url = f"/v1/exemplar-sets/{set_id}/localize"
+        with ThreadPoolExecutor(6) as pool:
+            first = pool.submit(c.post, url, files=files(png_bytes(seed=1)))
+            assert held.started.wait(30)
+            rest = [pool.submit(c.post, url, files=files(png_bytes(seed=s))) for s in range(2, 7)]
+            wait_until(lambda: held.batcher.waiting == 5, "the other requests to reach the model")
+            held.release.set()
+            assert [f.result(60).status_code for f in [first, *rest]] == [200] * 6
+        held.close()
+    assert held.batch_calls == [1, 5] and most[0] == 1

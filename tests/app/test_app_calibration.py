@@ -134,3 +134,22 @@ def test_bad_negative_files_and_thresholds_are_refused_with_nothing_written(clie
         r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28)), data={"threshold": bad})
         assert r.status_code == 422, bad
     assert row_counts(settings.database_url) == before
+
+
+def test_a_stored_calibration_is_decoded_once_per_row(monkeypatch):
+    from app import calibration as appcal
+
+    calls = []
+    real = Calibration.from_dict
+    monkeypatch.setattr(Calibration, "from_dict", classmethod(lambda cls, d: calls.append(d) or real(d)))
+    monkeypatch.setattr(appcal, "_DECODED", type(appcal._DECODED)())
+    d = fixed(1.0)
+    key = ("set", uuid.uuid4())
+    first = appcal.decoded(d, key)
+    assert appcal.decoded(d, key) is first and len(calls) == 1  # the same row: decoded once
+    assert appcal.decoded(d, ("checkpoint", key[1])) is not first and len(calls) == 2  # another row
+    assert appcal.decoded(d, None) is not appcal.decoded(d, None) and len(calls) == 4  # no key: never kept
+    monkeypatch.setattr(appcal, "DECODED_CACHE_SIZE", 2)
+    for k in range(3):
+        appcal.decoded(d, ("set", k))
+    assert len(appcal._DECODED) == 2 and key not in appcal._DECODED  # bounded: the oldest goes

@@ -254,3 +254,22 @@ def test_server_setting_overrides_the_bundles_default_answer(settings, monkeypat
         assert r.status_code == 200 and r.json()["nearest"] is True  # the cMNIST bundle's own default is last
         r = c.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes()), params={"nearest": "false"})
         assert r.json()["nearest"] is False  # the request has the last word
+
+
+def test_localize_answers_while_another_connection_holds_the_sqlite_write_lock(client, settings):
+    """A localize request only reads: on SQLite it begins a deferred transaction and does not queue behind a
+    writer (before, every transaction took the write lock and waited up to the 30 s busy timeout)."""
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    sid = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
+    writer = sqlite3.connect(make_url(settings.database_url).database, timeout=0, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # held until the request has answered
+        r = client.post(f"/v1/exemplar-sets/{sid}/localize", files=files(png_bytes(seed=3)))
+        assert r.status_code == 200, r.text
+        assert writer.in_transaction
+    finally:
+        writer.rollback()
+        writer.close()
