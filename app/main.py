@@ -25,6 +25,7 @@ from app.remote import WorkerInference
 from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, pool
 from app.serving import BatchedInference
 from app.storage import BlobStore
+from models.allocator import tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Query object localization: register exemplar crops, localize the object in images, "
                     "adapt the localization policy to your images without labels.")
     app.state.settings = settings
+    if settings.tune_malloc:
+        tune_malloc()
     app.state.engine = make_engine(settings.database_url)
     app.state.session_factory = make_sessionmaker(app.state.engine)
     app.state.store = BlobStore(settings.storage_dir)

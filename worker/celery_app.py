@@ -24,6 +24,7 @@ from celery.worker.request import Request
 
 from app.config import get_settings
 from app.queue import ADAPT_TASK, create_celery
+from models.allocator import tune_malloc
 from worker.context import worker_context
 from worker.reaper import Reaper, expire_lease
 
@@ -63,6 +64,8 @@ _reaper: Reaper | None = None
 @worker_process_init.connect
 def _load_bundle(**_: Any) -> None:
     ctx = worker_context()
+    if ctx.settings.tune_malloc:
+        tune_malloc()
     try:
         ctx.bundles.get(ctx.settings.default_bundle)
     except Exception as e:  # jobs of other bundles can still run; this one fails its jobs with the reason

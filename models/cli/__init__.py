@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from models.adapt import AdaptConfig, adapt
+from models.allocator import tune_malloc
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
 from models.cli.photos import add_photo_arguments, photo_reproduce_command, photo_train_command
 from models.data import photo_cache_dir
@@ -410,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tune_malloc()
     if hasattr(args, "seed"):
         _seed_all(args.seed)
     try:
