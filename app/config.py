@@ -8,6 +8,7 @@ file, blobs under ``var/``, bundles from ``bundles/``. Point ``QLOC_DATABASE_URL
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -83,11 +84,13 @@ class Settings(BaseSettings):
     images take no turn. Python runs one thread at a time, and 32 threads handing its lock to one another
     spent more CPU than the work: on 2 cores, 32 clients got 1.27x the requests/s with 1 turn, 1.21x with 2
     (BENCHMARKS.md, "Localize under concurrent clients"). More help where the database is slow to answer."""
-    api_workers: int = Field(1, ge=1, le=64)
+    api_workers: int = Field(0, ge=0, le=64)
     """API processes ``scripts/run api`` starts (uvicorn ``--workers``), each with its own model, engine thread
     and batches: Python's lock serves one request's Python at a time per process, so on more cores more
     processes serve more concurrent clients. ``/metrics`` then adds up every process's numbers (Prometheus's
-    multiprocess mode, in ``PROMETHEUS_MULTIPROC_DIR``: a fresh temporary folder unless set)."""
+    multiprocess mode, in ``PROMETHEUS_MULTIPROC_DIR``: a fresh temporary folder unless set). 0 (default): one
+    per core this process may use, at most ``AUTO_API_PROCESSES`` -- but 1 where the model runs in the API on
+    a CUDA device (one GPU context, one engine batching every request); ``api_processes``."""
 
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -232,7 +235,45 @@ class Settings(BaseSettings):
         return int(self.job_time_limit) + 600
 
 
+AUTO_API_PROCESSES = 8
+"""The most API processes ``api_workers=0`` starts."""
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def api_processes(settings: Settings) -> int:
+    """How many API processes ``scripts/run api`` starts: ``api_workers``, or (0) one per usable core up to
+    ``AUTO_API_PROCESSES``, and 1 when this API runs the model on a CUDA device."""
+    if settings.api_workers:
+        return settings.api_workers
+    if settings.inference == "local":
+        if settings.device == "cuda":
+            return 1
+        if settings.device == "auto" and _nvidia():
+            from models.inference import resolve_device  # torch (seconds to import): only where a GPU may be
+
+            if resolve_device("auto").type == "cuda":
+                return 1
+    return max(1, min(AUTO_API_PROCESSES, usable_cores()))
+
+
+def _nvidia() -> bool:
+    """Whether NVIDIA's driver is loaded (without it torch finds no CUDA device)."""
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+
+
 @functools.cache
 def get_settings() -> Settings:
     """The process's settings, read from the environment once."""
     return Settings()
+
+
+if __name__ == "__main__":  # scripts/run asks: python -m app.config api-processes
+    import sys
+
+    if sys.argv[1:] != ["api-processes"]:
+        raise SystemExit("usage: python -m app.config api-processes")
+    print(api_processes(get_settings()))

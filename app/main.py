@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import web
-from app.config import Settings, get_settings
+from app.config import Settings, get_settings, usable_cores
 from app.db import make_engine, make_sessionmaker
 from app.inference import BundleRegistry
 from app.metrics import Metrics, RequestMetricsMiddleware
@@ -102,8 +101,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.queue = JobQueue(settings)
     app.state.route_turns = threading.BoundedSemaphore(settings.route_threads)
     if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-        torch.set_num_threads(settings.inference_threads or max(1, cores // (2 * settings.api_workers)))
+        # scripts/run exports the processes it starts (QLOC_API_WORKERS); uvicorn started otherwise: as told
+        torch.set_num_threads(settings.inference_threads or max(1, usable_cores() // (2 * (settings.api_workers or 1))))
     app.state.inference = BatchedInference(
         app.state.bundles, app.state.store, default_nearest=settings.localize_nearest,
         window_s=settings.batch_window_ms / 1000, max_batch_images=settings.batch_max_images,

@@ -349,3 +349,39 @@ def test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model(
             assert [f.result(60).status_code for f in [first, *rest]] == [200] * 6
         held.close()
     assert held.batch_calls == [1, 5] and most[0] == 1
+
+
+# --- API processes (scripts/run api)
+
+
+def test_the_api_runs_one_process_per_core_by_default_but_one_for_a_model_on_cuda(monkeypatch):
+    from app import config
+    from app.config import Settings, api_processes
+
+    monkeypatch.setattr(config, "usable_cores", lambda: 2)
+    assert api_processes(Settings(device="cpu")) == 2  # the default: one per core
+    assert api_processes(Settings(device="cpu", api_workers=3)) == 3  # as told
+    assert api_processes(Settings(device="cuda")) == 1  # one GPU context, one engine batching every request
+    workers = Settings(device="cuda", inference="workers", result_backend="redis://127.0.0.1:6379/1")
+    assert api_processes(workers) == 2  # the model runs on the localize workers
+    monkeypatch.setattr(config, "usable_cores", lambda: 64)
+    assert api_processes(Settings(device="cpu")) == config.AUTO_API_PROCESSES
+
+
+def test_the_run_script_asks_how_many_api_processes_to_start():
+    import os
+    import subprocess
+    import sys
+
+    from service_fixtures import REPO
+
+    from app.config import Settings, api_processes
+
+    def ask(**env):
+        r = subprocess.run([sys.executable, "-m", "app.config", "api-processes"], cwd=REPO, capture_output=True,
+                           text=True, env={**os.environ, **env}, timeout=60)
+        return r.returncode, r.stdout.strip()
+
+    assert ask(QLOC_API_WORKERS="3") == (0, "3")
+    assert ask(QLOC_API_WORKERS="0", QLOC_DEVICE="cpu") == (0, str(api_processes(Settings(device="cpu"))))
+    assert 'workers=$("${bin}python" -m app.config api-processes)' in (REPO / "scripts/run").read_text()
