@@ -141,8 +141,9 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         confs: list[list[float | None]] = [[None] * (1 + n) for n in counts]
     else:
         boxes, scores = _rows(results, counts)
-        conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
-                            prototype=prototype, negatives=negatives)
+        with torch.inference_mode():  # no autograd bookkeeping (torchvision's RoIAlign has a Python layer for it)
+            conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
+                                prototype=prototype, negatives=negatives)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
 
