@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
 
 RANKS = {
-    "config": 0, "core": 0, "plots": 0,
+    "config": 0, "core": 0, "plots": 0, "allocator": 0,
     "backbones": 1, "data": 1,
     "nets": 2, "presets": 2,
     "bundle": 3, "rollout": 3, "instances": 3, "refine": 3,
