@@ -71,11 +71,14 @@ class Batcher(Generic[T, R]):
     """
 
     def __init__(self, run: Callable[[Hashable, list[T]], Sequence[R | BaseException]], *, window_s: float = 0.0,
-                 max_batch: int = 64, max_queue: int = 256, name: str = "qloc-batcher"):
+                 max_batch: int = 64, max_queue: int = 256, name: str = "qloc-batcher",
+                 observe: Callable[[int, list[float]], None] | None = None):
         if window_s < 0 or max_batch < 1 or max_queue < 1:
             raise ValueError("window_s must be >= 0, max_batch and max_queue >= 1")
         self._run, self.window_s, self.max_batch, self.max_queue = run, window_s, max_batch, max_queue
         self.name = name
+        self.observe = observe
+        """Told of each batch as it starts, on the engine thread: its size and each item's wait in seconds."""
         self.stats = BatcherStats()
         self._waiting: deque[_Waiting[T, R]] = deque()
         self._waiting_size = 0
@@ -158,6 +161,12 @@ class Batcher(Generic[T, R]):
             if not live:
                 continue
             size = sum(w.size for w in live)
+            if self.observe is not None:
+                now = time.monotonic()
+                try:
+                    self.observe(size, [now - w.enqueued for w in live])
+                except Exception:  # noqa: BLE001 -- a metric must not stop the engine
+                    log.exception("%s: observing a batch failed", self.name)
             try:
                 results = self._run(key, [w.item for w in live])
                 if len(results) != len(live):

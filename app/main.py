@@ -103,14 +103,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP
         # scripts/run exports the processes it starts (QLOC_API_WORKERS); uvicorn started otherwise: as told
         torch.set_num_threads(settings.inference_threads or max(1, usable_cores() // (2 * (settings.api_workers or 1))))
+    app.state.metrics = Metrics(app.state.session_factory)
     app.state.inference = BatchedInference(
         app.state.bundles, app.state.store, default_nearest=settings.localize_nearest,
         window_s=settings.batch_window_ms / 1000, max_batch_images=settings.batch_max_images,
-        max_queue_images=settings.inference_queue_images)
+        max_queue_images=settings.inference_queue_images, observe=app.state.metrics.engine_batch_began)
     app.state.remote = None  # QLOC_INFERENCE=workers: the model runs on the localize queue's workers
     if settings.inference == "workers":
         app.state.inference = app.state.remote = WorkerInference(settings, app.state.queue.celery)
-    app.state.metrics = Metrics(app.state.session_factory)
     app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost: sees 413s
     for module in (exemplar_sets, pool, adaptations, checkpoints, bundles, health, labelstudio):

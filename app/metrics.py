@@ -61,7 +61,19 @@ class Metrics:
         self.localize_batch = Histogram(
             "qloc_localize_batch_size", "Images per localize request", registry=own,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.engine_batch = Histogram(
+            "qloc_engine_batch_images", "Images per forward pass of the API's localize engine (requests batched "
+            "together)", registry=own, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.engine_wait = Histogram(
+            "qloc_engine_wait_seconds", "How long each localize call waited for the engine before its batch began",
+            registry=own, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.registry.register(JobCollector(session_factory))
+
+    def engine_batch_began(self, images: int, waits: list[float]) -> None:
+        """``app.batching.Batcher``'s ``observe``: one batch of ``images``, each call's wait for it."""
+        self.engine_batch.observe(images)
+        for w in waits:
+            self.engine_wait.observe(w)
 
 
 class RequestMetricsMiddleware:

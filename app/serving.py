@@ -16,7 +16,7 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -262,12 +262,12 @@ class BatchedInference(LocalInference):
 
     def __init__(self, bundles: BundleRegistry, store: BlobStore, *, default_nearest: bool | None = None,
                  window_s: float = 0.0, max_batch_images: int = 64, max_queue_images: int = 256,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, observe: Callable[[int, list[float]], None] | None = None):
         super().__init__(bundles, store, default_nearest=default_nearest)
         self.retry_after_s = retry_after_s
         self.batcher: Batcher[Prepared, LocalizeAnswer] = Batcher(
             self.run_batch, window_s=window_s, max_batch=max_batch_images, max_queue=max_queue_images,
-            name="qloc-localize")
+            name="qloc-localize", observe=observe)
 
     def run_batch(self, key: Hashable, calls: list[Prepared]) -> list[LocalizeAnswer]:
         """What the engine thread runs for one batch (a subclass may wrap it)."""

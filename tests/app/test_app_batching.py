@@ -149,6 +149,24 @@ def test_a_window_holds_an_idle_engines_first_call_until_the_batch_is_full():
     b.close()
 
 
+def test_each_batch_is_observed_as_it_begins_and_a_failing_observer_stops_nothing():
+    seen = []
+
+    def observe(size, waits):
+        seen.append((size, len(waits), all(w >= 0 for w in waits)))
+        raise RuntimeError("the metrics are down")
+
+    run = HeldEngine()
+    b = Batcher(run, max_batch=8, max_queue=100, observe=observe)
+    first = b.submit("a", 0)
+    assert run.started.wait(30)
+    later = [b.submit("a", 1, size=2), b.submit("a", 2)]
+    run.release.set()
+    assert [f.result(30) for f in [first, *later]] == ["a:0", "a:1", "a:2"]
+    assert seen == [(1, 1, True), (3, 2, True)]  # sizes in images, one wait per call
+    b.close()
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError):
         Batcher(lambda k, i: i, max_batch=0)
@@ -385,3 +403,19 @@ def test_the_run_script_asks_how_many_api_processes_to_start():
     assert ask(QLOC_API_WORKERS="3") == (0, "3")
     assert ask(QLOC_API_WORKERS="0", QLOC_DEVICE="cpu") == (0, str(api_processes(Settings(device="cpu"))))
     assert 'workers=$("${bin}python" -m app.config api-processes)' in (REPO / "scripts/run").read_text()
+
+
+def test_the_engines_batches_and_waits_are_in_the_metrics(settings):
+    app = create_app(settings)
+    with TestClient(app) as c:
+        set_id = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
+        url = f"/v1/exemplar-sets/{set_id}/localize"
+        with ThreadPoolExecutor(8) as pool:
+            rs = list(pool.map(lambda i: c.post(url, files=files(*[png_bytes(seed=i)] * (1 + i % 2))), range(12)))
+        assert [r.status_code for r in rs] == [200] * 12
+        stats = app.state.inference.batcher.stats
+        text = c.get("/metrics").text
+    assert stats.items == 12 and stats.size == 18
+    assert f"qloc_engine_batch_images_count {float(stats.batches)}" in text
+    assert "qloc_engine_batch_images_sum 18.0" in text
+    assert "qloc_engine_wait_seconds_count 12.0" in text
