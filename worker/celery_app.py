@@ -19,7 +19,7 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from celery.exceptions import WorkerLostError
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 from celery.worker.request import Request
 
 from app.config import get_settings
@@ -61,11 +61,17 @@ celery_app.conf.include = ["worker.tasks"]
 _reaper: Reaper | None = None
 
 
+@worker_init.connect
+def _tune_allocator(**_: Any) -> None:
+    """In the worker's main process, whatever its pool (the localize queue's runs threads): forked pool
+    processes inherit the thresholds."""
+    if get_settings().tune_malloc:
+        tune_malloc()
+
+
 @worker_process_init.connect
 def _load_bundle(**_: Any) -> None:
     ctx = worker_context()
-    if ctx.settings.tune_malloc:
-        tune_malloc()
     try:
         ctx.bundles.get(ctx.settings.default_bundle)
     except Exception as e:  # jobs of other bundles can still run; this one fails its jobs with the reason
