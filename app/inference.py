@@ -22,6 +22,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,10 @@ class LoadedBundle:
 
 
 class BundleRegistry:
-    def __init__(self, bundle_dir: str | Path, device: str = "auto", policy_cache_size: int = 32):
+    def __init__(self, bundle_dir: str | Path, device: str = "auto", policy_cache_size: int = 32,
+                 on_load: Callable[[LoadedBundle], None] | None = None):
+        """``on_load`` is called with each bundle file once it is loaded (the first time, or after it changed)."""
+        self.on_load = on_load
         self.bundle_dir = Path(bundle_dir)
         self.device = resolve_device(device)
         self._loaded: dict[str, LoadedBundle] = {}
@@ -124,6 +128,7 @@ class BundleRegistry:
         loaded = self._loaded.get(name)
         if loaded is not None and loaded.stat == _stat_key(path.stat()):
             return loaded
+        fresh = False
         with self._lock:
             with path.open("rb") as f:  # the stat and the bytes of one file, even if renamed over meanwhile
                 key = _stat_key(os.fstat(f.fileno()))
@@ -140,7 +145,10 @@ class BundleRegistry:
                     log.warning("bundle %s replaced: sha256 %s -> %s; reloaded", name, short_sha(loaded.sha256),
                                 short_sha(sha256))
                 loaded = LoadedBundle(name, path, sha256, bundle, Localizer(bundle, self.device), key)
+                fresh = True
             self._loaded[name] = loaded
+        if fresh and self.on_load is not None:
+            self.on_load(loaded)
         return loaded
 
     def is_loaded(self, name: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from app.remote import WorkerInference
 from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, pool
 from app.serving import BatchedInference
 from app.storage import BlobStore
+from app.warmup import EpisodeWarmup
 from models.allocator import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -95,15 +97,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = make_engine(settings.database_url)
     app.state.session_factory = make_sessionmaker(app.state.engine)
     app.state.store = BlobStore(settings.storage_dir)
+    app.state.metrics = Metrics(app.state.session_factory)
+    app.state.warmup = None  # compiles each loaded bundle's one-image episode in the background (app/warmup.py)
+    if settings.inference == "local" and settings.compile_episode:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((settings.storage_dir / "compile-cache").resolve()))
+        app.state.warmup = EpisodeWarmup(observe=app.state.metrics.episode_compiled)
     # workers mode: this registry loads no model (the workers' do), so QLOC_DEVICE=cuda needs no GPU here
     app.state.bundles = BundleRegistry(settings.bundle_dir,
-                                       settings.device if settings.inference == "local" else "cpu")
+                                       settings.device if settings.inference == "local" else "cpu",
+                                       on_load=app.state.warmup)
     app.state.queue = JobQueue(settings)
     app.state.route_turns = threading.BoundedSemaphore(settings.route_threads)
     if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP
         # scripts/run exports the processes it starts (QLOC_API_WORKERS); uvicorn started otherwise: as told
         torch.set_num_threads(settings.inference_threads or max(1, usable_cores() // (2 * (settings.api_workers or 1))))
-    app.state.metrics = Metrics(app.state.session_factory)
     app.state.inference = BatchedInference(
         app.state.bundles, app.state.store, default_nearest=settings.localize_nearest,
         window_s=settings.batch_window_ms / 1000, max_batch_images=settings.batch_max_images,

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
 from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -67,7 +67,14 @@ class Metrics:
         self.engine_wait = Histogram(
             "qloc_engine_wait_seconds", "How long each localize call waited for the engine before its batch began",
             registry=own, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.episode_compiles = Counter(
+            "qloc_episode_compiles_total", "Bundles whose one-image greedy episode this process compiled "
+            "(QLOC_COMPILE_EPISODE), by outcome: compiled, or failed (served eager)", ["outcome"], registry=own)
         self.registry.register(JobCollector(session_factory))
+
+    def episode_compiled(self, outcome: str) -> None:
+        """``app.warmup.EpisodeWarmup``'s ``observe``: one bundle's episode ``"compiled"`` or ``"failed"``."""
+        self.episode_compiles.labels(outcome).inc()
 
     def engine_batch_began(self, images: int, waits: list[float]) -> None:
         """``app.batching.Batcher``'s ``observe``: one batch of ``images``, each call's wait for it."""

@@ -79,6 +79,24 @@ class Server:
             time.sleep(0.3)
         raise RuntimeError(f"{self.name}: not ready after {timeout} s")
 
+    def wait_compiled(self, timeout: float = 600) -> float | None:
+        """Wait until every API process of a tree that compiles its one-image episode (``QLOC_COMPILE_EPISODE``,
+        counted in ``/metrics``) has compiled it or given up -> seconds waited (``None``: the tree does not)."""
+        start = time.monotonic()
+        ask = subprocess.run([str(BIN / "python"), "-m", "app.config", "api-processes"], cwd=self.tree, env=self.env,
+                             capture_output=True, text=True)
+        processes = int(ask.stdout.strip() or 1) if ask.returncode == 0 else 1
+        while time.monotonic() - start < timeout:
+            text = httpx.get(f"{self.url}/metrics", timeout=10).text
+            if "qloc_episode_compiles_total" not in text:
+                return None
+            done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("qloc_episode_compiles_total{"))
+            if done >= processes:
+                return round(time.monotonic() - start, 1)
+            time.sleep(1)
+        raise RuntimeError(f"{self.name}: the episode was not compiled after {timeout} s")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -166,6 +184,9 @@ def main() -> None:
         paths = {}
         for s in servers:
             s.wait_ready()
+            waited = s.wait_compiled()
+            if waited is not None:
+                print(f"{s.name}: episode compiled, {waited} s after ready", file=sys.stderr)
             r = httpx.post(f"{s.url}/v1/exemplar-sets", files=multipart(crops), data={"name": "load"}, timeout=60)
             r.raise_for_status()
             paths[s.name] = f"/v1/exemplar-sets/{r.json()['id']}/localize"

@@ -15,6 +15,7 @@ from PIL import Image
 from torch import Tensor
 
 from models.bundle import Bundle
+from models.compiled import compiled_steer, warmed_steer
 from models.config import InputSpec
 from models.instances import InstanceConfig, find_instances
 from models.nets.agent import Agent
@@ -146,6 +147,15 @@ class Localizer:
     def agent(self, agent_state: dict[str, Tensor] | None = None) -> Agent:
         return self.bundle.new_agent(agent_state).to(self.device).eval()
 
+    def compile_episode(self) -> float:
+        """Compile the one-image greedy episode for this bundle (``models.compiled``; seconds, blocking; raises
+        where it cannot compile) -> seconds it took. Every Localizer of the process then runs its one-image
+        greedy episodes compiled (the same boxes)."""
+        s = self.spec.size
+        with torch.inference_mode():
+            feats = self.embedder.features(torch.zeros(1, self.spec.channels, s, s, device=self.device))
+        return compiled_steer().warm(self.embedder, self.agent(), feats, self.bundle.config.env, (float(s), float(s)))
+
     @property
     def default_nearest(self) -> bool:
         """Whether a greedy episode answers with its nearest visited box unless told (the bundle's ``env.answer``)."""
@@ -186,7 +196,7 @@ class Localizer:
                         nearest=nearest)
         else:
             ro = rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
-                         deterministic=deterministic, generator=generator, rewards=rewards)
+                         deterministic=deterministic, generator=generator, rewards=rewards, steerer=warmed_steer())
         if self.bundle.refine and deterministic and not rewards:
             ro = self._refined(ro, feats, proto)
         return ro

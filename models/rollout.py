@@ -155,12 +155,44 @@ def select_actions(logits: Tensor, deterministic: bool | Tensor, generator: torc
     return sampled
 
 
+class Steer(Protocol):
+    """What ``rollout`` moves the boxes with when nothing reads the embeddings along the way: ``steer``'s signature."""
+
+    def __call__(self, embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
+                 size: tuple[float, float], deterministic: bool | Tensor = True,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def steer(embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
+          size: tuple[float, float], deterministic: bool | Tensor = True,
+          generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The moves of an episode whose boxes nobody embeds along the way: ``cfg.steps`` actions from ``boxes
+    [B*E, 4]`` (``E`` episodes per feature map of ``feats [B, C, h, w]``, image-major rows) -> (boxes
+    ``[T+1, B*E, 4]``, actions ``[T, B*E]``, logits ``[T, B*E, A]``).
+
+    Tensors in, tensors out, no state kept: what inference runs at every batch size, and what
+    ``models.compiled`` compiles for the one-image request (the same function, so the same moves).
+    """
+    n, b = boxes.shape[0], feats.shape[0]
+    h = agent.initial_state(n, device=feats.device)
+    path, actions, step_logits = [boxes], [], []
+    for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
+        roi = embedder.roi(feats, boxes.view(b, n // b, 4)).flatten(0, 1)  # [B*E, C, s, s]
+        logits, h = agent(roi, h)
+        a = select_actions(logits, deterministic, generator)
+        boxes = apply_actions(boxes, a, size[0], size[1], cfg.alpha, cfg.min_side, cfg.resize)
+        path.append(boxes)
+        actions.append(a)
+        step_logits.append(logits)
+    return torch.stack(path), torch.stack(actions), torch.stack(step_logits)
+
+
 def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,
             size: tuple[float, float], *, deterministic: bool | Tensor = False,
             generator: torch.Generator | None = None, reward: str = "embedding",
             gt_boxes: Tensor | None = None, rewards: bool = True, episodes: int = 1,
             reference: Agent | None = None, starts: Tensor | None = None, scorer: Scorer | None = None,
-            images01: Tensor | None = None) -> Rollout:
+            images01: Tensor | None = None, steerer: Steer | None = None) -> Rollout:
     """Run ``cfg.steps`` actions from the whole image (or from ``starts``) on every image of ``feats [B, C, h, w]``.
 
     ``prototypes`` is ``[B, D]`` (or ``[D]``, shared). The agent's gradient flows through
@@ -175,6 +207,8 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     instead of the whole image (``models.instances``).
     ``scorer`` (``models.repair``; default the embedding distance) measures the distances and so the
     ``"embedding"`` reward; one that needs pixels is given ``images01 [B, C, S, S]`` (input size, [0, 1]).
+    ``steerer`` replaces ``steer`` where the episode needs nothing but its moves (inference without rewards,
+    by an agent that does not read the prototype): ``models.compiled`` gives a compiled one.
     """
     # Every step's embedding is needed for the rewards, or as input of an agent that reads the prototype.
     embed = rewards or agent.cfg.use_prototype
@@ -184,15 +218,22 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
                  embeddings=agent.cfg.use_prototype)
     prototypes = env.prototypes
     b = feats.shape[0] * episodes
+    # Without gradient nor reference (inference), log-probabilities and entropies come from one log-softmax
+    # over every step's logits after the loop: the same numbers, without building a distribution at every
+    # step (a fixed cost that batch 1 feels).
+    track = torch.is_grad_enabled() or reference is not None
+    if not embed and not track:  # inference: the moves alone, then only the final box is embedded (its score)
+        boxes_t, actions_t, logits_t = (steer if steerer is None else steerer)(
+            embedder, agent, feats, env.boxes, cfg, (env.width, env.height), deterministic, generator)
+        env.boxes = boxes_t[-1]
+        logp = logits_t.log_softmax(-1)  # [T, B, A]
+        return Rollout(boxes_t, actions_t, logp.gather(2, actions_t[..., None])[..., 0], -(logp.exp() * logp).sum(-1),
+                       *_final_distance_only(env, cfg.steps))
     roi, emb, dist = env.observe(embed)
     h = agent.initial_state(b, device=feats.device)
     h_ref = None if reference is None else reference.initial_state(b, device=feats.device)
     boxes, dists = [env.boxes], [dist]
     actions, log_probs, entropies, step_rewards, kls, step_logits = [], [], [], [], [], []
-    # Without gradient nor reference (inference), log-probabilities and entropies come from one log-softmax
-    # over every step's logits after the loop: the same numbers, without building a distribution at every
-    # step (a fixed cost that batch 1 feels).
-    track = torch.is_grad_enabled() or reference is not None
     for _ in range(cfg.steps):  # a loop over time; the batch moves as one tensor
         offset = None if emb is None else emb - prototypes
         logits, h = agent(roi, h, offset)
@@ -218,14 +259,21 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
         logp = torch.stack(step_logits).log_softmax(-1)  # [T, B, A]
         actions_t = torch.stack(actions)
         log_probs_t, entropies_t = logp.gather(2, actions_t[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
-    if not embed:  # inference: only the final box is embedded (its distance is the score)
-        dists_t = torch.full((cfg.steps + 1, b), float("nan"), device=feats.device)
-        dists_t[-1] = env.observe()[2]
-        rewards_t = torch.zeros(cfg.steps, b, device=feats.device)
+    if not embed:
+        rewards_t, dists_t = _final_distance_only(env, cfg.steps)
     else:
         dists_t, rewards_t = torch.stack(dists), torch.stack(step_rewards)
     return Rollout(torch.stack(boxes), torch.stack(actions), log_probs_t, entropies_t, rewards_t, dists_t,
                    torch.stack(kls) if kls else None)
+
+
+def _final_distance_only(env: BoxEnv, steps: int) -> tuple[Tensor, Tensor]:
+    """(rewards ``[T, N]`` zeros, distances ``[T+1, N]`` NaN but the last) of an episode that embedded only its
+    final box, ``env.boxes`` (its distance is the score)."""
+    n, device = env.boxes.shape[0], env.boxes.device
+    dists = torch.full((steps + 1, n), float("nan"), device=device)
+    dists[-1] = env.observe()[2]
+    return torch.zeros(steps, n, device=device), dists
 
 
 def search(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, cfg: EnvConfig,

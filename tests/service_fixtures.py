@@ -89,7 +89,7 @@ def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settin
         database_url=f"sqlite:///{root}/qloc.db", broker_url=f"sqla+sqlite:///{root}/celery-broker.db",
         storage_dir=root / "blobs", bundle_dir=bundle_dir, default_bundle=TEST_BUNDLES[0], device="cpu",
         checkpoint_every=2, default_iterations=4, max_iterations=50, adapt_batch_size=4, repair_epochs=3,
-        early_stop_patience=0,
+        early_stop_patience=0, compile_episode=False,
         heartbeat_interval=0.3, heartbeat_timeout=2.0, reaper_interval=0.5, job_soft_time_limit=120,
         job_time_limit=150, max_files_per_request=8, max_file_bytes=200_000, max_image_pixels=1_000_000)
     values.update(overrides)

@@ -22,7 +22,7 @@ RANKS = {
     "config": 0, "core": 0, "plots": 0, "allocator": 0,
     "backbones": 1, "data": 1,
     "nets": 2, "presets": 2,
-    "bundle": 3, "rollout": 3, "instances": 3, "refine": 3,
+    "bundle": 3, "rollout": 3, "compiled": 3, "instances": 3, "refine": 3,
     "inference": 4,
     "features": 5, "policy": 5, "calibration": 5,
     "evaluate": 6, "adapt": 6, "guard": 6,

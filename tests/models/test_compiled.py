@@ -1,0 +1,95 @@
+"""The compiled one-image episode (``models.compiled``): the eager episode's very boxes, and never a compile on a call.
+
+One compile for the module (a tiny bundle: 4 steps, ~10-30 s on 2 cores), then every check against the eager
+``steer`` of the same function.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from models.bundle import new_bundle
+from models.compiled import CompiledSteer, compiled_steer, warmed_steer
+from models.config import AgentConfig, EnvConfig, HeadConfig, InputSpec, ModelConfig
+from models.inference import Localizer, preprocess
+
+S = 32
+
+
+def tiny_localizer(seed: int = 0) -> Localizer:
+    """A tiny bundle whose agent's weights make actions differ between images and steps."""
+    cfg = ModelConfig(
+        input=InputSpec(channels=1, size=S, mean=(0.1307,), std=(0.3081,), exemplar_size=12, fill=(0.0,)),
+        head=HeadConfig(in_features=64 * 7 * 7, hidden=32, out_features=16, dropout=0.0),
+        agent=AgentConfig(conv_channels=4, hidden=8, embed_dim=16),
+        env=EnvConfig(steps=4, alpha=0.2, min_side=8.0, resize=0.2))
+    bundle = new_bundle("tiny", cfg, 0)
+    bundle.agent_state = lively(bundle.agent_state, seed)
+    return Localizer(bundle, "cpu")
+
+
+def lively(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) * (3.0 / v[0].numel() ** 0.5 if v.dim() > 1 else 0.1)
+            for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def warmed() -> tuple[Localizer, CompiledSteer, float]:
+    loc = tiny_localizer()
+    seconds = loc.compile_episode()
+    return loc, compiled_steer(), seconds
+
+
+def answers(loc: Localizer, images: list[torch.Tensor], proto: torch.Tensor, agent_seed: int):
+    agent = loc.agent(lively(loc.bundle.agent_state, agent_seed))
+    out = []
+    for x in images:  # one image per call: the compiled shape
+        batch, scales = preprocess([x], loc.spec)
+        out.append(loc.localize_batch(batch, scales, proto, agent, trajectory=True)[0])
+    return out
+
+
+def test_a_compiled_episode_moves_the_boxes_the_eager_one_does_for_any_checkpoint(warmed, monkeypatch):
+    loc, compiled, seconds = warmed
+    assert seconds > 0 and warmed_steer() is compiled
+    g = torch.Generator().manual_seed(1)
+    images = [torch.rand(1, 40 + 7 * i, 36, generator=g) for i in range(6)]
+    proto = torch.randn(16, generator=g)
+    for agent_seed in (0, 1, 2):  # other checkpoints' weights: the same compiled code, no recompile
+        before = compiled.calls
+        fast = answers(loc, images, proto, agent_seed)
+        assert compiled.calls == before + len(images)
+        with monkeypatch.context() as m:
+            m.setattr("models.inference.warmed_steer", lambda: None)  # the eager episode
+            slow = answers(loc, images, proto, agent_seed)
+        assert compiled.calls == before + len(images)
+        assert [a.trajectory for a in fast] == [a.trajectory for a in slow]
+        assert [a.score for a in fast] == pytest.approx([a.score for a in slow], rel=1e-6)
+        assert len({a.box for a in fast}) > 1  # the images got different answers: the check can fail
+
+
+def test_other_batches_and_sampled_episodes_run_eager_and_nothing_compiles_on_a_call(warmed):
+    loc, compiled, _ = warmed
+    g = torch.Generator().manual_seed(2)
+    batch, scales = preprocess([torch.rand(1, 32, 32, generator=g) for _ in range(3)], loc.spec)
+    proto, agent = torch.randn(16, generator=g), loc.agent()
+    before = compiled.calls
+    start = time.perf_counter()
+    three = loc.localize_batch(batch, scales, proto, agent)  # batch 3: never compiled
+    sampled = loc.localize_batch(batch[:1], scales[:1], proto, agent, deterministic=False, seed=3)
+    assert time.perf_counter() - start < 5  # a compile takes ~10 s or more
+    assert compiled.calls == before
+    one = [loc.localize_batch(batch[i:i + 1], scales[i:i + 1], proto, agent)[0] for i in range(3)]
+    assert compiled.calls == before + 3
+    for a, b in zip(one, three, strict=True):
+        assert a.box == pytest.approx(b.box, abs=1e-4)
+    assert len(sampled) == 1
+
+
+def test_warming_again_compiles_nothing(warmed):
+    loc, compiled, _ = warmed
+    assert loc.compile_episode() == 0.0
