@@ -15,6 +15,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /srv/qloc
 
+# A C++ compiler: the API compiles its one-image episode at start (QLOC_COMPILE_EPISODE; torch.compile's CPU
+# kernels are C++). Without one it logs that and serves the eager episode.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, so code changes do not reinstall torch.
 COPY pyproject.toml ./
 RUN mkdir -p models app worker && touch models/__init__.py app/__init__.py worker/__init__.py \

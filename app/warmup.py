@@ -20,16 +20,17 @@ log = logging.getLogger(__name__)
 
 class EpisodeWarmup:
     """``BundleRegistry``'s ``on_load``: compiles the loaded bundle's one-image greedy episode on a background
-    thread (CPU only: on a GPU the episode stays eager). ``observe(outcome)`` is told ``"compiled"`` or
-    ``"failed"`` for each bundle."""
+    thread. CPU only (on a GPU the episode stays eager), and only for bundles that answer with the episode's last
+    box (the cMNIST ones; the photo bundles' default answer, the nearest visited box, is a search that embeds
+    every step). ``observe(outcome)`` is told ``"compiled"`` or ``"failed"`` for each bundle compiled."""
 
     def __init__(self, observe: Callable[[str], None] | None = None):
         self.observe = observe
         self._threads: list[threading.Thread] = []
 
     def __call__(self, loaded: LoadedBundle) -> None:
-        if loaded.localizer.device.type != "cpu":
-            return
+        if loaded.localizer.device.type != "cpu" or loaded.localizer.default_nearest:
+            return  # a GPU, or a bundle whose answer is the nearest visited box (a search): the eager episode
         thread = threading.Thread(target=self._warm, args=(loaded,), name=f"qloc-compile-{loaded.name}", daemon=True)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()

@@ -7,6 +7,9 @@ moment falls on all alike), and each round times every one of ``--images`` cMNIS
 
     .venv/bin/python benchmarks/latency_batch1.py --tree before=/tmp/qloc-head --tree after=. --rounds 5
 
+``--compile NAME`` has tree NAME compile its one-image episode first (``Localizer.compile_episode``, what the
+API does at start; seconds reported as ``compile_s``): ``--tree eager=. --tree compiled=. --compile compiled``.
+
 Prints JSON: per tree, the median and p95 latency (ms) over every timed call and each round's median;
 then the ratios to the first tree, and whether every tree gave the same boxes (``same_boxes``).
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(bundle: str, images: int, digit: int) -> None:
+def child(bundle: str, images: int, digit: int, compile_episode: bool) -> None:
     """Run in a tree's process: time each image when told on stdin, report the times and boxes as JSON lines."""
     import time
 
@@ -41,6 +44,7 @@ def child(bundle: str, images: int, digit: int) -> None:
     proto = loc.prototype(exemplar_crops(cmnist(digit, "train", 5, seed=1000)))
     x = cmnist(digit, "test", images, seed=0).images
     scales = torch.ones(1, 2)
+    compile_s = loc.compile_episode() if compile_episode else None
     for i in range(min(20, images)):  # warm-up
         loc.localize_batch(x[i:i + 1], scales, proto, agent)
     for _ in sys.stdin:
@@ -50,7 +54,7 @@ def child(bundle: str, images: int, digit: int) -> None:
             r = loc.localize_batch(x[i:i + 1], scales, proto, agent)
             times.append(time.perf_counter() - t0)
             boxes.append(r[0].box)
-        print(json.dumps({"times": times, "boxes": boxes}), flush=True)
+        print(json.dumps({"times": times, "boxes": boxes, "compile_s": compile_s}), flush=True)
 
 
 def main() -> None:
@@ -59,11 +63,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--images", type=int, default=200)
     p.add_argument("--digit", type=int, default=4)
-    p.add_argument("--bundle", default=str(ROOT / "bundles/mnist-digit4.pt"))
+    p.add_argument("--bundle", default=str(ROOT / "bundles/mnist-general.pt"))
+    p.add_argument("--compile", action="append", default=[], metavar="NAME",
+                   help="tree NAME compiles its one-image episode first")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        child(a.bundle, a.images, a.digit)
+        child(a.bundle, a.images, a.digit, bool(a.compile))
         return
     procs = {}
     for t in a.tree:
@@ -71,7 +77,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(Path(d).resolve()), "OMP_NUM_THREADS": "1"}
         procs[name] = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", t, "--images", str(a.images),
-             "--digit", str(a.digit), "--bundle", a.bundle],
+             "--digit", str(a.digit), "--bundle", a.bundle, *(["--compile", name] if name in a.compile else [])],
             cwd=Path(d).resolve(), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     runs: dict[str, list[dict]] = {name: [] for name in procs}
     try:
@@ -89,7 +95,8 @@ def main() -> None:
         ms = sorted(1e3 * t for r in rs for t in r["times"])
         out["trees"][name] = {
             "p50_ms": round(statistics.median(ms), 2), "p95_ms": round(ms[int(0.95 * (len(ms) - 1))], 2),
-            "round_medians_ms": [round(1e3 * statistics.median(r["times"]), 2) for r in rs]}
+            "round_medians_ms": [round(1e3 * statistics.median(r["times"]), 2) for r in rs],
+            "compile_s": rs[0]["compile_s"] and round(rs[0]["compile_s"], 1)}
     names = list(runs)
     out["ratios"] = {f"{n} / {names[0]}, p50": round(out["trees"][n]["p50_ms"] / out["trees"][names[0]]["p50_ms"], 3)
                      for n in names[1:]}

@@ -5,8 +5,9 @@
    ``allocator`` (glibc's thresholds for batched activations)
 1. ``backbones`` (registry, builders, decoders), ``data`` (``LabeledImages``, cMNIST, photos, fetcher)
 2. ``nets`` (RoI embedder, agent), ``presets`` (the cMNIST and photo configs)
-3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search), ``instances`` (several
-   objects per image: episodes from coarse windows, NMS), ``refine`` (an answer refined on a repaired reward)
+3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search), ``compiled`` (the
+   one-image greedy episode compiled ahead), ``instances`` (several objects per image: episodes from coarse
+   windows, NMS), ``refine`` (an answer refined on a repaired reward)
 4. ``inference`` (the one ``preprocess`` and ``Localizer``)
 5. ``features`` (backbone features, prototypes), ``policy`` (the policy-gradient step)
 6. ``evaluate`` (OrdAcc, CorLoc, ranking baseline), ``adapt`` (stage 3), ``guard`` (probes decide)
