@@ -17,8 +17,6 @@ bundle's input as the fit read it. It needs no model, so it holds with ``QLOC_IN
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -27,6 +25,7 @@ from PIL import Image
 from torch import Tensor
 
 from app.inference import LoadedBundle, prototype_from_bytes
+from app.lru import LoadingLRU
 from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.data.types import LabeledImages
 from models.inference import pil_to_tensor, preprocess, resize_batch
@@ -99,9 +98,8 @@ class Judged:
     """With ``max_instances``: each instance's verdict, best first (those under ``min_confidence`` left out)."""
 
 
-_DECODED: OrderedDict[Hashable, Calibration] = OrderedDict()
-_DECODED_LOCK = threading.Lock()
 DECODED_CACHE_SIZE = 256
+_DECODED: LoadingLRU[Calibration] = LoadingLRU(DECODED_CACHE_SIZE)
 
 
 def decoded(calibration: dict, key: Hashable | None) -> Calibration:
@@ -109,17 +107,7 @@ def decoded(calibration: dict, key: Hashable | None) -> Calibration:
     written once, never changed) so that each request does not decode its templates again; ``None``: not kept."""
     if key is None:
         return Calibration.from_dict(calibration)
-    with _DECODED_LOCK:
-        cal = _DECODED.get(key)
-        if cal is not None:
-            _DECODED.move_to_end(key)
-            return cal
-    cal = Calibration.from_dict(calibration)
-    with _DECODED_LOCK:
-        _DECODED[key] = cal
-        while len(_DECODED) > DECODED_CACHE_SIZE:
-            _DECODED.popitem(last=False)
-    return cal
+    return _DECODED.get(key, lambda: Calibration.from_dict(calibration))
 
 
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913

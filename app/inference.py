@@ -21,8 +21,7 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from app.lru import LoadingLRU
 from app.storage import BlobStore
 from app.tables import ExemplarSet
 from models.bundle import Bundle, Reward, bundle_from_bytes, checkpoint_from_bytes, policy_from_bytes
@@ -95,8 +95,7 @@ class BundleRegistry:
         self.device = resolve_device(device)
         self._loaded: dict[str, LoadedBundle] = {}
         self._lock = threading.Lock()
-        self._policies: OrderedDict[object, dict[str, Tensor]] = OrderedDict()
-        self._policy_cache_size = policy_cache_size
+        self._policies: LoadingLRU[dict[str, Tensor]] = LoadingLRU(policy_cache_size)
 
     def names(self) -> list[str]:
         """Bundles available in the bundle directory."""
@@ -154,19 +153,10 @@ class BundleRegistry:
     def is_loaded(self, name: str) -> bool:
         return name in self._loaded
 
-    def cached_policy(self, key: object, load) -> dict[str, Tensor]:  # type: ignore[no-untyped-def]
+    def cached_policy(self, key: Hashable, load: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
         """``load()``'s result, cached under ``key`` (checkpoints never change once written; a key should
         name the bundle too, as the same checkpoint is refused by another bundle file)."""
-        with self._lock:
-            if key in self._policies:
-                self._policies.move_to_end(key)
-                return self._policies[key]
-        state = load()
-        with self._lock:
-            self._policies[key] = state
-            while len(self._policies) > self._policy_cache_size:
-                self._policies.popitem(last=False)
-        return state
+        return self._policies.get(key, load)
 
 
 def bundle_for_set(bundles: BundleRegistry, es: ExemplarSet) -> LoadedBundle:

@@ -13,9 +13,7 @@ so the routes do not change with the deployment.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +33,7 @@ from app.inference import (
     read_served_checkpoint,
     short_sha,
 )
+from app.lru import LoadingLRU
 from app.storage import BlobStore
 from models.bundle import PolicyMismatch, Reward
 from models.inference import Localization, Localizer, preprocess
@@ -151,30 +150,20 @@ class LocalInference:
         self.bundles, self.store = bundles, store
         self.default_nearest = default_nearest
         """The server's ``QLOC_LOCALIZE_NEAREST``: used when the call leaves ``nearest`` unset."""
-        self._agents: OrderedDict[tuple[str, uuid.UUID | None], Agent] = OrderedDict()
-        self._agent_cache_size = agent_cache_size
-        self._agents_lock = threading.Lock()
+        self._served: LoadingLRU[Served] = LoadingLRU(agent_cache_size)
 
     def served(self, loaded: LoadedBundle, ckpt: CheckpointRef | None) -> Served:
         """The agent of ``ckpt`` (``None``: the bundle's own) on ``loaded``, with its reward's localizer and
         prototype, built once and kept (eval-mode modules used without gradient: threads may share them)."""
-        key = (loaded.sha256, None if ckpt is None else ckpt.id)
-        with self._agents_lock:
-            served = self._agents.get(key)
-            if served is not None:
-                self._agents.move_to_end(key)
-                return served
-        state, reward = policy_state(self.bundles, self.store, ckpt, loaded)
-        if reward is None:
-            served = Served(loaded.localizer.agent(state), loaded.localizer, None)
-        else:  # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype
+        def load() -> Served:
+            state, reward = policy_state(self.bundles, self.store, ckpt, loaded)
+            if reward is None:
+                return Served(loaded.localizer.agent(state), loaded.localizer, None)
+            # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype
             localizer = Localizer(loaded.bundle.with_head(reward.head, reward.refine), loaded.localizer.device)
-            served = Served(localizer.agent(state), localizer, reward.prototype.float())
-        with self._agents_lock:
-            self._agents[key] = served
-            while len(self._agents) > self._agent_cache_size:
-                self._agents.popitem(last=False)
-        return served
+            return Served(localizer.agent(state), localizer, reward.prototype.float())
+
+        return self._served.get((loaded.sha256, None if ckpt is None else ckpt.id), load)
 
     def agent(self, loaded: LoadedBundle, ckpt: CheckpointRef | None) -> Agent:
         """The agent of ``ckpt`` on ``loaded`` (``served``'s)."""

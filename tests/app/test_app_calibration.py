@@ -7,6 +7,7 @@ from service_fixtures import files, png_bytes, row_counts
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
+from app.lru import LoadingLRU
 from app.tables import Checkpoint, ExemplarSet
 from models.calibration import Calibration, PlattFit
 
@@ -142,14 +143,14 @@ def test_a_stored_calibration_is_decoded_once_per_row(monkeypatch):
     calls = []
     real = Calibration.from_dict
     monkeypatch.setattr(Calibration, "from_dict", classmethod(lambda cls, d: calls.append(d) or real(d)))
-    monkeypatch.setattr(appcal, "_DECODED", type(appcal._DECODED)())
+    monkeypatch.setattr(appcal, "_DECODED", LoadingLRU(appcal.DECODED_CACHE_SIZE))
     d = fixed(1.0)
     key = ("set", uuid.uuid4())
     first = appcal.decoded(d, key)
     assert appcal.decoded(d, key) is first and len(calls) == 1  # the same row: decoded once
     assert appcal.decoded(d, ("checkpoint", key[1])) is not first and len(calls) == 2  # another row
     assert appcal.decoded(d, None) is not appcal.decoded(d, None) and len(calls) == 4  # no key: never kept
-    monkeypatch.setattr(appcal, "DECODED_CACHE_SIZE", 2)
+    appcal._DECODED.size = 2
     for k in range(3):
         appcal.decoded(d, ("set", k))
     assert len(appcal._DECODED) == 2 and key not in appcal._DECODED  # bounded: the oldest goes
