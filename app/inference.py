@@ -153,6 +153,11 @@ class BundleRegistry:
     def is_loaded(self, name: str) -> bool:
         return name in self._loaded
 
+    def loaded(self) -> list[LoadedBundle]:
+        """The bundles loaded so far (their current files)."""
+        with self._lock:
+            return list(self._loaded.values())
+
     def cached_policy(self, key: Hashable, load: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
         """``load()``'s result, cached under ``key`` (checkpoints never change once written; a key should
         name the bundle too, as the same checkpoint is refused by another bundle file)."""

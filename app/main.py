@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +14,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import web
+from app import warmup, web
 from app.config import Settings, get_settings, usable_cores
 from app.db import make_engine, make_sessionmaker
 from app.inference import BundleRegistry
@@ -25,7 +24,6 @@ from app.remote import WorkerInference
 from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, pool
 from app.serving import BatchedInference
 from app.storage import BlobStore
-from app.warmup import EpisodeWarmup
 from models.allocator import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -98,14 +96,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = make_sessionmaker(app.state.engine)
     app.state.store = BlobStore(settings.storage_dir)
     app.state.metrics = Metrics(app.state.session_factory)
-    app.state.warmup = None  # compiles each loaded bundle's one-image episode in the background (app/warmup.py)
-    if settings.inference == "local" and settings.compile_episode:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((settings.storage_dir / "compile-cache").resolve()))
-        app.state.warmup = EpisodeWarmup(observe=app.state.metrics.episode_compiled)
     # workers mode: this registry loads no model (the workers' do), so QLOC_DEVICE=cuda needs no GPU here
     app.state.bundles = BundleRegistry(settings.bundle_dir,
-                                       settings.device if settings.inference == "local" else "cpu",
-                                       on_load=app.state.warmup)
+                                       settings.device if settings.inference == "local" else "cpu")
+    # each loaded bundle's one-image episode compiled in the background (app/warmup.py); the workers' own, there
+    app.state.warmup = (warmup.install(app.state.bundles, settings, observe=app.state.metrics.episode_compiled)
+                        if settings.inference == "local" else None)
     app.state.queue = JobQueue(settings)
     app.state.route_turns = threading.BoundedSemaphore(settings.route_threads)
     if settings.inference == "local":  # the model's threads; the rest of the cores serve HTTP

@@ -10,10 +10,12 @@ compiler does not support) is logged and leaves the bundle eager: slower, never 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
-from app.inference import LoadedBundle
+from app.config import Settings
+from app.inference import BundleRegistry, LoadedBundle
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +58,18 @@ class EpisodeWarmup:
         for thread in list(self._threads):
             thread.join(timeout)
         return not any(t.is_alive() for t in self._threads)
+
+
+def install(bundles: BundleRegistry, settings: Settings, observe: Callable[[str], None] | None = None
+            ) -> EpisodeWarmup | None:
+    """Compile the episode of every bundle ``bundles`` loads from now on, and of those it has loaded, unless
+    ``settings.compile_episode`` is off (-> ``None``). Inductor's cache goes to ``<storage_dir>/compile-cache``
+    unless ``TORCHINDUCTOR_CACHE_DIR`` says where (a restart then compiles in seconds)."""
+    if not settings.compile_episode:
+        return None
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((settings.storage_dir / "compile-cache").resolve()))
+    warmup = EpisodeWarmup(observe)
+    bundles.on_load = warmup
+    for loaded in bundles.loaded():
+        warmup(loaded)
+    return warmup

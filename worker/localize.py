@@ -22,6 +22,7 @@ import os
 import threading
 from typing import Any
 
+from app import warmup
 from app.inference import BundleRegistry, LoadedBundle, UnknownBundle, prototype_to_bytes
 from app.remote import (
     RETRY_AFTER,
@@ -47,6 +48,7 @@ def inference(ctx: WorkerContext) -> BatchedInference:
     with _lock:
         if pid not in _backends:
             s = ctx.settings
+            warmup.install(ctx.bundles, s)  # this worker serves one-image calls too: their episode compiled
             # default_nearest None: the API already applied its QLOC_LOCALIZE_NEAREST; unset, the bundle decides
             _backends[pid] = BatchedInference(ctx.bundles, ctx.store, default_nearest=None,
                                               window_s=s.batch_window_ms / 1000, max_batch_images=s.batch_max_images,

@@ -2,7 +2,7 @@
 
 Through real HTTP on the embedded default: the answers before and after the compile are the same, the compile
 is counted in ``/metrics``, its cache lands in the storage directory, and a compile that fails leaves the eager
-episode serving.
+episode serving. The localize worker (``QLOC_INFERENCE=workers``) compiles its bundles' episode too.
 """
 
 from __future__ import annotations
@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 
 from fastapi.testclient import TestClient
-from service_fixtures import files, make_test_settings, migrate, png_bytes
+from service_fixtures import TEST_BUNDLES, files, make_test_settings, migrate, png_bytes
 
+from app import warmup
+from app.inference import BundleRegistry
 from app.main import create_app
 from models.compiled import compiled_steer
+from worker import localize as on_worker
+from worker.context import WorkerContext
 
 
 def localize(c: TestClient, set_id: str, seed: int) -> dict:
@@ -68,3 +72,27 @@ def test_no_compile_when_turned_off(settings):
     app = create_app(settings)
     with TestClient(app):
         assert app.state.warmup is None
+
+
+def test_install_compiles_what_is_loaded_and_what_loads_later_and_the_localize_worker_installs_it(
+        tmp_path, bundle_dir, monkeypatch):
+    compiled = []
+    monkeypatch.setattr("models.inference.Localizer.compile_episode", lambda self: compiled.append(self) or 1.0)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    settings = make_test_settings(tmp_path, bundle_dir, compile_episode=True)
+    bundles = BundleRegistry(bundle_dir, "cpu")
+    first = bundles.get(TEST_BUNDLES[0])
+    assert warmup.install(bundles, settings.model_copy(update={"compile_episode": False})) is None
+    installed = warmup.install(bundles, settings)
+    assert installed.wait(30) and compiled == [first.localizer]  # the bundle loaded before
+    second = bundles.get(TEST_BUNDLES[1])
+    assert installed.wait(30) and compiled == [first.localizer, second.localizer]  # and one loaded after
+
+    ctx = WorkerContext.create(settings)
+    monkeypatch.setattr(on_worker, "_backends", {})
+    backend = on_worker.inference(ctx)
+    try:
+        assert isinstance(ctx.bundles.on_load, warmup.EpisodeWarmup)
+    finally:
+        backend.close()
+        ctx.engine.dispose()
