@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import statistics
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -45,3 +47,21 @@ def emit(result: dict, out: str | None) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
+
+
+def wait_compiled(url: str, tree: Path, processes: int = 1, timeout: float = 600) -> float | None:
+    """Wait until the API at ``url`` (started from checkout ``tree``, ``processes`` processes) has compiled its
+    one-image episode in every process, or given up (``QLOC_COMPILE_EPISODE``, counted in ``/metrics``), so that
+    a measurement neither includes the compile's CPU nor misses its speed -> seconds waited (``None``: that
+    checkout does not compile)."""
+    if "qloc_episode_compiles_total" not in (tree / "app/metrics.py").read_text():
+        return None
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("qloc_episode_compiles_total{"))
+        if done >= processes:
+            return round(time.monotonic() - start, 1)
+        time.sleep(1)
+    raise RuntimeError(f"{url}: the episode was not compiled after {timeout} s")

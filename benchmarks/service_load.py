@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
-from _client import emit, multipart, percentiles, to_png  # noqa: E402
+from _client import emit, multipart, percentiles, to_png, wait_compiled  # noqa: E402
 
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402
@@ -79,23 +79,11 @@ class Server:
             time.sleep(0.3)
         raise RuntimeError(f"{self.name}: not ready after {timeout} s")
 
-    def wait_compiled(self, timeout: float = 600) -> float | None:
-        """Wait until every API process of a tree that compiles its one-image episode (``QLOC_COMPILE_EPISODE``,
-        counted in ``/metrics``) has compiled it or given up -> seconds waited (``None``: the tree does not)."""
-        if "qloc_episode_compiles_total" not in (self.tree / "app/metrics.py").read_text():
-            return None
-        start = time.monotonic()
+    def wait_compiled(self) -> float | None:
+        """``_client.wait_compiled`` for every API process ``scripts/run api`` started."""
         ask = subprocess.run([str(BIN / "python"), "-m", "app.config", "api-processes"], cwd=self.tree, env=self.env,
                              capture_output=True, text=True)
-        processes = int(ask.stdout.strip() or 1) if ask.returncode == 0 else 1
-        while time.monotonic() - start < timeout:
-            text = httpx.get(f"{self.url}/metrics", timeout=10).text
-            done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("qloc_episode_compiles_total{"))
-            if done >= processes:
-                return round(time.monotonic() - start, 1)
-            time.sleep(1)
-        raise RuntimeError(f"{self.name}: the episode was not compiled after {timeout} s")
+        return wait_compiled(self.url, self.tree, int(ask.stdout.strip() or 1) if ask.returncode == 0 else 1)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -34,6 +34,9 @@ import numpy as np
 import psutil
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _client import wait_compiled  # noqa: E402
+
 HERE = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
 
@@ -123,6 +126,7 @@ def run_one(repo: Path, images: list[bytes], concurrency: int, env_extra: dict[s
             url = f"/v1/exemplar-sets/{r.json()['id']}/localize"
             warm = c.post(url, files=[("files", ("w.jpg", photo_jpeg(640, 99), "image/jpeg"))])
             warm.raise_for_status()
+        compiled_after_s = wait_compiled(base, repo)  # idle: after the episode's compile, where the tree has one
         sampler = Sampler(api.pid)
         sampler.start()
         time.sleep(1.0)
@@ -150,7 +154,7 @@ def run_one(repo: Path, images: list[bytes], concurrency: int, env_extra: dict[s
         alive = api.poll() is None
         return {"repo": str(repo), "idle_rss_mib": round(idle / MiB), "peak_rss_mib": round(sampler.peak / MiB),
                 "peak_minus_idle_mib": round((sampler.peak - idle) / MiB), "requests": answers,
-                "wall_s": round(wall, 1), "api_alive_after": alive}
+                "wall_s": round(wall, 1), "api_alive_after": alive, "compiled_after_s": compiled_after_s}
     finally:
         api.terminate()
         try:
