@@ -29,12 +29,14 @@ class EpisodeWarmup:
     def __init__(self, observe: Callable[[str], None] | None = None):
         self.observe = observe
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # bundles load on request threads: two may call at once
 
     def __call__(self, loaded: LoadedBundle) -> None:
         if loaded.localizer.device.type != "cpu" or loaded.localizer.default_nearest:
             return  # a GPU, or a bundle whose answer is the nearest visited box (a search): the eager episode
         thread = threading.Thread(target=self._warm, args=(loaded,), name=f"qloc-compile-{loaded.name}", daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
     def _warm(self, loaded: LoadedBundle) -> None:
@@ -55,9 +57,11 @@ class EpisodeWarmup:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the compiles started so far -> whether all have finished."""
-        for thread in list(self._threads):
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(timeout)
-        return not any(t.is_alive() for t in self._threads)
+        return not any(t.is_alive() for t in threads)
 
 
 def install(bundles: BundleRegistry, settings: Settings, observe: Callable[[str], None] | None = None

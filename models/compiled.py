@@ -16,7 +16,6 @@ graph takes the agent's and the embedder's weights as inputs, so every checkpoin
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import warnings
@@ -30,16 +29,14 @@ from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
 from models.rollout import steer
 
-log = logging.getLogger(__name__)
-
 
 def _key(embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
          size: tuple[float, float], deterministic: object, generator: object) -> tuple | None:
     """What a compiled episode was made for (``None``: never compiled: sampled actions)."""
     if deterministic is not True or generator is not None:
         return None
-    return (tuple(feats.shape), feats.dtype, feats.device.type, tuple(boxes.shape), repr(cfg),
-            (float(size[0]), float(size[1])), repr(agent.cfg), repr(embedder.roi_cfg),
+    return (tuple(feats.shape), feats.stride(), feats.dtype, feats.device.type, tuple(boxes.shape), boxes.stride(),
+            repr(cfg), (float(size[0]), float(size[1])), repr(agent.cfg), repr(embedder.roi_cfg),
             torch.is_inference_mode_enabled())
 
 

@@ -6,6 +6,7 @@ One compile for the module (a tiny bundle: 4 steps, ~10-30 s on 2 cores), then e
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from models.bundle import new_bundle
 from models.compiled import CompiledSteer, compiled_steer, warmed_steer
 from models.config import AgentConfig, EnvConfig, HeadConfig, InputSpec, ModelConfig
+from models.core import actions
 from models.inference import Localizer, preprocess
 
 S = 32
@@ -42,6 +44,23 @@ def warmed() -> tuple[Localizer, CompiledSteer, float]:
     loc = tiny_localizer()
     seconds = loc.compile_episode()
     return loc, compiled_steer(), seconds
+
+
+def python_moves(fn) -> int:  # type: ignore[no-untyped-def]
+    """How many times ``fn()`` ran ``apply_actions`` as Python: once per step eager, never in compiled code (a
+    check that the compiled code ran, not an eager fallback)."""
+    n = 0
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        nonlocal n
+        n += event == "call" and frame.f_code is actions.apply_actions.__code__
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
 
 
 def answers(loc: Localizer, images: list[torch.Tensor], proto: torch.Tensor, agent_seed: int):
@@ -85,6 +104,9 @@ def test_other_batches_and_sampled_episodes_run_eager_and_nothing_compiles_on_a_
     assert compiled.calls == before
     one = [loc.localize_batch(batch[i:i + 1], scales[i:i + 1], proto, agent)[0] for i in range(3)]
     assert compiled.calls == before + 3
+    steps = loc.bundle.config.env.steps
+    assert python_moves(lambda: loc.localize_batch(batch[:1], scales[:1], proto, agent)) == 0  # compiled code ran
+    assert python_moves(lambda: loc.localize_batch(batch, scales, proto, agent)) == steps  # eager
     for a, b in zip(one, three, strict=True):
         assert a.box == pytest.approx(b.box, abs=1e-4)
     assert len(sampled) == 1
