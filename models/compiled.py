@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from models.config import EnvConfig
-from models.core.actions import apply_actions
+from models.core.boxes import full_image_boxes
 from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
 from models.rollout import steer
@@ -63,8 +63,7 @@ class CompiledSteer:
         (under inference mode, as a server calls it) -> seconds it took; raises what compiling raised (no
         C++ compiler, an unsupported operation), leaving that episode eager."""
         with torch.inference_mode():
-            boxes = torch.tensor([[0.0, 0.0, float(size[0]), float(size[1])]], device=feats.device
-                                 ).expand(feats.shape[0], 4).contiguous()
+            boxes = full_image_boxes(feats.shape[0], size[0], size[1], device=feats.device)
             key = _key(embedder, agent, feats, boxes, cfg, size, True, None)
             if self.ready(key):
                 return 0.0
@@ -74,12 +73,10 @@ class CompiledSteer:
             with self._lock, torch._inductor.config.patch(compile_threads=1), warnings.catch_warnings():
                 # The RoI index's lru_cache is traced through: its value is a constant of the compiled shape.
                 warnings.filterwarnings("ignore", message=".*lru_cache", category=UserWarning)
-                # Module-level caches the episode reads (the action tables) are filled first, or the compiled
-                # code would be guarded on their being empty.
-                apply_actions(boxes, torch.zeros(boxes.shape[0], dtype=torch.long, device=feats.device),
-                              float(size[0]), float(size[1]), cfg.alpha, cfg.min_side, cfg.resize)
-                fast = self._compiled(embedder, agent, feats, boxes, cfg, size, True, None)
+                # The eager episode first: it fills the module-level caches the episode reads (the action tables),
+                # or the compiled code would be guarded on their being empty.
                 slow = steer(embedder, agent, feats, boxes, cfg, size, True, None)
+                fast = self._compiled(embedder, agent, feats, boxes, cfg, size, True, None)
                 if not torch.equal(fast[0], slow[0]):  # never seen; a compiler that moves boxes is not used
                     raise RuntimeError("the compiled episode's boxes differ from the eager episode's")
                 self._ready.add(key)

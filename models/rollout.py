@@ -226,8 +226,7 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
         boxes_t, actions_t, logits_t = (steer if steerer is None else steerer)(
             embedder, agent, feats, env.boxes, cfg, (env.width, env.height), deterministic, generator)
         env.boxes = boxes_t[-1]
-        logp = logits_t.log_softmax(-1)  # [T, B, A]
-        return Rollout(boxes_t, actions_t, logp.gather(2, actions_t[..., None])[..., 0], -(logp.exp() * logp).sum(-1),
+        return Rollout(boxes_t, actions_t, *_log_probs_entropies(logits_t, actions_t),
                        *_final_distance_only(env, cfg.steps))
     roi, emb, dist = env.observe(embed)
     h = agent.initial_state(b, device=feats.device)
@@ -256,15 +255,20 @@ def rollout(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tens
     if track:
         log_probs_t, entropies_t = torch.stack(log_probs), torch.stack(entropies)
     else:
-        logp = torch.stack(step_logits).log_softmax(-1)  # [T, B, A]
-        actions_t = torch.stack(actions)
-        log_probs_t, entropies_t = logp.gather(2, actions_t[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+        log_probs_t, entropies_t = _log_probs_entropies(torch.stack(step_logits), torch.stack(actions))
     if not embed:
         rewards_t, dists_t = _final_distance_only(env, cfg.steps)
     else:
         dists_t, rewards_t = torch.stack(dists), torch.stack(step_rewards)
     return Rollout(torch.stack(boxes), torch.stack(actions), log_probs_t, entropies_t, rewards_t, dists_t,
                    torch.stack(kls) if kls else None)
+
+
+def _log_probs_entropies(logits: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
+    """Every step's logits ``[T, B, A]`` and actions ``[T, B]`` -> (log-probabilities, entropies) ``[T, B]``, from one
+    log-softmax (inference: no distribution built at every step)."""
+    logp = logits.log_softmax(-1)  # [T, B, A]
+    return logp.gather(2, actions[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
 
 
 def _final_distance_only(env: BoxEnv, steps: int) -> tuple[Tensor, Tensor]:
