@@ -75,11 +75,12 @@ class Settings(BaseSettings):
     """Keep batched activations on the heap (``models.allocator``: glibc's thresholds fixed, in the API and worker
     processes): on 2 cores, localization at batch 64 ran 1.42x faster. ``false`` leaves glibc's defaults."""
     compile_episode: bool = True
-    """Compile each loaded bundle's one-image greedy episode (``torch.compile``, on a background thread at start;
-    CPU only): one-image requests then spend ~2 ms in the episode instead of ~5-7 on 2 cores, with the same boxes.
-    Compiling needs a C++ compiler (the Docker image has one) and takes tens of seconds, a few from the cache in
-    ``<storage_dir>/compile-cache`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it); until then, and where it fails,
-    the episode runs eager. ``false``: never compile."""
+    """On the CPU, compile each loaded bundle's one-image greedy episode (``torch.compile``, on a background
+    thread at start): one-image requests then spend ~2 ms in the episode instead of ~5-7 on 2 cores, with the same
+    boxes. Compiling needs a C++ compiler (the Docker image has one) and takes tens of seconds, a few from the cache
+    in ``<storage_dir>/compile-cache`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it); until then, and where it fails,
+    the episode runs eager. On a GPU (``QLOC_DEVICE``), greedy episodes of up to 64 images run as replayed CUDA
+    graphs, captured on first use (``models.compiled.GraphedSteer``). ``false``: always eager."""
     inference_threads: int = Field(0, ge=0, le=1024)
     """torch's intra-op threads in each API process. 0: half the cores shared out among the ``api_workers``
     processes (at least 1 each), the other half left to HTTP, decoding and the database: on 2 cores, 1 thread

@@ -88,8 +88,10 @@ class LoadedBundle:
 
 class BundleRegistry:
     def __init__(self, bundle_dir: str | Path, device: str = "auto", policy_cache_size: int = 32,
-                 on_load: Callable[[LoadedBundle], None] | None = None):
-        """``on_load`` is called with each bundle file once it is loaded (the first time, or after it changed)."""
+                 on_load: Callable[[LoadedBundle], None] | None = None, fast_episode: bool = True):
+        """``on_load`` is called with each bundle file once it is loaded (the first time, or after it changed);
+        ``fast_episode`` is its localizers' (``models.inference.Localizer``)."""
+        self.fast_episode = fast_episode
         self.on_load = on_load
         self.bundle_dir = Path(bundle_dir)
         self.device = resolve_device(device)
@@ -143,7 +145,8 @@ class BundleRegistry:
                 if loaded is not None:
                     log.warning("bundle %s replaced: sha256 %s -> %s; reloaded", name, short_sha(loaded.sha256),
                                 short_sha(sha256))
-                loaded = LoadedBundle(name, path, sha256, bundle, Localizer(bundle, self.device), key)
+                localizer = Localizer(bundle, self.device, fast_episode=self.fast_episode)
+                loaded = LoadedBundle(name, path, sha256, bundle, localizer, key)
                 fresh = True
             self._loaded[name] = loaded
         if fresh and self.on_load is not None:

@@ -98,7 +98,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics(app.state.session_factory)
     # workers mode: this registry loads no model (the workers' do), so QLOC_DEVICE=cuda needs no GPU here
     app.state.bundles = BundleRegistry(settings.bundle_dir,
-                                       settings.device if settings.inference == "local" else "cpu")
+                                       settings.device if settings.inference == "local" else "cpu",
+                                       fast_episode=settings.compile_episode)
     # each loaded bundle's one-image episode compiled in the background (app/warmup.py); the workers' own, there
     app.state.warmup = (warmup.install(app.state.bundles, settings, observe=app.state.metrics.episode_compiled)
                         if settings.inference == "local" else None)

@@ -160,7 +160,8 @@ class LocalInference:
             if reward is None:
                 return Served(loaded.localizer.agent(state), loaded.localizer, None)
             # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype
-            localizer = Localizer(loaded.bundle.with_head(reward.head, reward.refine), loaded.localizer.device)
+            localizer = Localizer(loaded.bundle.with_head(reward.head, reward.refine), loaded.localizer.device,
+                                  fast_episode=loaded.localizer.fast_episode)
             return Served(localizer.agent(state), localizer, reward.prototype.float())
 
         return self._served.get((loaded.sha256, None if ckpt is None else ckpt.id), load)

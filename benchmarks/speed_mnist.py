@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/speed_mnist.py --bundle bundles/mnist-digit4.pt [--device cpu]
 
 Prints JSON: medians over repeats, images/s at batch 1 and 64 (``--batches``), the ratio localize /
-encoder-only, the same for the best-of-16 search (``--samples 15``),
+encoder-only, the same for the best-of-16 search (``--samples 15``), on a GPU the greedy episode eager too
+(``localize_eager_img_s``: without ``models.compiled``'s CUDA graphs; ``same_boxes``: both gave the same boxes),
 and the wall time and peak RSS of one new-digit adaptation (digit 2, 500 unlabeled images, 100 iterations).
 """
 
@@ -48,6 +49,7 @@ def main() -> None:
     dev = resolve_device(a.device)
     bundle = load_bundle(a.bundle, dev)
     loc = Localizer(bundle, dev)
+    eager = Localizer(bundle, dev, fast_episode=False)
     data = cmnist(2, "test", max(a.batches), seed=0)
     proto = loc.prototype(exemplar_crops(cmnist(2, "train", 5, seed=1000)))
     agent = loc.agent()
@@ -73,6 +75,11 @@ def main() -> None:
             sync()
 
         @torch.no_grad()
+        def run_eager(x=x):
+            eager.run(x, proto, agent)
+            sync()
+
+        @torch.no_grad()
         def best(x=x):
             loc.run(x, proto, agent, samples=a.samples)
             sync()
@@ -81,6 +88,11 @@ def main() -> None:
         loc_rate = median_rate(run, b, a.repeats)
         out[f"batch{b}"] = {"encoder_only_img_s": round(enc_rate, 1), "localize_img_s": round(loc_rate, 1),
                             "ratio": round(loc_rate / enc_rate, 3)}
+        if dev.type == "cuda":
+            with torch.no_grad():
+                same = torch.equal(loc.run(x, proto, agent).boxes, eager.run(x, proto, agent).boxes)
+            out[f"batch{b}"].update(localize_eager_img_s=round(median_rate(run_eager, b, a.repeats), 1),
+                                    same_boxes=same)
         if a.samples:
             best_rate = median_rate(best, b, a.repeats)
             out[f"batch{b}"][f"best_of_{a.samples + 1}_img_s"] = round(best_rate, 1)

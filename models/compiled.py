@@ -12,13 +12,20 @@ feature-map shape and configuration (a server runs it on a background thread), a
 called like ``steer``: an episode it was warmed for runs compiled, any other runs eager, and nothing it is
 called with compiles anything (``torch._dynamo.run``: compiled code already made, or eager). The compiled
 graph takes the agent's and the embedder's weights as inputs, so every checkpoint of a bundle shares it.
+
+On a GPU the same episode is launch-bound at every batch size a server runs (ten steps of small kernels, each
+launched from Python): ``GraphedSteer`` captures it as a CUDA graph instead, per agent and batch bucket, on
+its first greedy call (milliseconds, no compiler), and replays it: one launch per episode.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import warnings
+import weakref
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -27,7 +34,7 @@ from models.config import EnvConfig
 from models.core.boxes import full_image_boxes
 from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
-from models.rollout import steer
+from models.rollout import Steer, steer
 
 
 def _key(embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
@@ -108,3 +115,94 @@ def warmed_steer() -> CompiledSteer | None:
     """The process's ``CompiledSteer`` once something has been compiled, else ``None`` (eager, at no cost)."""
     steer_ = _STEER
     return steer_ if steer_ is not None and steer_._ready else None
+
+
+class _Graph:
+    """One captured episode: static inputs, the CUDA graph, and its static outputs."""
+
+    def __init__(self, embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
+                 size: tuple[float, float]):
+        self.feats, self.boxes = feats.clone(), boxes.clone()
+        side = torch.cuda.Stream(feats.device)
+        side.wait_stream(torch.cuda.current_stream(feats.device))
+        with torch.cuda.stream(side):  # the eager episode first: fills the caches it reads, outside the capture
+            for _ in range(2):
+                steer(embedder, agent, self.feats, self.boxes, cfg, size, True, None)
+        torch.cuda.current_stream(feats.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: request threads may run other CUDA work meanwhile
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = steer(embedder, agent, self.feats, self.boxes, cfg, size, True, None)
+
+    def __call__(self, feats: Tensor, boxes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, n = feats.shape[0], boxes.shape[0]
+        self.feats[:b].copy_(feats)  # rows past ``b`` keep what they held: their episodes are not returned
+        self.boxes[:n].copy_(boxes)
+        self.graph.replay()
+        return tuple(o[:, :n].clone() for o in self.out)  # type: ignore[return-value]
+
+
+class GraphedSteer:
+    """``models.rollout.steer`` on CUDA as a replayed CUDA graph: greedy episodes of up to ``max_batch`` images
+    run as one launch; any other episode (CPU, sampled, larger, under autograd) runs eager.
+
+    A graph is captured on the first greedy call for its agent, feature shape and batch bucket (batches are
+    padded to the next power of two: at most ``log2(max_batch) + 1`` graphs per agent and shape), and reads
+    the agent's weights where they lie: it is keyed by their addresses (moved or replaced weights capture
+    anew) and dropped with its agent. Replays are serialized (one set of static buffers per graph)."""
+
+    def __init__(self, max_batch: int = 64, max_graphs: int = 64):
+        self.max_batch, self.max_graphs = max_batch, max_graphs
+        self._graphs: weakref.WeakKeyDictionary[Agent, OrderedDict[tuple, _Graph]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.calls = 0
+        """Episodes replayed so far."""
+        self.captures = 0
+        """Graphs captured so far."""
+
+    def __call__(self, embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
+                 size: tuple[float, float], deterministic: bool | Tensor = True,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        b = feats.shape[0]
+        if (deterministic is not True or generator is not None or not feats.is_cuda or b > self.max_batch
+                or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing()):
+            return steer(embedder, agent, feats, boxes, cfg, size, deterministic, generator)
+        bucket = 1 << (b - 1).bit_length()
+        episodes = boxes.shape[0] // b
+        weights = tuple(t.data_ptr() for t in itertools.chain(agent.parameters(), agent.buffers()))
+        key = (bucket, episodes, tuple(feats.shape[1:]), feats.dtype, feats.device, repr(cfg),
+               (float(size[0]), float(size[1])), repr(agent.cfg), repr(embedder.roi_cfg), weights,
+               agent.training, torch.is_inference_mode_enabled())
+        with self._lock:
+            graphs = self._graphs.setdefault(agent, OrderedDict())
+            graph = graphs.get(key)
+            if graph is None:
+                pad = bucket - b
+                graph = _Graph(embedder, agent, torch.cat([feats, feats[:1].expand(pad, *feats.shape[1:])]),
+                               torch.cat([boxes, boxes[:1].expand(pad * episodes, 4)]), cfg, size)
+                graphs[key] = graph
+                self.captures += 1
+                while len(graphs) > self.max_graphs:
+                    graphs.popitem(last=False)
+            else:
+                graphs.move_to_end(key)
+            self.calls += 1
+            return graph(feats, boxes)
+
+
+_GRAPHED: GraphedSteer | None = None
+
+
+def graphed_steer() -> GraphedSteer:
+    """The process's one ``GraphedSteer``."""
+    global _GRAPHED
+    with _STEER_LOCK:
+        if _GRAPHED is None:
+            _GRAPHED = GraphedSteer()
+        return _GRAPHED
+
+
+def fast_steer(device: torch.device) -> Steer | None:
+    """The quickest ready ``steer`` for episodes on ``device``: ``graphed_steer()`` on CUDA, the warmed
+    ``CompiledSteer`` elsewhere (``None``: plain eager)."""
+    return graphed_steer() if device.type == "cuda" else warmed_steer()

@@ -15,7 +15,7 @@ from PIL import Image
 from torch import Tensor
 
 from models.bundle import Bundle
-from models.compiled import compiled_steer, warmed_steer
+from models.compiled import compiled_steer, fast_steer
 from models.config import InputSpec
 from models.instances import InstanceConfig, find_instances
 from models.nets.agent import Agent
@@ -124,8 +124,12 @@ class Localization:
 class Localizer:
     """Wraps a bundle for serving: prototypes from crops, batched greedy localization."""
 
-    def __init__(self, bundle: Bundle, device: str | torch.device = "auto"):
+    def __init__(self, bundle: Bundle, device: str | torch.device = "auto", *, fast_episode: bool = True):
+        """``fast_episode``: greedy episodes run as a replayed CUDA graph on a GPU, and compiled on the CPU once
+        ``compile_episode`` (or another Localizer's) has compiled them (``models.compiled``: the same boxes);
+        ``False``: always eager."""
         self.bundle = bundle
+        self.fast_episode = fast_episode
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.embedder = bundle.to(self.device).embedder.eval()
         self.spec = bundle.config.input
@@ -196,7 +200,8 @@ class Localizer:
                         nearest=nearest)
         else:
             ro = rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
-                         deterministic=deterministic, generator=generator, rewards=rewards, steerer=warmed_steer())
+                         deterministic=deterministic, generator=generator, rewards=rewards,
+                         steerer=fast_steer(feats.device) if self.fast_episode else None)
         if self.bundle.refine and deterministic and not rewards:
             ro = self._refined(ro, feats, proto)
         return ro

@@ -32,7 +32,8 @@ class WorkerContext:
     def create(cls, settings: Settings) -> WorkerContext:
         engine = make_engine(settings.database_url)
         return cls(settings, engine, make_sessionmaker(engine), BlobStore(settings.storage_dir),
-                   BundleRegistry(settings.bundle_dir, settings.device))
+                   BundleRegistry(settings.bundle_dir, settings.device,
+                                  fast_episode=settings.compile_episode))
 
 
 _lock = threading.Lock()

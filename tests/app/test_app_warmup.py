@@ -41,7 +41,7 @@ def test_the_api_compiles_the_one_image_episode_in_the_background_and_answers_th
         compiled = [localize(c, set_id, seed) for seed in range(4)]
         assert compiled_steer().calls == calls + 4
         with monkeypatch.context() as m:
-            m.setattr("models.inference.warmed_steer", lambda: None)  # the eager episode
+            m.setattr("models.inference.fast_steer", lambda device: None)  # the eager episode
             eager = [localize(c, set_id, seed) for seed in range(4)]
         text = c.get("/metrics").text
     assert [r["box"] for r in compiled] == [r["box"] for r in eager]

@@ -83,7 +83,7 @@ def test_a_compiled_episode_moves_the_boxes_the_eager_one_does_for_any_checkpoin
         fast = answers(loc, images, proto, agent_seed)
         assert compiled.calls == before + len(images)
         with monkeypatch.context() as m:
-            m.setattr("models.inference.warmed_steer", lambda: None)  # the eager episode
+            m.setattr("models.inference.fast_steer", lambda device: None)  # the eager episode
             slow = answers(loc, images, proto, agent_seed)
         assert compiled.calls == before + len(images)
         assert [a.trajectory for a in fast] == [a.trajectory for a in slow]

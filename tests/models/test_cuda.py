@@ -151,7 +151,8 @@ def test_batched_localization_with_a_prototype_per_image_on_cuda_matches_cpu(dat
         out[dev] = loc.localize_batch(batch, scales, per_image, loc.agent(None), nearest=True)
     for a, b in zip(out["cpu"], out["cuda"], strict=True):
         assert torch.allclose(torch.tensor(a.box), torch.tensor(b.box), atol=1e-3)
-        assert abs(a.score - b.score) <= 1e-3 * abs(a.score) + 1e-3  # TF32 on the GPU: relative
+        # TF32 convolutions on the GPU (PyTorch's default): the distance moves ~0.4 % (seen on an H100), the box not
+        assert abs(a.score - b.score) <= 1e-2 * abs(a.score) + 1e-3
 
 
 def test_reward_repair_and_a_repaired_checkpoint_served_on_cuda(data):
@@ -174,3 +175,50 @@ def test_reward_repair_and_a_repaired_checkpoint_served_on_cuda(data):
     assert torch.allclose(loc.prototype(crops), rep.prototype, atol=1e-4)
     answers = loc.localize(list(test.images[:8]), rep.prototype)
     assert len(answers) == 8 and all(a.box[0] < a.box[2] for a in answers)
+
+
+def test_graphed_greedy_episodes_on_cuda_equal_eager_ones(data):
+    """``models.compiled.GraphedSteer``: greedy episodes replayed as CUDA graphs give the eager boxes at batch
+    sizes that fill and pad their bucket, capture once per bucket, follow in-place weight changes, keep two
+    agents apart, and replay from another thread; sampled episodes stay eager."""
+    import threading
+
+    from models.compiled import graphed_steer
+
+    _, _, test = data
+    b = load_bundle(MNIST, "cuda")
+    fast, eager = Localizer(b, "cuda"), Localizer(b, "cuda", fast_episode=False)
+    proto = fast.prototype(exemplar_crops(data[0]))
+    agent, other = fast.agent(), fast.agent()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    graphs = graphed_steer()
+    x = test.images[:13]
+
+    def boxes(loc, ag, n):
+        with torch.inference_mode():
+            return loc.run(x[:n], proto, ag).boxes
+
+    captures = graphs.captures
+    for n in (1, 3, 4, 13):
+        for ag in (agent, other):
+            want, calls = boxes(eager, ag, n), graphs.calls
+            assert torch.allclose(boxes(fast, ag, n), want, atol=1e-3), (n, ag is agent)
+            assert graphs.calls == calls + 1  # replayed, not eager
+    assert graphs.captures - captures == 6  # buckets 1, 4 (3 and 4 share it), 16, for each agent
+    assert not torch.equal(boxes(fast, agent, 13), boxes(fast, other, 13))
+    assert graphs.captures - captures == 6  # nothing captured again
+    with torch.no_grad():  # in place: the graph reads the agent's weights where they lie
+        for p, q in zip(agent.parameters(), other.parameters(), strict=True):
+            p.copy_(q)
+    assert torch.allclose(boxes(fast, agent, 13), boxes(eager, other, 13), atol=1e-3)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(boxes(fast, other, 3)))
+    t.start()
+    t.join()
+    assert torch.allclose(seen[0], boxes(eager, other, 3), atol=1e-3)
+    calls = graphs.calls
+    with torch.inference_mode():
+        fast.run(x[:3], proto, agent, deterministic=False, generator=torch.Generator().manual_seed(0))
+    assert graphs.calls == calls
