@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     and batches: Python's lock serves one request's Python at a time per process, so on more cores more
     processes serve more concurrent clients. ``/metrics`` then adds up every process's numbers (Prometheus's
     multiprocess mode, in ``PROMETHEUS_MULTIPROC_DIR``: a fresh temporary folder unless set). 0 (default): one
-    per core this process may use, at most ``AUTO_API_PROCESSES`` -- but 1 where the model runs in the API on
-    a CUDA device (one GPU context, one engine batching every request); ``api_processes``."""
+    per core this process may use, at most ``AUTO_API_PROCESSES``, or ``GPU_API_PROCESSES`` where the model runs
+    in the API on a CUDA device (each process its own GPU context and engine); ``api_processes``."""
 
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -245,6 +245,12 @@ class Settings(BaseSettings):
 AUTO_API_PROCESSES = 8
 """The most API processes ``api_workers=0`` starts."""
 
+GPU_API_PROCESSES = 4
+"""The most API processes ``api_workers=0`` starts where the model runs in the API on a CUDA device. One process
+left the GPU idle behind Python's lock: on an H100 with 16 cores, 32 clients got 171 requests/s from one process
+and 439 from four, one client the same 130 (BENCHMARKS.md, § GPU); each process holds its own CUDA context
+(~0.5 GB of GPU memory) and graphs."""
+
 
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, where the system has one)."""
@@ -253,18 +259,19 @@ def usable_cores() -> int:
 
 def api_processes(settings: Settings) -> int:
     """How many API processes ``scripts/run api`` starts: ``api_workers``, or (0) one per usable core up to
-    ``AUTO_API_PROCESSES``, and 1 when this API runs the model on a CUDA device."""
+    ``AUTO_API_PROCESSES``, or up to ``GPU_API_PROCESSES`` when this API runs the model on a CUDA device."""
     if settings.api_workers:
         return settings.api_workers
+    most = AUTO_API_PROCESSES
     if settings.inference == "local":
         if settings.device == "cuda":
-            return 1
-        if settings.device == "auto" and _nvidia():
+            most = GPU_API_PROCESSES
+        elif settings.device == "auto" and _nvidia():
             from models.inference import resolve_device  # torch (seconds to import): only where a GPU may be
 
             if resolve_device("auto").type == "cuda":
-                return 1
-    return max(1, min(AUTO_API_PROCESSES, usable_cores()))
+                most = GPU_API_PROCESSES
+    return max(1, min(most, usable_cores()))
 
 
 def _nvidia() -> bool:

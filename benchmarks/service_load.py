@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+import torch  # noqa: E402
 from _client import emit, multipart, percentiles, to_png, wait_compiled  # noqa: E402
 
 from models.data.types import exemplar_crops  # noqa: E402
@@ -55,7 +56,8 @@ class Server:
         self.name, self.tree, self.port = name, tree.resolve(), free_port()
         self.var = Path(tempfile.mkdtemp(prefix=f"qloc-load-{name}-"))
         self.env = {**os.environ, **env, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "QLOC_BOOTSTRAP": "0",
-                    "PYTHONPATH": str(self.tree), "QLOC_HOST": "127.0.0.1", "QLOC_PORT": str(self.port),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(self.tree), os.environ.get("PYTHONPATH")])),
+                    "QLOC_HOST": "127.0.0.1", "QLOC_PORT": str(self.port),
                     "QLOC_DATABASE_URL": f"sqlite:///{self.var}/qloc.db",
                     "QLOC_BROKER_URL": f"sqla+sqlite:///{self.var}/celery-broker.db",
                     "QLOC_STORAGE_DIR": str(self.var / "blobs"), "QLOC_LOG_LEVEL": "WARNING"}
@@ -83,6 +85,9 @@ class Server:
         """``_client.wait_compiled`` for every API process ``scripts/run api`` started (``None`` if told not to)."""
         if self.env.get("QLOC_COMPILE_EPISODE", "true").lower() in ("0", "false", "no", "off"):
             return None
+        device = self.env.get("QLOC_DEVICE", "auto")
+        if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+            return None  # nothing compiles on a GPU: its CUDA graphs are captured on first use (the warm-up load)
         ask = subprocess.run([str(BIN / "python"), "-m", "app.config", "api-processes"], cwd=self.tree, env=self.env,
                              capture_output=True, text=True)
         return wait_compiled(self.url, self.tree, int(ask.stdout.strip() or 1) if ask.returncode == 0 else 1)

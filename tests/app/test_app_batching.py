@@ -372,18 +372,19 @@ def test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model(
 # --- API processes (scripts/run api)
 
 
-def test_the_api_runs_one_process_per_core_by_default_but_one_for_a_model_on_cuda(monkeypatch):
+def test_the_api_runs_one_process_per_core_by_default_and_fewer_for_a_model_on_cuda(monkeypatch):
     from app import config
     from app.config import Settings, api_processes
 
     monkeypatch.setattr(config, "usable_cores", lambda: 2)
     assert api_processes(Settings(device="cpu")) == 2  # the default: one per core
     assert api_processes(Settings(device="cpu", api_workers=3)) == 3  # as told
-    assert api_processes(Settings(device="cuda")) == 1  # one GPU context, one engine batching every request
+    assert api_processes(Settings(device="cuda")) == 2  # a GPU context per process, as many as the cores allow
     workers = Settings(device="cuda", inference="workers", result_backend="redis://127.0.0.1:6379/1")
     assert api_processes(workers) == 2  # the model runs on the localize workers
     monkeypatch.setattr(config, "usable_cores", lambda: 64)
     assert api_processes(Settings(device="cpu")) == config.AUTO_API_PROCESSES
+    assert api_processes(Settings(device="cuda")) == config.GPU_API_PROCESSES < config.AUTO_API_PROCESSES
 
 
 def test_the_run_script_asks_how_many_api_processes_to_start():
