@@ -9,7 +9,7 @@
 
 The inference backends are not involved: what is computed here runs after the answer, in the route.
 
-A calibration with templates (format version 2, ``models.calibration.Templates``: the set's crops as 16x16 8-bit
+A calibration with templates (format version 2, ``models.core.templates.Templates``: the set's crops as 16x16 8-bit
 templates, kept in the calibration's JSON -- no file is read per request) gives every answer the NCC fit's
 confidence: the NCC of its box with the exemplars (and the negative exemplars), read on the image resized to the
 bundle's input as the fit read it. It needs no model, so it holds with ``QLOC_INFERENCE=workers`` too.

@@ -14,7 +14,7 @@ test images:
 Each variant twice: its confidence from the embedding distance alone (``log d_p``; with negatives, also their
 log ratio) -- the calibration as it was before -- and ``+ncc``: the same calibration's NCC fit, which adds the
 mean normalized cross-correlation of the answer's box with the exemplar crops (with negatives: and with the
-negative crops; ``models.calibration.Templates``), fit leave-one-out on the same samples.
+negative crops; ``models.core.templates.Templates``), fit leave-one-out on the same samples.
 
 Prints one JSON line per variant and saves the reliability curves to benchmarks/figures/not_found.png.
 

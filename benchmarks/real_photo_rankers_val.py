@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.bundle import load_bundle  # noqa: E402
-from models.calibration import box_ncc, make_templates, mean_ncc  # noqa: E402
 from models.core.boxes import candidate_boxes, paired_iou  # noqa: E402
+from models.core.templates import box_ncc, make_templates, mean_ncc  # noqa: E402
 from models.data import realphotos  # noqa: E402
 from models.inference import Localizer, exemplar_canvas, normalize, preprocess  # noqa: E402
 from models.instances import find_instances  # noqa: E402

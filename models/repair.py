@@ -22,7 +22,7 @@ alike, that ``BoxEnv`` turns into the reward ``dist_before - dist``. The candida
 - ``embedding``: the embedding distance to the prototype under the job's head (the bundle's, or the repaired one):
   today's reward;
 - ``ncc``: ``1 - `` the mean normalized cross-correlation of the box's pixels with the exemplar crops
-  (``models.calibration.box_ncc``: each box read once, resampled to 16 x 16, against 16 x 16 templates); the
+  (``models.core.templates.box_ncc``: each box read once, resampled to 16 x 16, against 16 x 16 templates); the
   env is then given the batch's pixels;
 - ``features``: ``1 - `` the cosine of the box's RoI-pooled frozen backbone features (the RoIAlign the embedder
   runs every step anyway) with the mean of the exemplar crops' RoI features (each crop on its exemplar canvas, as
@@ -50,9 +50,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.bundle import Bundle
-from models.calibration import box_ncc, make_templates
 from models.core.metrics import spearman
 from models.core.ordinal import sample_pairs
+from models.core.templates import box_ncc, make_templates
 from models.data.types import LabeledImages
 from models.evaluate import ranking, ranking_metrics, training_candidates
 from models.features import features_of, with_features

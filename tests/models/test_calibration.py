@@ -116,7 +116,7 @@ def test_calibrate_policy_on_a_random_bundle_is_valid_and_seeded():
 
 
 def test_box_ncc_is_one_for_the_crop_minus_one_inverted_and_vectorized_over_boxes():
-    from models.calibration import box_ncc, make_templates
+    from models.core.templates import box_ncc, make_templates
 
     g = torch.Generator().manual_seed(0)
     crop = torch.rand(1, 16, 16, generator=g)
@@ -152,7 +152,7 @@ def _jittered_loop(boxes: torch.Tensor, jitter: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("jitter", [0.1, 0.25])
 def test_jittered_reads_are_the_loops_bit_for_bit(jitter: float):
-    from models.calibration import jittered
+    from models.core.templates import jittered
 
     g = torch.Generator().manual_seed(3)
     xy = torch.rand(5, 3, 2, generator=g) * 60
@@ -167,15 +167,8 @@ def test_jittered_reads_are_the_loops_bit_for_bit(jitter: float):
 
 
 def test_leave_one_out_never_compares_a_pasted_positive_with_its_own_exemplar():
-    from models.calibration import (
-        Samples,
-        Templates,
-        box_ncc,
-        make_templates,
-        mean_ncc,
-        source_template,
-        template_features,
-    )
+    from models.calibration import Samples, template_features
+    from models.core.templates import Templates, box_ncc, make_templates, mean_ncc, source_template
     from models.data.probes import paste_probes
 
     g = torch.Generator().manual_seed(1)
@@ -217,7 +210,8 @@ def test_old_calibration_dicts_load_and_answer_the_same():
 def test_templates_round_trip_through_json():
     import json
 
-    from models.calibration import PlattFit, Templates, make_templates
+    from models.calibration import PlattFit
+    from models.core.templates import Templates, make_templates
 
     g = torch.Generator().manual_seed(2)
     t = Templates(make_templates([torch.rand(3, 20, 30, generator=g) for _ in range(2)]),
