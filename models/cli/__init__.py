@@ -260,7 +260,7 @@ def _retrain_agent(bundle, setup: TrainSetup, seed: int, reward: str):
 
 
 def cmd_fetch_photos(a: argparse.Namespace) -> dict:
-    from models.data.photos import fetch_main
+    from models.data.photo_fetch import fetch_main
 
     code = fetch_main([*(["--cache", a.cache] if a.cache else []), *(["--force"] if a.force else [])])
     if code:

@@ -12,8 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from models.data import debian, photo_cache_dir, photos
-from models.data.photos import PasteParams, crops, fetch, fetch_main, generate, load_manifest, mask_box
+from models.data import debian, photo_cache_dir, photo_fetch, photos
+from models.data.photo_fetch import fetch, fetch_main
+from models.data.photos import PasteParams, crops, generate, load_manifest, mask_box
 
 REAL_CACHE = photo_cache_dir()
 STAMPS = "usr/share/tuxpaint/stamps"
@@ -71,7 +72,7 @@ def _drawn_jpg(path: Path, size=(120, 90)):
 
 def _write_packages(root: Path, rng) -> dict[str, Path]:
     """Unpacked trees of the three packages, each with photos, drawings and copyright -> {pkg: tree}."""
-    trees = {pkg: root / pkg for pkg in photos.PACKAGES}
+    trees = {pkg: root / pkg for pkg in photo_fetch.PACKAGES}
     tux = trees["tuxpaint-stamps-default"]
     birds = tux / STAMPS / "animals/birds"
     (birds / "cartoon").mkdir(parents=True)
@@ -132,7 +133,7 @@ def cache(tmp_path_factory) -> Path:
     else:
         for pkg, tree in trees.items():
             shutil.copytree(tree, cache / pkg)
-            (cache / pkg / photos.VERSION_FILE).write_text("1.0-test\n")
+            (cache / pkg / photo_fetch.VERSION_FILE).write_text("1.0-test\n")
     fetch(cache, log=lambda *_: None)
     return cache
 
@@ -155,8 +156,8 @@ def test_fetch_unpacks_prunes_and_writes_the_manifest(cache):
     assert set(bgs) == {"scene0.jpg", "scene1.jpg", "scene2.jpg", "scene3.jpg", "Photo0.jpg", "Photo1.jpg"}
     assert bgs["scene0.jpg"]["license"] == "CC-BY-SA-3.0"
     assert bgs["Photo1.jpg"]["license"] == "GPL-2+" and "Jane Doe" in bgs["Photo1.jpg"]["copyright"]
-    assert set(m["sources"]) == set(photos.PACKAGES)
-    for pkg in photos.PACKAGES:
+    assert set(m["sources"]) == set(photo_fetch.PACKAGES)
+    for pkg in photo_fetch.PACKAGES:
         assert (cache / m["sources"][pkg]["copyright_file"]).is_file()
         if shutil.which("dpkg-deb"):
             assert m["sources"][pkg]["version"] == "1.0-test"
@@ -262,11 +263,11 @@ def test_a_missing_manifest_names_the_fetch_that_makes_it(tmp_path):
 
 
 def test_copyright_parser_takes_the_last_matching_stanza():
-    stanzas = photos.parse_copyright(SCRATCH_COPYRIGHT)
+    stanzas = photo_fetch.parse_copyright(SCRATCH_COPYRIGHT)
     assert [s["license"] for s in stanzas] == ["GPL-2", "CC-BY-SA-3.0", "MIT"]
-    lic = photos._license(stanzas, Path("usr/share/scratch/Media/Backgrounds/Nature/lake.jpg"))
+    lic = photo_fetch._license(stanzas, Path("usr/share/scratch/Media/Backgrounds/Nature/lake.jpg"))
     assert lic["license"] == "CC-BY-SA-3.0"
-    assert photos._license(stanzas, Path("usr/share/scratch/Scratch.image"))["license"] == "GPL-2"
+    assert photo_fetch._license(stanzas, Path("usr/share/scratch/Scratch.image"))["license"] == "GPL-2"
 
 
 @pytest.mark.skipif(not (REAL_CACHE / photos.MANIFEST).is_file(), reason="run `qloc fetch-photos` for the real data")
