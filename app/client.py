@@ -19,17 +19,16 @@ not know are kept (``model.model_extra``), not refused.
 from __future__ import annotations
 
 import email.utils
-import io
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
 
+from app.client_images import ImageInput, files_fields
 from app.client_models import (  # re-exported: ``from app.client import ...`` is the API
     TERMINAL,
     AdaptationJob,
@@ -88,89 +87,6 @@ def describe_detail(detail: Any) -> str:
                 parts.append(str(issue))
         return "; ".join(parts)
     return str(detail)
-
-
-# ---------------------------------------------------------------- images
-
-ImageInput = Any
-"""A path (``str`` / ``Path``), ``bytes``, a ``(filename, bytes)`` pair, a binary file object, a PIL image or a
-numpy array."""
-
-
-def _sniff(data: bytes) -> str:
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    return "image/png"  # PNG, or anything else: the API names what is wrong with it
-
-
-def _array_to_png(arr: Any) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    a = np.asarray(arr)
-    if a.ndim == 3 and a.shape[2] == 1:
-        a = a[:, :, 0]
-    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (3, 4)):
-        raise ValueError(f"an image array is HxW or HxWx{{1,3,4}}; got shape {a.shape}")
-    if a.dtype != np.uint8:
-        if np.issubdtype(a.dtype, np.floating) and a.size and float(a.max()) <= 1.0 and float(a.min()) >= 0.0:
-            a = a * 255.0
-        a = np.clip(np.rint(a), 0, 255).astype(np.uint8)
-    return _pil_to_png(Image.fromarray(a))
-
-
-def _pil_to_png(img: Any) -> bytes:
-    if img.mode not in ("L", "RGB", "RGBA"):
-        img = img.convert("RGB")
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return buf.getvalue()
-
-
-def encode_image(image: ImageInput, index: int = 0) -> tuple[str, bytes, str]:
-    """One image -> ``(filename, bytes, content type)``, ready for a multipart upload."""
-    if isinstance(image, str | Path):
-        path = Path(image)
-        data = path.read_bytes()
-        return path.name, data, _sniff(data)
-    if isinstance(image, bytes | bytearray | memoryview):
-        data = bytes(image)
-        ext = {"image/jpeg": "jpg", "image/webp": "webp"}.get(_sniff(data), "png")
-        return f"image{index}.{ext}", data, _sniff(data)
-    if _is_pair(image):
-        name, content = image
-        data = content.read() if hasattr(content, "read") else bytes(content)
-        return name, data, _sniff(data)
-    if hasattr(image, "read"):
-        data = image.read()
-        name = Path(str(getattr(image, "name", f"image{index}.png"))).name
-        return name, data, _sniff(data)
-    try:
-        from PIL import Image
-
-        if isinstance(image, Image.Image):
-            return f"image{index}.png", _pil_to_png(image), "image/png"
-    except ImportError:  # pragma: no cover - Pillow is a dependency of qloc
-        pass
-    if hasattr(image, "__array__") or isinstance(image, list):
-        return f"image{index}.png", _array_to_png(image), "image/png"
-    raise TypeError(f"cannot send {type(image).__name__} as an image: give a path, bytes, a PIL image or an array")
-
-
-def _is_pair(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
-
-
-def _files(images: ImageInput | Sequence[ImageInput], field: str = "files") -> list[tuple[str, tuple[str, bytes, str]]]:
-    """One image or a list (or tuple) of images -> the multipart ``files`` (or ``field``) fields. An array is one
-    image: give a list of arrays for several."""
-    many = isinstance(images, list) or (isinstance(images, tuple) and not _is_pair(images))
-    items = list(images) if many else [images]  # type: ignore[arg-type]
-    if not items:
-        raise ValueError("at least one image is needed")
-    return [(field, encode_image(im, i)) for i, im in enumerate(items)]
 
 
 # ---------------------------------------------------------------- progress
@@ -362,7 +278,7 @@ class QlocClient:
         data = {"name": name, "bundle": bundle,
                 "boxes": json.dumps([list(map(float, b)) for b in boxes]) if boxes is not None else None,
                 "threshold": None if threshold is None else str(float(threshold))}
-        files = _files(images) + (_files(negatives, "negative_files") if negatives is not None else [])
+        files = files_fields(images) + (files_fields(negatives, "negative_files") if negatives is not None else [])
         r = self.request("POST", "/v1/exemplar-sets", data=data, files=files)
         return ExemplarSet.model_validate(r.json())
 
@@ -390,7 +306,7 @@ class QlocClient:
                                   "samples": samples, "nearest": None if nearest is None else _bool(nearest),
                                   "keep": None if keep is None else _bool(keep), "max_instances": max_instances}
         params.update({k: _bool(v) if isinstance(v, bool) else v for k, v in options.items()})
-        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/localize", params=params, files=_files(images),
+        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/localize", params=params, files=files_fields(images),
                          idempotent=not keep)
         return LocalizeResponse.model_validate(r.json())
 
@@ -413,7 +329,7 @@ class QlocClient:
         key = idempotency_key or str(uuid.uuid4())
         data = {"source": source, "iterations": iterations, "learning_rate": learning_rate, "seed": seed,
                 "activate": activate}
-        files = _files(images) if images is not None else None
+        files = files_fields(images) if images is not None else None
         if files is None and source is None:
             data["source"] = "pool"  # no images: the set's pool, said explicitly (a multipart body needs a field)
         r = self.request("POST", f"/v1/exemplar-sets/{set_id}/adaptations", data=data, files=files,
@@ -463,7 +379,7 @@ class QlocClient:
 
     def add_pool_images(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput]) -> PoolImages:
         """Add unlabeled images to the set's pool (for ``create_adaptation(source="pool")``) -> those added."""
-        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/images", files=_files(images))
+        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/images", files=files_fields(images))
         return PoolImages.model_validate(r.json())
 
     def list_pool_images(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> PoolImages:

@@ -1,0 +1,89 @@
+"""What ``app.client`` sends as images: paths, bytes, PIL images or numpy arrays encoded for a multipart upload."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ImageInput = Any
+"""A path (``str`` / ``Path``), ``bytes``, a ``(filename, bytes)`` pair, a binary file object, a PIL image or a
+numpy array."""
+
+
+def _sniff(data: bytes) -> str:
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return "image/png"  # PNG, or anything else: the API names what is wrong with it
+
+
+def _array_to_png(arr: Any) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(arr)
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[:, :, 0]
+    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (3, 4)):
+        raise ValueError(f"an image array is HxW or HxWx{{1,3,4}}; got shape {a.shape}")
+    if a.dtype != np.uint8:
+        if np.issubdtype(a.dtype, np.floating) and a.size and float(a.max()) <= 1.0 and float(a.min()) >= 0.0:
+            a = a * 255.0
+        a = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    return _pil_to_png(Image.fromarray(a))
+
+
+def _pil_to_png(img: Any) -> bytes:
+    if img.mode not in ("L", "RGB", "RGBA"):
+        img = img.convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def encode_image(image: ImageInput, index: int = 0) -> tuple[str, bytes, str]:
+    """One image -> ``(filename, bytes, content type)``, ready for a multipart upload."""
+    if isinstance(image, str | Path):
+        path = Path(image)
+        data = path.read_bytes()
+        return path.name, data, _sniff(data)
+    if isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+        ext = {"image/jpeg": "jpg", "image/webp": "webp"}.get(_sniff(data), "png")
+        return f"image{index}.{ext}", data, _sniff(data)
+    if _is_pair(image):
+        name, content = image
+        data = content.read() if hasattr(content, "read") else bytes(content)
+        return name, data, _sniff(data)
+    if hasattr(image, "read"):
+        data = image.read()
+        name = Path(str(getattr(image, "name", f"image{index}.png"))).name
+        return name, data, _sniff(data)
+    try:
+        from PIL import Image
+
+        if isinstance(image, Image.Image):
+            return f"image{index}.png", _pil_to_png(image), "image/png"
+    except ImportError:  # pragma: no cover - Pillow is a dependency of qloc
+        pass
+    if hasattr(image, "__array__") or isinstance(image, list):
+        return f"image{index}.png", _array_to_png(image), "image/png"
+    raise TypeError(f"cannot send {type(image).__name__} as an image: give a path, bytes, a PIL image or an array")
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+
+
+def files_fields(images: ImageInput | Sequence[ImageInput], field: str = "files"
+                 ) -> list[tuple[str, tuple[str, bytes, str]]]:
+    """One image or a list (or tuple) of images -> the multipart ``files`` (or ``field``) fields. An array is one
+    image: give a list of arrays for several."""
+    many = isinstance(images, list) or (isinstance(images, tuple) and not _is_pair(images))
+    items = list(images) if many else [images]  # type: ignore[arg-type]
+    if not items:
+        raise ValueError("at least one image is needed")
+    return [(field, encode_image(im, i)) for i, im in enumerate(items)]
