@@ -85,7 +85,7 @@ class Serving:
     local: bool
     """Whether this process runs the model (not ``QLOC_INFERENCE=workers``)."""
     turns: threading.BoundedSemaphore
-    """The localize path's turns (``QLOC_ROUTE_THREADS``; ``app.routes.exemplar_sets.localize_files``)."""
+    """The localize path's turns (``QLOC_ROUTE_THREADS``; ``app.routes.localize.localize_files``)."""
 
 
 async def get_serving(request: Request) -> Serving:

@@ -21,7 +21,7 @@ from app.inference import BundleRegistry
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.queue import JobQueue
 from app.remote import WorkerInference
-from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, pool
+from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, localize, pool
 from app.serving import BatchedInference
 from app.storage import BlobStore
 from models.allocator import tune_malloc
@@ -117,7 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.inference = app.state.remote = WorkerInference(settings, app.state.queue.celery)
     app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost: sees 413s
-    for module in (exemplar_sets, pool, adaptations, checkpoints, bundles, health, labelstudio):
+    for module in (exemplar_sets, localize, pool, adaptations, checkpoints, bundles, health, labelstudio):
         app.include_router(module.router)
     web.install(app)  # the page at / and the API docs, offline
     return app

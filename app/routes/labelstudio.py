@@ -67,7 +67,8 @@ from app.labelstudio import (
 from app.remote import RemoteDep
 from app.routes.adaptations import create_adaptation
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
-from app.routes.exemplar_sets import NOT_FOUND, RunOptions, localize_files, resolve_checkpoint
+from app.routes.exemplar_sets import NOT_FOUND
+from app.routes.localize import RunOptions, localize_files, resolve_checkpoint
 from app.tables import AdaptationJob, ExemplarSet
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """An exemplar set's image pool: add unlabeled images over many requests (capped), list, delete.
 
 Adaptation jobs use the pool with ``source=pool|both`` (``app.routes.adaptations``); localize adds its images
-with ``keep=true`` (``app.routes.exemplar_sets``). The rules live in ``app.pool``.
+with ``keep=true`` (``app.routes.localize``). The rules live in ``app.pool``.
 """
 
 from __future__ import annotations

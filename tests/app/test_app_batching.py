@@ -334,11 +334,11 @@ def test_the_app_batches_by_default_and_stops_its_engine_on_shutdown(settings):
 def test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model(settings, monkeypatch):
     """QLOC_ROUTE_THREADS=1: the requests' verdicts never run at once, yet requests waiting for a held engine
     do not keep the next one from its turn (they queue for the model together, and run as one batch)."""
-    from app.routes import exemplar_sets
+    from app.routes import localize
 
     active, most = [0], [0]
     lock = threading.Lock()
-    real_judge = exemplar_sets.judge
+    real_judge = localize.judge
 
     def judge(*args, **kwargs):
         with lock:
@@ -351,7 +351,7 @@ def test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model(
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(exemplar_sets, "judge", judge)
+    monkeypatch.setattr(localize, "judge", judge)
     app = create_app(settings.model_copy(update={"route_threads": 1}))
     with TestClient(app) as c:
         held = HeldInference(app.state.bundles, app.state.store)

@@ -1,0 +1,245 @@
+"""Localize with an exemplar set: ``POST /v1/exemplar-sets/{id}/localize``, and the pipeline every way in shares
+(``localize_files``: this route, Label Studio's /predict): decode, the inference backend, the calibration's
+verdict, the pool, the answer's format."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, HTTPException, Query, Request, Response, UploadFile, status
+from fastapi.responses import JSONResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app import crud, export, pool
+from app.calibration import RERANK_CANDIDATES, judge
+from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
+from app.db import begin_read
+from app.deps import Caller, CallerDep, ServingDep
+from app.export import AnswerOptions
+from app.inference import BundleRegistry
+from app.metrics import Metrics
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.exemplar_sets import NOT_FOUND, set_bundle, unprocessable
+from app.routes.pool import add_to_pool
+from app.routes.pool import limits as pool_limits
+from app.routes.uploads import read_images
+from app.schemas import CocoResults, InstanceResult, LabelStudioTask, LocalizationResult, LocalizeResponse
+from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeCall
+from app.storage import BlobStore
+from app.tables import Checkpoint, ExemplarSet
+
+router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"], responses=UNAUTHORIZED)
+
+CheckpointQuery = Annotated[str, Query(
+    pattern=r"^(active|base|[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12})$",
+    description="`active` (default), `base` (the bundle's own policy) or a checkpoint id of this set")]
+
+
+def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active: Checkpoint | None = None
+                       ) -> Checkpoint:
+    """The checkpoint ``which`` names in ``es``. ``active``: the set's active checkpoint where the caller read it
+    with the set (``crud.get_exemplar_set_and_active``): then ``active`` costs no query."""
+    if which == "active" and active is not None and active.id == es.active_checkpoint_id:
+        ckpt = active
+    elif which == "active" and es.active_checkpoint_id is not None:
+        ckpt = session.get(Checkpoint, es.active_checkpoint_id)
+    elif which in ("active", "base"):
+        ckpt = session.scalars(select(Checkpoint).where(Checkpoint.exemplar_set_id == es.id,
+                                                        Checkpoint.kind == "base")).first()
+    else:
+        ckpt = session.get(Checkpoint, uuid.UUID(which))
+    if ckpt is None or ckpt.exemplar_set_id != es.id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "checkpoint not found in this exemplar set")
+    return ckpt
+
+
+@router.post("/{set_id}/localize", response_model=LocalizeResponse | CocoResults | list[LabelStudioTask],
+             response_model_exclude_none=True, responses={
+    **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
+    409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set; "
+               "or, with keep=true, the set's image pool has no room for the images (nothing computed or stored)"),
+    422: invalid("Invalid fields, or no file"),
+    503: error("The set's bundle or checkpoint cannot be loaded; or the model is busy: more images than "
+               "QLOC_INFERENCE_QUEUE_IMAGES would wait for it, answered at once with `Retry-After` (retry then); "
+               "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
+               "seconds (with `Retry-After`)")})
+def localize(
+    set_id: uuid.UUID, request: Request, serving: ServingDep, caller: CallerDep,
+    files: Annotated[list[UploadFile], File(description=(
+        "Images to search (PNG/JPEG/WebP, any size up to the limits; not animated). Each is seen upright (its EXIF "
+        "orientation applied) and decoded downscaled to QLOC_DECODE_MAX_SIDE; `width`, `height` and every box "
+        "are in the full upright image's pixels"))],
+    checkpoint: CheckpointQuery = "active",
+    trajectory: Annotated[bool, Query(description="Also return every box of the agent's episode")] = False,
+    samples: Annotated[int | None, Query(ge=0, le=MAX_SAMPLES, description=(
+        "Best-of-N search: this many sampled episodes per image besides the greedy one; each image keeps the "
+        "episode whose final box is nearest the exemplars (lowest score). Repeatable (seeded); about N+1 "
+        "times the agent's work, the backbone still runs once per image. Default: the server's setting "
+        "(QLOC_LOCALIZE_SAMPLES, 0 = greedy only)."))] = None,
+    nearest: Annotated[bool | None, Query(description=(
+        "Answer with the box the episode visited that is nearest the exemplars (lowest score), not with its "
+        "last box: the agent may walk past the object, on classes it was not trained on above all. Costs one "
+        "head evaluation per step. With samples, over every visited box of every episode. Default: the "
+        "server's setting (QLOC_LOCALIZE_NEAREST) if set, else the bundle's own (on for photo bundles)."))] = None,
+    keep: Annotated[bool, Query(description=(
+        "Also add the posted images to the set's image pool (`/v1/exemplar-sets/{id}/images`), for adaptation "
+        "jobs on the pool; their ids come back in `kept`. Opt-in, under the pool's caps: a pool without room for "
+        "them answers 409 before anything is computed or stored; only an answered request stores its images."))]
+    = False,
+    min_confidence: Annotated[float | None, Query(ge=0.0, le=1.0, description=(
+        "Raise the set's threshold for this request: an answer whose calibrated `confidence` is below it comes "
+        "back with `found=false` (its box is kept; `format=coco` then leaves it out, `format=labelstudio` gives "
+        "it an empty result). No effect on a set without calibration (confidence null, found true)."))] = None,
+    rerank: Annotated[bool, Query(description=(
+        "Answer with the candidate the set's calibration finds most likely right, among the several-instances "
+        "candidates (at least 4 per image, as `max_instances`), not the agent's own answer; `score` and "
+        "`confidence` are then that box's. With a grayscale bundle's calibration (NCC with the exemplars) and "
+        "negative exemplars: the box most like the exemplars and least like the look-alikes (cMNIST 4-vs-9: CorLoc "
+        "46.7 -> 78.7, BENCHMARKS.md). No effect on a set without a calibration."))] = False,
+    max_instances: Annotated[int, Query(ge=1, le=MAX_INSTANCES, description=(
+        "Up to this many objects per image, in `results[i].instances`, best (lowest score) first: the agent's "
+        "answer, and episodes started from the best windows of a coarse ranking, none overlapping another by more "
+        "than IoU 0.3 (the backbone still runs once per image). 1 (default): the one answer, no `instances`. "
+        "`format=coco` / `labelstudio` then export every instance"))] = 1,
+    format: Annotated[Literal["json", "coco", "labelstudio"], Query(description=(
+        "`json` (default): this response. `coco`: COCO detection results, `{images, categories, annotations}`, "
+        "`annotations` ready for pycocotools' `COCO.loadRes` (`bbox` [x, y, w, h], `score` = confidence), "
+        "`images` mapping `image_ids` to filenames. `labelstudio`: Label Studio tasks with `predictions` "
+        "(`rectanglelabels` in percent of the image). README: Output formats."))] = "json",
+    image_ids: Annotated[str | None, Query(max_length=20_000, pattern=r"^\d{1,12}(,\d{1,12})*$", description=(
+        "format=coco: the COCO image id of each file, comma-separated, in upload order (default 1..N)"))] = None,
+    category_id: Annotated[int, Query(ge=0, le=2**31 - 1, description="format=coco: the category id")] = 1,
+    label: Annotated[str | None, Query(max_length=200, description=(
+        "format=labelstudio: the rectangle's label (default: the set's name, else `object`); `from_name` / "
+        "`to_name` are `label` / `image`, as Label Studio's bounding-box template"))] = None,
+) -> Response:
+    """Localize the set's object in each image: one box per image, in the pixels of the full image as a viewer
+    shows it (EXIF orientation applied), whatever resolution it was analysed at.
+
+    A set is served only by the bundle file that made its prototype: once another file is installed under
+    the bundle's name, it answers 409 (re-create the set from its crops) until that file is back."""
+    # The session is opened here, on this request's thread, not by ``SessionDep``: a sync generator
+    # dependency is entered and left on threads of their own (two thread hops per request, which one
+    # client's latency felt). The set and checkpoint are read on every request (no cache): a checkpoint
+    # activated by a worker process, or a set deleted by another API process, is seen at once.
+    opts = AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label)
+    with request.app.state.session_factory() as session:
+        done = localize_files(session, set_id, serving.settings, serving.inference, caller, serving.metrics,
+                              serving.store, files, RunOptions(checkpoint, trajectory, samples, nearest, keep,
+                                                               max_instances), opts,
+                              bundles=serving.bundles, local=serving.local, turns=serving.turns)
+    return formatted(done, opts)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a localize request runs (its query parameters but the answer's format)."""
+
+    checkpoint: str = "active"
+    trajectory: bool = False
+    samples: int | None = None
+    """``None``: the server's QLOC_LOCALIZE_SAMPLES."""
+    nearest: bool | None = None
+    keep: bool = False
+    max_instances: int = 1
+
+
+@dataclass
+class Localized:
+    """A localize request answered: the set and checkpoint that served it, and one result per image."""
+
+    exemplar_set: ExemplarSet
+    checkpoint: Checkpoint
+    samples: int
+    nearest: bool
+    results: list[LocalizationResult]
+    kept: list[uuid.UUID] | None
+    refined: bool = False
+
+
+def formatted(done: Localized, opts: AnswerOptions) -> Response:
+    """A localize answer in the asked format (``json``: ``LocalizeResponse``)."""
+    es, ckpt, results = done.exemplar_set, done.checkpoint, done.results
+    if opts.format == "coco":
+        return JSONResponse(export.coco(results, image_ids=opts.ids(len(results)), category_id=opts.category_id,
+                                        category_name=es.name or "object", only_found=opts.min_confidence is not None))
+    if opts.format == "labelstudio":
+        return JSONResponse(export.labelstudio(results, label=opts.label or es.name or "object", from_name="label",
+                                               to_name="image", model_version=str(ckpt.id)))
+    body = LocalizeResponse(
+        exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=done.samples,
+        nearest=done.nearest, refined=done.refined, kept=done.kept, results=results)
+    # Serialized once, here (what ``response_model_exclude_none`` gives); returned as is, FastAPI would dump,
+    # validate and serialize the model again.
+    return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
+
+
+def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend,  # noqa: PLR0913
+                   caller: Caller, metrics: Metrics, store: BlobStore, files: list[UploadFile], run: RunOptions,
+                   opts: AnswerOptions, *, bundles: BundleRegistry | None = None, local: bool = True,
+                   turns: threading.BoundedSemaphore | None = None) -> Localized:
+    """Localize the set's object in uploaded ``files`` (the pipeline of every way in: the localize route, Label
+    Studio's /predict): decode, the inference backend, the calibration's verdict, the pool (``keep``).
+
+    ``turns`` (``QLOC_ROUTE_THREADS``) bounds how many threads run its reads and verdicts at once: Python runs
+    one thread at a time, and many threads handing its lock to one another cost more CPU than the work. Decoding,
+    the model and the pool's writes take no turn (they mostly wait, or release the lock)."""
+    checkpoint, trajectory, samples, nearest, keep = run.checkpoint, run.trajectory, run.samples, run.nearest, run.keep
+    turn = turns if turns is not None else nullcontext()
+    with turn:
+        if not session.in_transaction():  # it reads until the commit below (keep=true writes in its own transaction)
+            begin_read(session)
+        found = crud.get_exemplar_set_and_active(session, set_id=set_id, owner=caller.scope)
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+        es, active = found
+        ckpt = resolve_checkpoint(session, es, checkpoint, active=active)
+        session.commit()  # end the read transaction before the slow part
+    if opts.format == "coco" and opts.image_ids is not None and len(opts.ids(0)) != len(files):
+        raise unprocessable(f"image_ids has {len(opts.ids(0))} ids for {len(files)} files: one per file, in "
+                             "upload order")
+    calibration, calibration_key = ((ckpt.calibration, ("checkpoint", ckpt.id)) if ckpt.calibration is not None
+                                    else (es.calibration, ("set", es.id)))
+    use_negatives = es.negatives is not None and calibration is not None and local and bundles is not None
+    rerank = opts.rerank and calibration is not None  # among several candidates: the instances
+    n_samples = settings.localize_samples if samples is None else samples
+    images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
+    if keep:  # a full pool is refused before the work (add_to_pool decides for good after it)
+        try:
+            pool.check_room(es, images, pool_limits(settings))
+        except pool.PoolFull as e:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    metrics.localize_batch.observe(len(images))
+    call = LocalizeCall(
+        bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
+        checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
+        images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
+        max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank else run.max_instances)
+    try:
+        answer = inference.localize(call)
+    except InferenceRefused as e:
+        raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
+    with turn:
+        judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
+                       min_confidence=opts.min_confidence, prototype=es.prototype,
+                       loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
+                       negatives=es.negatives if use_negatives else None, rerank_boxes=rerank,
+                       calibration_key=calibration_key)
+    for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
+        if j.instances is not None:
+            j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]
+    kept = [r.id for r in add_to_pool(session, store, settings, es, images)] if keep else None
+    results = [LocalizationResult(filename=im.filename, width=im.width, height=im.height,
+                                  box=list(im.box_to_full(j.box)), score=j.score, confidence=j.confidence,
+                                  found=j.found,
+                                  trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None,
+                                  instances=None if j.instances is None else [
+                                      InstanceResult(box=list(im.box_to_full(i.box)), score=i.score,
+                                                     confidence=i.confidence, found=i.found) for i in j.instances])
+               for im, r, j in zip(images, answer.results, judged, strict=True)]
+    return Localized(es, ckpt, n_samples, answer.nearest, results, kept, answer.refined)
