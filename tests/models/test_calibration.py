@@ -12,11 +12,9 @@ from models.calibration import (
     features,
     fit_calibration,
     fit_platt,
-    make_samples,
     reliability_bins,
-    scrambled_crops,
-    synthetic_backgrounds,
 )
+from models.data.calibration_samples import make_samples, scrambled_crops, synthetic_backgrounds
 from models.presets import mnist_config
 
 
@@ -167,8 +165,9 @@ def test_jittered_reads_are_the_loops_bit_for_bit(jitter: float):
 
 
 def test_leave_one_out_never_compares_a_pasted_positive_with_its_own_exemplar():
-    from models.calibration import Samples, template_features
+    from models.calibration import template_features
     from models.core.templates import Templates, box_ncc, make_templates, mean_ncc, source_template
+    from models.data.calibration_samples import Samples
     from models.data.probes import paste_probes
 
     g = torch.Generator().manual_seed(1)
