@@ -144,7 +144,8 @@ class _Graph:
 
 class GraphedSteer:
     """``models.rollout.steer`` on CUDA as a replayed CUDA graph: greedy episodes of up to ``max_batch`` images
-    run as one launch; any other episode (CPU, sampled, larger, under autograd) runs eager.
+    by an agent in eval mode run as one launch; any other episode (CPU, sampled, larger, under autograd, an agent
+    in training mode: dropout) runs eager.
 
     A graph is captured on the first greedy call for its agent, feature shape and batch bucket (batches are
     padded to the next power of two: at most ``log2(max_batch) + 1`` graphs per agent and shape), and reads
@@ -165,14 +166,14 @@ class GraphedSteer:
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
         b = feats.shape[0]
         if (deterministic is not True or generator is not None or not feats.is_cuda or b > self.max_batch
-                or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing()):
+                or agent.training or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing()):
             return steer(embedder, agent, feats, boxes, cfg, size, deterministic, generator)
         bucket = 1 << (b - 1).bit_length()
         episodes = boxes.shape[0] // b
         weights = tuple(t.data_ptr() for t in itertools.chain(agent.parameters(), agent.buffers()))
         key = (bucket, episodes, tuple(feats.shape[1:]), feats.dtype, feats.device, repr(cfg),
                (float(size[0]), float(size[1])), repr(agent.cfg), repr(embedder.roi_cfg), weights,
-               agent.training, torch.is_inference_mode_enabled())
+               torch.is_inference_mode_enabled())
         with self._lock:
             graphs = self._graphs.setdefault(agent, OrderedDict())
             graph = graphs.get(key)

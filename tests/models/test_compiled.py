@@ -115,3 +115,25 @@ def test_other_batches_and_sampled_episodes_run_eager_and_nothing_compiles_on_a_
 def test_warming_again_compiles_nothing(warmed):
     loc, compiled, _ = warmed
     assert loc.compile_episode() == 0.0
+
+
+def test_the_cuda_graph_steerer_runs_eager_off_a_gpu():
+    """``GraphedSteer`` (``fast_steer`` on CUDA) takes every episode it cannot replay eager: on the CPU the moves
+    are ``steer``'s, and nothing is captured (its graphs are checked on a GPU: ``tests/models/test_cuda.py``)."""
+    from models.compiled import GraphedSteer, fast_steer, graphed_steer
+    from models.core.boxes import full_image_boxes
+    from models.rollout import steer
+
+    loc = tiny_localizer()
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        feats = loc.embedder.features(torch.rand(2, 1, 32, 32, generator=g))
+        boxes = full_image_boxes(2, 32.0, 32.0)
+        cfg, agent = loc.bundle.config.env, loc.agent()
+        graphs = GraphedSteer()
+        got = graphs(loc.embedder, agent, feats, boxes, cfg, (32.0, 32.0))
+        want = steer(loc.embedder, agent, feats, boxes, cfg, (32.0, 32.0))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert graphs.calls == graphs.captures == 0
+    assert fast_steer(torch.device("cuda")) is graphed_steer()
+    assert fast_steer(torch.device("cpu")) is not graphed_steer()

@@ -221,4 +221,5 @@ def test_graphed_greedy_episodes_on_cuda_equal_eager_ones(data):
     calls = graphs.calls
     with torch.inference_mode():
         fast.run(x[:3], proto, agent, deterministic=False, generator=torch.Generator().manual_seed(0))
+        fast.run(x[:3], proto, other.train())  # an agent in training mode (dropout): eager
     assert graphs.calls == calls
