@@ -12,4 +12,4 @@ python3 -c "import sys, torch, torchvision; print(sys.version.split()[0], torch.
 python3 -m pytest -q -ra -p no:cacheprovider tests/models/test_cuda.py 2>&1 | tee "$out/test_cuda.txt"
 timeout 240 python3 -m pytest -q -ra -x -p no:cacheprovider tests/models --deselect tests/models/test_cuda.py \
   -k "not photo_backbones" 2>&1 | tail -25 | tee "$out/test_models.txt"
-python3 benchmarks/speed_mnist.py --device cuda --repeats 30 --batches 1 64 1024 2>&1 | tee "$out/speed_cuda.json"
+python3 benchmarks/speed_mnist.py --device cuda --repeats 30 --batches 1 4 16 64 1024 2>&1 | tee "$out/speed_cuda.json"
