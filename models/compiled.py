@@ -122,7 +122,8 @@ class _Graph:
 
     def __init__(self, embedder: RoIEmbedder, agent: Agent, feats: Tensor, boxes: Tensor, cfg: EnvConfig,
                  size: tuple[float, float]):
-        self.feats, self.boxes = feats.clone(), boxes.clone()
+        """``feats`` and ``boxes`` (tensors of its own, a full bucket) become the graph's static inputs."""
+        self.feats, self.boxes = feats, boxes
         side = torch.cuda.Stream(feats.device)
         side.wait_stream(torch.cuda.current_stream(feats.device))
         with torch.cuda.stream(side):  # the eager episode first: fills the caches it reads, outside the capture
@@ -180,7 +181,7 @@ class GraphedSteer:
             if graph is None:
                 pad = bucket - b
                 graph = _Graph(embedder, agent, torch.cat([feats, feats[:1].expand(pad, *feats.shape[1:])]),
-                               torch.cat([boxes, boxes[:1].expand(pad * episodes, 4)]), cfg, size)
+                               torch.cat([boxes, boxes[:1].expand(pad * episodes, 4)]), cfg, size)  # new tensors
                 graphs[key] = graph
                 self.captures += 1
                 while len(graphs) > self.max_graphs:
@@ -191,16 +192,12 @@ class GraphedSteer:
             return graph(feats, boxes)
 
 
-_GRAPHED: GraphedSteer | None = None
+_GRAPHED = GraphedSteer()  # nothing to build until a GPU episode comes
 
 
 def graphed_steer() -> GraphedSteer:
     """The process's one ``GraphedSteer``."""
-    global _GRAPHED
-    with _STEER_LOCK:
-        if _GRAPHED is None:
-            _GRAPHED = GraphedSteer()
-        return _GRAPHED
+    return _GRAPHED
 
 
 def fast_steer(device: torch.device) -> Steer | None:
