@@ -168,6 +168,7 @@ def check_resumed_once(out: dict[str, Any], iterations: int) -> None:
     assert f"job {out['job_id']} resumes from checkpoint" in log and f"at iteration {resumed_at}" in log, log[-3000:]
 
 
+@pytest.mark.exclusive  # timed: nothing else shares the machine (tests/conftest.py)
 def test_kill_9_mid_job_resumes_on_a_new_worker_within_the_floor(recovery_stack):
     out = kill_mid_job_and_resume(recovery_stack, iterations=12, kill_after=2)
     t = out["seconds"]
@@ -175,6 +176,7 @@ def test_kill_9_mid_job_resumes_on_a_new_worker_within_the_floor(recovery_stack)
     check_resumed_once(out, 12)
 
 
+@pytest.mark.exclusive  # timed: nothing else shares the machine (tests/conftest.py)
 def test_kill_9_of_the_pool_process_resumes_at_once(tmp_path, bundle_dir):
     """The worker lives: its main process expires the lease once the pool reports the process lost (after
     ``worker_lost_wait``, 1 s); without that the job would wait out its heartbeat timeout (60 s here), and with
