@@ -100,6 +100,13 @@ def holds_write_flock(path: Path) -> bool:
     return False
 
 
+def wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out: a hang, not a timing check"
+        time.sleep(0.01)
+
+
 def test_an_exclusive_turn_waits_for_the_shared_ones_and_stops_the_next(tmp_path: Path):
     events: list[str] = []
     lock = threading.Lock()
@@ -116,12 +123,10 @@ def test_an_exclusive_turn_waits_for_the_shared_ones_and_stops_the_next(tmp_path
 
     a = threading.Thread(target=take, args=("a", False, 0.4))
     a.start()
-    while "a in" not in events:
-        time.sleep(0.01)
+    wait_for(lambda: "a in" in events)
     b = threading.Thread(target=take, args=("b", True, 0.3))  # comes while a runs
     b.start()
-    while not holds_write_flock(tmp_path / "qloc-turnstile.lock"):  # b is through the turnstile, waiting for a
-        time.sleep(0.01)
+    wait_for(lambda: holds_write_flock(tmp_path / "qloc-turnstile.lock"))  # b holds the turnstile, waits for a
     c = threading.Thread(target=take, args=("c", False, 0.0))  # comes while b waits for a
     d = threading.Thread(target=take, args=("d", False, 0.0))
     c.start()
