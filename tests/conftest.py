@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/, for turns
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: turns, and service_fixtures for every directory
 
 from turns import turn  # noqa: E402
 

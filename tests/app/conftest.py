@@ -1,15 +1,10 @@
 """Service fixtures, shared with the other service test directory through ``tests/service_fixtures.py``."""
 
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for service_fixtures
-
-from service_fixtures import (  # noqa: E402,F401 -- fixtures are used by name
+from service_fixtures import (  # noqa: F401 -- fixtures are used by name
     PG_ADMIN_URL,
     bundle_dir,
     client,

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for service_fixtures
-
-from service_fixtures import Stack, bundle_dir, make_test_settings, migrate, started  # noqa: E402,F401
+from service_fixtures import Stack, bundle_dir, make_test_settings, migrate, started  # noqa: F401
 
 CHROMIUM = os.environ.get("QLOC_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
