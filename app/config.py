@@ -91,6 +91,11 @@ class Settings(BaseSettings):
     images take no turn. Python runs one thread at a time, and 32 threads handing its lock to one another
     spent more CPU than the work: on 2 cores, 32 clients got 1.27x the requests/s with 1 turn, 1.21x with 2
     (BENCHMARKS.md, "Localize under concurrent clients"). More help where the database is slow to answer."""
+    access_log: bool = False
+    """One log line per HTTP request from ``scripts/run api`` (uvicorn's access log, on stderr). Off by default:
+    uvicorn writes it on the event loop, in the request's path (one client, one image: 0.3 ms of a 10 ms request;
+    BENCHMARKS.md, "Localize under concurrent clients"); ``/metrics`` counts every route's requests, statuses and
+    latencies without it. Errors are logged either way."""
     api_workers: int = Field(0, ge=0, le=64)
     """API processes ``scripts/run api`` starts (uvicorn ``--workers``), each with its own model, engine thread
     and batches: Python's lock serves one request's Python at a time per process, so on more cores more
@@ -285,9 +290,21 @@ def get_settings() -> Settings:
     return Settings()
 
 
-if __name__ == "__main__":  # scripts/run asks: python -m app.config api-processes
+def uvicorn_option(settings: Settings, name: str) -> str:
+    """What ``scripts/run api`` passes uvicorn for ``name``: ``api-processes`` (``api_processes``) or
+    ``access-log`` (``--access-log`` / ``--no-access-log``)."""
+    if name == "api-processes":
+        return str(api_processes(settings))
+    if name == "access-log":
+        return "--access-log" if settings.access_log else "--no-access-log"
+    raise ValueError(f"unknown option {name!r}")
+
+
+if __name__ == "__main__":  # scripts/run asks: python -m app.config api-processes access-log
     import sys
 
-    if sys.argv[1:] != ["api-processes"]:
-        raise SystemExit("usage: python -m app.config api-processes")
-    print(api_processes(get_settings()))
+    names = sys.argv[1:]
+    if not names or any(n not in ("api-processes", "access-log") for n in names):
+        raise SystemExit("usage: python -m app.config {api-processes|access-log} ...")
+    settings = get_settings()
+    print(" ".join(uvicorn_option(settings, n) for n in names))

@@ -387,7 +387,7 @@ def test_the_api_runs_one_process_per_core_by_default_and_fewer_for_a_model_on_c
     assert api_processes(Settings(device="cuda")) == config.GPU_API_PROCESSES < config.AUTO_API_PROCESSES
 
 
-def test_the_run_script_asks_how_many_api_processes_to_start():
+def test_the_run_script_asks_how_many_api_processes_to_start_and_whether_to_log_each_request():
     import os
     import subprocess
     import sys
@@ -396,14 +396,20 @@ def test_the_run_script_asks_how_many_api_processes_to_start():
 
     from app.config import Settings, api_processes
 
-    def ask(**env):
-        r = subprocess.run([sys.executable, "-m", "app.config", "api-processes"], cwd=REPO, capture_output=True,
-                           text=True, env={**os.environ, **env}, timeout=60)
-        return r.returncode, r.stdout.strip()
+    def ask(*names, **env):
+        env = {k: v for k, v in os.environ.items() if k not in ("QLOC_API_WORKERS", "QLOC_ACCESS_LOG")} | env
+        r = subprocess.run([sys.executable, "-m", "app.config", *names], cwd=REPO, capture_output=True, text=True,
+                           env=env, timeout=60)
+        return r.returncode, r.stdout.strip() or r.stderr
 
-    assert ask(QLOC_API_WORKERS="3") == (0, "3")
-    assert ask(QLOC_API_WORKERS="0", QLOC_DEVICE="cpu") == (0, str(api_processes(Settings(device="cpu"))))
-    assert 'workers=$("${bin}python" -m app.config api-processes)' in (REPO / "scripts/run").read_text()
+    assert ask("api-processes", QLOC_API_WORKERS="3") == (0, "3")
+    assert ask("api-processes", QLOC_API_WORKERS="0", QLOC_DEVICE="cpu") == (
+        0, str(api_processes(Settings(device="cpu"))))
+    assert ask("api-processes", "access-log", QLOC_API_WORKERS="2") == (0, "2 --no-access-log")  # off by default
+    assert ask("access-log", QLOC_ACCESS_LOG="true") == (0, "--access-log")
+    code, err = ask("api-processes", "access-log", QLOC_ACCESS_LOG="loud")
+    assert code != 0 and "access_log" in err  # a bad value stops scripts/run api, naming the setting
+    assert ask("workers")[0] != 0
 
 
 def test_the_engines_batches_and_waits_are_in_the_metrics(settings):

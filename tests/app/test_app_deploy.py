@@ -80,7 +80,7 @@ def test_run_command_serves_api_and_worker_and_stops_both(tmp_path, bundle_dir):
     settings = live_worker_settings(tmp_path, bundle_dir)
     port = free_port()
     env = {**os.environ, **settings_env(settings), "QLOC_PORT": str(port), "QLOC_BOOTSTRAP": "0",
-           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+           "QLOC_ACCESS_LOG": "true", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
     log = open(tmp_path / "run.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([str(REPO / "scripts/run")], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -105,6 +105,7 @@ def test_run_command_serves_api_and_worker_and_stops_both(tmp_path, bundle_dir):
                 assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()
                 time.sleep(0.3)
             assert status == "succeeded", (tmp_path / "run.log").read_text()
+        assert re.search(r'"GET /readyz HTTP/1.1" 200', (tmp_path / "run.log").read_text())  # QLOC_ACCESS_LOG=true
         children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) >= 3  # the script, uvicorn, the Celery worker (and its pool process)
         os.kill(proc.pid, signal.SIGTERM)
@@ -159,6 +160,7 @@ def test_several_api_processes_serve_and_metrics_add_up_over_them(tmp_path, bund
             assert r.status_code == 200, r.text
             assert [float(v) for v in line.findall(r.text)] == [n], r.text
             assert "qloc_jobs{" in r.text  # the job gauges, read from SQL, once
+        assert "GET /healthz" not in (tmp_path / "api.log").read_text()  # no access log by default (QLOC_ACCESS_LOG)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
