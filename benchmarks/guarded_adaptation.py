@@ -43,6 +43,9 @@ SUITES = {
     "digits": ("mnist-digit4", [CMnistKind(d, "patch") for d in (0, 1, 2, 3, 5, 6, 7, 8, 9)]),
     "backgrounds": ("mnist-digit4", [CMnistKind(2, bg) for bg in ("patch", "clutter", "impulse", "gaussian")]),
     "glyphs": ("mnist-digit4", [GlyphKind(c, "patch") for c in ("A", "K", "R", "e", "#", "&", "@", "?")]),
+    # Characters no choice of this project ever looked at (bundle, guard rule, probe count, repair): a check that
+    # the glyph results hold on kinds of objects outside the ones they were chosen on.
+    "unseen-glyphs": ("mnist-general", [GlyphKind(c, "patch") for c in ("Ω", "λ", "§", "€", "ß", "π", "£", "ψ")]),
 }
 
 
