@@ -93,9 +93,9 @@ class Settings(BaseSettings):
     (BENCHMARKS.md, "Localize under concurrent clients"). More help where the database is slow to answer."""
     access_log: bool = False
     """One log line per HTTP request from ``scripts/run api`` (uvicorn's access log, on stderr). Off by default:
-    uvicorn writes it on the event loop, in the request's path (one client, one image: 0.3 ms of a 10 ms request;
-    BENCHMARKS.md, "Localize under concurrent clients"); ``/metrics`` counts every route's requests, statuses and
-    latencies without it. Errors are logged either way."""
+    uvicorn writes it on the event loop, in every request's path (2 % of the API's busy time in a profile of one
+    client; BENCHMARKS.md, "Localize under concurrent clients"); ``/metrics`` counts every route's requests,
+    statuses and latencies without it. Errors are logged either way."""
     api_workers: int = Field(0, ge=0, le=64)
     """API processes ``scripts/run api`` starts (uvicorn ``--workers``), each with its own model, engine thread
     and batches: Python's lock serves one request's Python at a time per process, so on more cores more
