@@ -31,6 +31,7 @@ from app.config import Settings
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle
 from models.core.metrics import corloc, spearman
+from models.data.cmnist import BACKGROUNDS
 from models.data.types import exemplar_crops
 from models.evaluate import evaluate_corloc, ranking
 from models.experiments.baselines import template_matching
@@ -167,6 +168,8 @@ def main() -> None:
                    help="also run each job with the reward chosen on the probes (models.repair), on the same repair")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kinds", nargs="+", help="only these targets of the suite (their describe() contains one)")
+    p.add_argument("--background", choices=BACKGROUNDS,
+                   help="the glyph suites on this background instead of the patches (e.g. clutter)")
     p.add_argument("--no-template", action="store_true",
                    help="skip template matching (full-resolution NCC of 224-px photos takes minutes per image set)")
     p.add_argument("--bundle", help="a bundle file instead of the suite's shipped one (e.g. bundles/mnist-general.pt)")
@@ -183,6 +186,10 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     name, kinds = photo_suite(a.classes) if a.suite == "photos" else SUITES[a.suite]
+    if a.background:
+        if not all(isinstance(k, GlyphKind) for k in kinds):
+            p.error("--background applies to the glyph suites")
+        kinds = [replace(k, background=a.background) for k in kinds]
     if a.kinds:
         kinds = [k for k in kinds if any(s in k.describe() for s in a.kinds)]
     if a.bundle:
