@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -290,21 +291,18 @@ def get_settings() -> Settings:
     return Settings()
 
 
-def uvicorn_option(settings: Settings, name: str) -> str:
-    """What ``scripts/run api`` passes uvicorn for ``name``: ``api-processes`` (``api_processes``) or
-    ``access-log`` (``--access-log`` / ``--no-access-log``)."""
-    if name == "api-processes":
-        return str(api_processes(settings))
-    if name == "access-log":
-        return "--access-log" if settings.access_log else "--no-access-log"
-    raise ValueError(f"unknown option {name!r}")
+UVICORN_OPTIONS: dict[str, Callable[[Settings], str]] = {
+    "api-processes": lambda s: str(api_processes(s)),
+    "access-log": lambda s: "--access-log" if s.access_log else "--no-access-log",
+}
+"""What ``scripts/run api`` asks for (``python -m app.config NAME ...``) and passes uvicorn."""
 
 
 if __name__ == "__main__":  # scripts/run asks: python -m app.config api-processes access-log
     import sys
 
     names = sys.argv[1:]
-    if not names or any(n not in ("api-processes", "access-log") for n in names):
-        raise SystemExit("usage: python -m app.config {api-processes|access-log} ...")
+    if not names or any(n not in UVICORN_OPTIONS for n in names):
+        raise SystemExit(f"usage: python -m app.config {{{'|'.join(UVICORN_OPTIONS)}}} ...")
     settings = get_settings()
-    print(" ".join(uvicorn_option(settings, n) for n in names))
+    print(" ".join(UVICORN_OPTIONS[n](settings) for n in names))

@@ -29,6 +29,11 @@ def inscribed(boxes: torch.Tensor, aspect: float) -> torch.Tensor:
     return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], 1)
 
 
+def median_aspect(boxes: torch.Tensor) -> float:
+    """The median width / height of boxes ``[N, 4]``."""
+    return float(((boxes[:, 2] - boxes[:, 0]) / (boxes[:, 3] - boxes[:, 1])).median())
+
+
 def main() -> None:
     torch.set_num_threads(1)
     bundle = load_bundle("bundles/mnist-general.pt", "cpu")
@@ -38,8 +43,7 @@ def main() -> None:
     for kind in [GlyphKind(c, "patch") for c in GLYPHS] + [CMnistKind(d, "patch") for d in (1, 7)]:
         ex = kind.draw(bundle, "exemplars", 5, 0)
         val = kind.draw(bundle, "val", 200, 0)
-        aspect = float(((ex.boxes[:, 2] - ex.boxes[:, 0]) / (ex.boxes[:, 3] - ex.boxes[:, 1])).median())
-        objects = float(((val.boxes[:, 2] - val.boxes[:, 0]) / (val.boxes[:, 3] - val.boxes[:, 1])).median())
+        aspect, objects = median_aspect(ex.boxes), median_aspect(val.boxes)
         square, boxes = evaluate_corloc(bundle, bundle.new_agent(None), val, prototype_of(bundle, ex))
         shaped = corloc(inscribed(boxes, aspect), val.boxes)
         print(f"| {kind.describe()} | {aspect:.2f} | {objects:.2f} | {square:.1f} | {shaped:.1f} |", flush=True)
