@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models.bundle import load_bundle
+from models.data.glyphs import font_files
 from models.data.types import LabeledImages, exemplar_crops
 from models.experiments.datasets import GlyphKind
 from models.features import features_of
@@ -92,10 +93,13 @@ def test_ncc_and_feature_scorers_are_vectorized_in_the_env(bundle, glyphs):
         BoxEnv(bundle.embedder, feats, proto.expand(6, -1), bundle.config.env, (84.0, 84.0), scorer=NCCScorer(crops))
 
 
+@pytest.mark.skipif(not font_files(), reason="the premise holds for 'K' drawn in TrueType fonts (/usr/share/fonts); "
+                    "PIL's built-in bitmap font draws another glyph")
 def test_the_choice_picks_ncc_where_the_embedding_misleads(bundle, glyphs, probes):
     """On glyph probes the bundle's embedding orders boxes worse than NCC with the crops (it was trained on digits),
     and with a misleading prototype (the whole images') it orders them backwards: the choice picks NCC. A margin
-    larger than the gap keeps the current reward."""
+    larger than the gap keeps the current reward. (On a GPU machine with no font files, 2026-11-28: NCC's Spearman
+    -0.34 against the embedding's -0.70 on the bitmap font's 'K': the premise is the fonts', not the device's.)"""
     crops, images, proto = glyphs
     ncc = NCCScorer(crops)
     choice = choose_reward(bundle, {"embedding": EmbeddingScorer(proto), "ncc": ncc}, probes)
