@@ -39,30 +39,38 @@ class RefineConfig:
     decay: float = 0.7
     """Shift and scale steps are multiplied by this after every round. The defaults were chosen on validation
     images of glyph jobs (BENCHMARKS.md, reward repair): 27 boxes a round, 216 in all."""
+    aspect_rounds: int = 0
+    """Rounds after ``rounds`` that change the box's shape instead of its size: widths times ``(1 + aspect)^k``
+    and heights divided by it (``k`` in ``-(grid // 2) .. grid // 2``; the step decaying by ``decay``). 0: the
+    boxes keep the agent's shape (a cMNIST bundle's: squares)."""
+    aspect: float = 0.2
+    """The first shape round's step."""
 
     def __post_init__(self) -> None:
-        if self.rounds < 0 or self.grid < 1 or self.grid % 2 == 0:
-            raise ValueError(f"refine needs rounds >= 0 and an odd grid >= 1, got rounds={self.rounds}, "
-                             f"grid={self.grid}")
-        if not 0 < self.shift < 1 or not 0 < self.scale < 1 or not 0 < self.decay <= 1:
-            raise ValueError(f"refine's shift and scale must be in (0, 1) and its decay in (0, 1], got "
-                             f"{self.shift}, {self.scale}, {self.decay}")
+        if self.rounds < 0 or self.aspect_rounds < 0 or self.grid < 1 or self.grid % 2 == 0:
+            raise ValueError(f"refine needs rounds >= 0, aspect_rounds >= 0 and an odd grid >= 1, got rounds="
+                             f"{self.rounds}, aspect_rounds={self.aspect_rounds}, grid={self.grid}")
+        if not 0 < self.shift < 1 or not 0 < self.scale < 1 or not 0 < self.decay <= 1 or not 0 < self.aspect < 1:
+            raise ValueError(f"refine's shift and scale must be in (0, 1), its decay in (0, 1] and its aspect in "
+                             f"[0, 1), got {self.shift}, {self.scale}, {self.decay}, {self.aspect}")
 
 
-def neighbours(boxes: Tensor, size: tuple[float, float], min_side: float, shift: float, scale: float, grid: int
-               ) -> Tensor:
+def neighbours(boxes: Tensor, size: tuple[float, float], min_side: float, shift: float, scale: float, grid: int,
+               aspect: float = 0.0) -> Tensor:
     """Boxes around ``boxes [B, 4]`` -> ``[B, grid^3, 4]``: centre shifts of ``k * shift`` times the box's width
-    and height (``k`` in ``-(grid // 2) .. grid // 2``), sides scaled by ``1 + k * scale``, each side at least
-    ``min_side`` (or the image's side) and the box moved inside the ``size = (width, height)`` image. The middle
-    candidate (``grid^3 // 2``) is the box itself when it lies inside the image with sides >= ``min_side``."""
+    and height (``k`` in ``-(grid // 2) .. grid // 2``), sides scaled by ``1 + k * scale`` (``aspect`` > 0: the
+    width times ``(1 + aspect)^k`` and the height divided by it instead), each side at least ``min_side`` (or the
+    image's side) and the box moved inside the ``size = (width, height)`` image. The middle candidate
+    (``grid^3 // 2``) is the box itself when it lies inside the image with sides >= ``min_side``."""
     w_img, h_img = float(size[0]), float(size[1])
     k = torch.arange(grid, device=boxes.device, dtype=boxes.dtype) - grid // 2
-    dx, dy, ds = torch.meshgrid(k * shift, k * shift, 1 + k * scale, indexing="ij")
+    third = (1 + aspect) ** k if aspect > 0 else 1 + k * scale
+    dx, dy, ds = torch.meshgrid(k * shift, k * shift, third, indexing="ij")
     dx, dy, ds = dx.reshape(1, -1), dy.reshape(1, -1), ds.reshape(1, -1)  # [1, K]
     w, h = (boxes[:, 2] - boxes[:, 0])[:, None], (boxes[:, 3] - boxes[:, 1])[:, None]  # [B, 1]
     cx, cy = (boxes[:, 0:1] + boxes[:, 2:3]) / 2 + dx * w, (boxes[:, 1:2] + boxes[:, 3:4]) / 2 + dy * h
     nw = (w * ds).clamp(min=min(min_side, w_img), max=w_img)
-    nh = (h * ds).clamp(min=min(min_side, h_img), max=h_img)
+    nh = (h * (1 / ds if aspect > 0 else ds)).clamp(min=min(min_side, h_img), max=h_img)
     x1 = torch.minimum((cx - nw / 2).clamp(min=0), w_img - nw)
     y1 = torch.minimum((cy - nh / 2).clamp(min=0), h_img - nh)
     return torch.stack([x1, y1, x1 + nw, y1 + nh], dim=-1)
@@ -78,9 +86,10 @@ def refine(embedder: RoIEmbedder, feats: Tensor, prototypes: Tensor, boxes: Tens
     if prototypes.dim() == 1:
         prototypes = prototypes.expand(boxes.shape[0], -1)
     rows = torch.arange(boxes.shape[0], device=boxes.device)
-    for r in range(cfg.rounds):
+    for r in range(cfg.rounds + cfg.aspect_rounds):
         f = cfg.decay ** r
-        cands = neighbours(boxes, size, min_side, cfg.shift * f, cfg.scale * f, cfg.grid)  # [B, K, 4]
+        shape = cfg.aspect * cfg.decay ** (r - cfg.rounds) if r >= cfg.rounds else 0.0  # the shape, not the size
+        cands = neighbours(boxes, size, min_side, cfg.shift * f, cfg.scale * f, cfg.grid, shape)  # [B, K, 4]
         d = (embedder.embed(feats, cands) - prototypes[:, None]).norm(dim=-1).to(distances.dtype)  # [B, K]
         best, k = d.min(dim=1)
         better = best < distances
