@@ -25,6 +25,8 @@ from typing import IO
 
 from PIL import Image, ImageFile
 
+from models.inference import to_8bit
+
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 FORMATS = {"PNG": ("image/png", ".png"), "JPEG": ("image/jpeg", ".jpg"), "WEBP": ("image/webp", ".webp")}
@@ -174,6 +176,8 @@ def _decode(img: Image.Image, max_side: int | None) -> tuple[Image.Image, tuple[
         img.draft(img.mode, target)  # the decoder's own 1/2, 1/4, 1/8 scaling, never below target
     img.load()
     orientation = _orientation(img)
+    # A 16-bit grayscale PNG: scaled to 8 bits (PIL's conversion would clip it), before any resampling.
+    img = to_8bit(img, int32_is_16bit=img.format == "PNG")
     if img.size != target:
         # Resampling a palette (or 1-bit) image would pick nearest pixels; a colour key would not survive it.
         if img.mode in ("PA", "RGBA", "LA") or "transparency" in img.info:

@@ -33,12 +33,29 @@ def resolve_device(name: str = "auto") -> torch.device:
     return dev
 
 
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+"""PIL's modes of 16-bit grayscale (a 16-bit PNG opens as one of them)."""
+
+
+def to_8bit(img: Image.Image, *, int32_is_16bit: bool = False) -> Image.Image:
+    """A 16-bit grayscale image (``SIXTEEN_BIT_MODES``; mode ``I`` too with ``int32_is_16bit``, as older Pillow
+    opens a 16-bit PNG) -> mode ``L``, 0..65535 mapped onto 0..255 (``/ 257``, rounded). PIL's own conversion to
+    ``L`` clips instead: every value above 255 becomes white, and a full-range 16-bit image a silhouette. Any other
+    image is returned as it is."""
+    if img.mode in SIXTEEN_BIT_MODES or (int32_is_16bit and img.mode == "I"):
+        arr = np.asarray(img).astype(np.float64)
+        return Image.fromarray(np.clip(np.round(arr / 257.0), 0, 255).astype(np.uint8), "L")
+    return img
+
+
 def pil_to_tensor(img: Image.Image, channels: int, fill: tuple[float, ...] = (0.0,)) -> Tensor:
     """A PIL image -> ``[C, h, w]`` float in [0, 1], converted to grayscale (C=1) or RGB (C=3).
 
-    Transparent pixels are composited onto ``fill`` (per channel in [0, 1], or one value for all).
+    Transparent pixels are composited onto ``fill`` (per channel in [0, 1], or one value for all). 16-bit
+    grayscale is scaled to the 8-bit range first (``to_8bit``), not clipped.
     """
     mode = {1: "L", 3: "RGB"}[channels]
+    img = to_8bit(img)
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:  # alpha, or a palette / colour key
         img = img.convert("RGBA")
         rgb = [fill[min(i, len(fill) - 1)] for i in range(3)]

@@ -142,6 +142,23 @@ def test_every_mode_downscales(mode):
     assert im.image.mode not in ("P", "1")  # resampled in a mode that interpolates
 
 
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_not_clipped():
+    """A full-range 16-bit PNG (scientific and medical cameras write them) is seen as its 8-bit version, v * 257 ->
+    v, at full size, downscaled, and stored then decoded again; PIL's own conversion would make every value above
+    255 white."""
+    rng = np.random.default_rng(0)
+    eight = (rng.random((40, 60)) * 255).astype(np.uint8)
+    sixteen = encode(Image.fromarray(eight.astype(np.uint16) * 257), "PNG")
+    assert Image.open(io.BytesIO(sixteen)).mode.startswith("I")
+    im = decode_image(sixteen, filename="d.png", declared_type="image/png", limits=LIMITS)
+    assert im.image.mode == "L" and np.array_equal(np.asarray(im.image), eight)
+    assert np.array_equal(np.asarray(open_stored(im.data).image), eight)
+    small = decode_image(sixteen, filename="d.png", declared_type="image/png", limits=LIMITS, max_side=30)
+    ref = decode_image(encode(Image.fromarray(eight), "PNG"), filename="e.png", declared_type="image/png",
+                       limits=LIMITS, max_side=30)
+    assert small.image.size == (30, 20) and np.array_equal(np.asarray(small.image), np.asarray(ref.image))
+
+
 def test_header_pixels_reads_only_the_header():
     data = encode(scene(300, 200, (1, 1, 5, 5)), "JPEG")
     assert header_pixels(io.BytesIO(data[:2000])) == 60_000  # the header alone is enough

@@ -25,6 +25,7 @@ from models.inference import (
     pil_to_tensor,
     resize_batch,
     resolve_device,
+    to_8bit,
 )
 from models.rollout import BoxEnv, rollout, search, select_actions
 
@@ -474,6 +475,20 @@ def test_pil_to_tensor_grayscale_and_rgb():
     # grayscale uploads to an RGB bundle: three equal channels
     g3 = pil_to_tensor(Image.fromarray(gray, "L"), 3)
     assert g3.shape == (3, 2, 3) and all(torch.equal(g3[c], g[0]) for c in range(3))
+
+
+def test_pil_to_tensor_scales_16_bit_grayscale():
+    """16-bit grayscale (``I;16``, as a 16-bit PNG opens) maps 0..65535 onto [0, 1] like its 8-bit version, where
+    PIL's conversion would clip everything above 255 to white (``to_8bit``)."""
+    gray = np.array([[0, 51, 255], [102, 153, 204]], dtype=np.uint8)
+    sixteen = Image.fromarray(gray.astype(np.uint16) * 257)
+    assert sixteen.mode == "I;16"
+    assert torch.equal(pil_to_tensor(sixteen, 1), pil_to_tensor(Image.fromarray(gray, "L"), 1))
+    assert torch.equal(pil_to_tensor(sixteen, 3), pil_to_tensor(Image.fromarray(gray, "L"), 3))
+    assert np.array_equal(np.asarray(to_8bit(Image.fromarray(np.array([[0, 128, 65535]], np.uint16)))), [[0, 0, 255]])
+    as_int32 = Image.fromarray(gray.astype(np.int32) * 257)  # mode I: scaled only when told it holds 16 bits
+    assert to_8bit(as_int32) is as_int32
+    assert np.array_equal(np.asarray(to_8bit(as_int32, int32_is_16bit=True)), gray)
 
 
 def _rgba(alpha):
