@@ -29,7 +29,11 @@ def _array_to_png(arr: Any) -> bytes:
         a = a[:, :, 0]
     if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (3, 4)):
         raise ValueError(f"an image array is HxW or HxWx{{1,3,4}}; got shape {a.shape}")
-    if a.dtype != np.uint8:
+    if a.dtype == np.uint16 and a.ndim == 2:  # sent as a 16-bit PNG: the API scales it to 8 bits
+        return _pil_to_png(Image.fromarray(a))
+    if a.dtype == np.uint16:  # PNG has no 16-bit colour that PIL writes: its 8 bits here, scaled as the API would
+        a = np.rint(a / 257.0).astype(np.uint8)
+    elif a.dtype != np.uint8:
         if np.issubdtype(a.dtype, np.floating) and a.size and float(a.max()) <= 1.0 and float(a.min()) >= 0.0:
             a = a * 255.0
         a = np.clip(np.rint(a), 0, 255).astype(np.uint8)
@@ -37,7 +41,9 @@ def _array_to_png(arr: Any) -> bytes:
 
 
 def _pil_to_png(img: Any) -> bytes:
-    if img.mode not in ("L", "RGB", "RGBA"):
+    if img.mode in ("I;16B", "I;16L", "I;16N"):
+        img = img.convert("I;16")
+    if img.mode not in ("L", "RGB", "RGBA", "I;16"):  # 16-bit grayscale stays 16-bit (the API scales it)
         img = img.convert("RGB")
     buf = io.BytesIO()
     img.save(buf, "PNG")

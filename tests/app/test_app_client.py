@@ -13,6 +13,8 @@ from PIL import Image
 from service_fixtures import files, free_port, make_test_settings, migrate, png_bytes, started
 
 from app.client import AdaptationJob, ExemplarSet, QlocClient, QlocError
+from app.client_images import encode_image
+from app.images import UploadLimits, decode_image
 
 
 @pytest.fixture
@@ -269,3 +271,17 @@ def test_max_instances_typed_and_judged_with_the_negatives(qloc: QlocClient) -> 
             assert inst.confidence is not None and 0.0 <= inst.confidence <= 1.0
             if inst.box == pytest.approx(one.box, abs=1e-3):
                 assert inst.confidence == pytest.approx(one.confidence, abs=1e-4)
+
+
+def test_16_bit_arrays_and_images_are_sent_so_the_api_sees_their_8_bit_scale() -> None:
+    """A uint16 array or an ``I;16`` PIL image goes up as a 16-bit PNG (not clipped to 255 on the way), which the
+    API reads as the 8-bit image v * 257 -> v; a 3-channel uint16 array is scaled to 8 bits here."""
+    eight = (np.random.default_rng(0).random((20, 30)) * 255).astype(np.uint8)
+    limits = UploadLimits(max_file_bytes=1_000_000, max_image_pixels=100_000)
+    for image in (eight.astype(np.uint16) * 257, Image.fromarray(eight.astype(np.uint16) * 257)):
+        name, data, content_type = encode_image(image)
+        assert content_type == "image/png" and Image.open(io.BytesIO(data)).mode == "I;16"
+        seen = decode_image(data, filename=name, declared_type=content_type, limits=limits).image
+        assert np.array_equal(np.asarray(seen), eight)
+    _, data, _ = encode_image(np.dstack([eight.astype(np.uint16) * 257] * 3))
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)))[..., 0], eight)
