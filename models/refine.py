@@ -14,7 +14,8 @@ Vectorized over the batch: each round is one RoIAlign + head call on the cached 
 
 Serving uses it for checkpoints adapted on a repaired reward of a grayscale bundle (``models.bundle.Reward.refine``,
 ``models.repair.refines``): the guard scored those checkpoints with it, so what the job verified is what localize
-answers.
+answers. ``RefineConfig.aspect_rounds`` (off) also searches the box's shape; tried on validation glyphs, it changed
+CorLoc by less than a point (BENCHMARKS.md, "Kinds no choice ever looked at"), so what is served keeps the shape.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class RefineConfig:
             raise ValueError(f"refine needs rounds >= 0, aspect_rounds >= 0 and an odd grid >= 1, got rounds="
                              f"{self.rounds}, aspect_rounds={self.aspect_rounds}, grid={self.grid}")
         if not 0 < self.shift < 1 or not 0 < self.scale < 1 or not 0 < self.decay <= 1 or not 0 < self.aspect < 1:
-            raise ValueError(f"refine's shift and scale must be in (0, 1), its decay in (0, 1] and its aspect in "
-                             f"[0, 1), got {self.shift}, {self.scale}, {self.decay}, {self.aspect}")
+            raise ValueError(f"refine's shift, scale and aspect must be in (0, 1) and its decay in (0, 1], got "
+                             f"shift, scale, decay, aspect = {self.shift}, {self.scale}, {self.decay}, {self.aspect}")
 
 
 def neighbours(boxes: Tensor, size: tuple[float, float], min_side: float, shift: float, scale: float, grid: int,
