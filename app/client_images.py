@@ -43,7 +43,11 @@ def _array_to_png(arr: Any) -> bytes:
 def _pil_to_png(img: Any) -> bytes:
     if img.mode in ("I;16B", "I;16L", "I;16N"):
         img = img.convert("I;16")
-    if img.mode not in ("L", "RGB", "RGBA", "I;16"):  # 16-bit grayscale stays 16-bit (the API scales it)
+    if img.mode == "PA":
+        img = img.convert("RGBA")
+    # PNG holds these as they are (transparency and palettes too: the API composites them as it would the file's);
+    # 16-bit grayscale stays 16-bit (the API scales it). Other modes (CMYK, YCbCr, I, F, ...) go as RGB.
+    if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16"):
         img = img.convert("RGB")
     buf = io.BytesIO()
     img.save(buf, "PNG")

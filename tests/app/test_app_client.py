@@ -9,12 +9,14 @@ import uuid
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from service_fixtures import files, free_port, make_test_settings, migrate, png_bytes, started
 
 from app.client import AdaptationJob, ExemplarSet, QlocClient, QlocError
 from app.client_images import encode_image
 from app.images import UploadLimits, decode_image
+from models.inference import pil_to_tensor
 
 
 @pytest.fixture
@@ -285,3 +287,24 @@ def test_16_bit_arrays_and_images_are_sent_so_the_api_sees_their_8_bit_scale() -
         assert np.array_equal(np.asarray(seen), eight)
     _, data, _ = encode_image(np.dstack([eight.astype(np.uint16) * 257] * 3))
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)))[..., 0], eight)
+
+
+@pytest.mark.parametrize("mode", ["LA", "P", "1", "RGBA", "PA"])
+def test_a_pil_image_goes_up_as_the_api_would_see_its_file(mode: str) -> None:
+    """A PIL image with transparency or a palette is sent as a PNG in its own mode (PA as RGBA), so the API
+    composites it onto the bundle's fill as it would the same image sent as a file: the model's input is the
+    same either way (the client used to flatten every such mode to RGB, transparent pixels included)."""
+    rng = np.random.default_rng(1)
+    rgba = Image.fromarray((rng.random((12, 16, 4)) * 255).astype(np.uint8), "RGBA")
+    img = {"LA": rgba.convert("LA"), "P": rgba.convert("RGB").convert("P"), "1": rgba.convert("1"),
+           "RGBA": rgba, "PA": rgba.convert("RGB").convert("P").convert("PA")}[mode]
+    if mode == "P":
+        img.info["transparency"] = 3
+    as_file = io.BytesIO()
+    (img.convert("RGBA") if mode == "PA" else img).save(as_file, "PNG")  # PNG cannot hold PA
+    limits = UploadLimits(max_file_bytes=1_000_000, max_image_pixels=100_000)
+    name, data, content_type = encode_image(img)
+    sent = decode_image(data, filename=name, declared_type=content_type, limits=limits).image
+    direct = decode_image(as_file.getvalue(), filename="f.png", declared_type="image/png", limits=limits).image
+    for channels in (1, 3):
+        assert torch.equal(pil_to_tensor(sent, channels, (0.5,)), pil_to_tensor(direct, channels, (0.5,)))
