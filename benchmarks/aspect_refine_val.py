@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 
 import torch
+from aspect_val import median_aspect
 
 from models.bundle import load_bundle
 from models.core.boxes import paired_iou
@@ -74,13 +74,11 @@ def main() -> None:
             cfg = RefineConfig(aspect_rounds=a.aspect_rounds, aspect=float(v))
             answers[f"shape {v}"] = refine(rb.embedder, feats, g.prototype, last, d0, (s, s), min_side * a.min_side,
                                            cfg)[0]
-        wh = ((val.boxes[:, 2] - val.boxes[:, 0]) / (val.boxes[:, 3] - val.boxes[:, 1])).median()
-        row = {"kind": char, "seed": a.seed, "repair_kept": kept, "objects_w_h": round(float(wh), 2),
+        row = {"kind": char, "seed": a.seed, "repair_kept": kept, "objects_w_h": round(median_aspect(val.boxes), 2),
                **{f"corloc {k}": round(corloc(b, val.boxes), 1) for k, b in answers.items()},
                **{f"iou {k}": round(float(paired_iou(b, val.boxes).mean()), 3) for k, b in answers.items()},
                "seconds": round(time.perf_counter() - t0, 1)}
         print(json.dumps(row, ensure_ascii=False), flush=True)
-        print(row, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     with QlocClient(a.url, api_key=a.api_key) as qloc:
-        default = qloc.bundles()
-        name = default.get("default") if isinstance(default, dict) else None
-        bundle = load_bundle(ROOT / "bundles" / f"{name or 'mnist-general'}.pt", "cpu")  # the images' size and fill
+        bundle = load_bundle(ROOT / "bundles" / f"{qloc.bundles()['default']}.pt", "cpu")  # the images' size and fill
         for seed in a.seeds:
             for char in a.kinds:
                 row = run_target(qloc, bundle, char, a.background, seed, a.n_test)
