@@ -7,7 +7,9 @@
   negative exemplars (and the model at hand), the confidence also weighs how near each box is to the
   look-alikes; ``rerank`` answers with the candidate (several-instances search) that calibration likes best.
 
-The inference backends are not involved: what is computed here runs after the answer, in the route.
+What is computed here runs after the answer, in the route; the NCC features only where the inference backend did
+not read them with its forward pass (``LocalizeCall.templates``: the local backends read them there, batched
+across requests).
 
 A calibration with templates (format version 2, ``models.core.templates.Templates``: the set's crops as 16x16 8-bit
 templates, kept in the calibration's JSON -- no file is read per request) gives every answer the NCC fit's
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from app.inference import LoadedBundle, prototype_from_bytes
 from app.lru import LoadingLRU
+from app.serving import NccFeatures, answer_rows
 from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.data.types import LabeledImages
 from models.inference import pil_to_tensor, preprocess, resize_batch
@@ -112,7 +115,8 @@ def decoded(calibration: dict, key: Hashable | None) -> Calibration:
 
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
-          negatives: bytes | None, rerank_boxes: bool, calibration_key: Hashable | None = None) -> list[Judged]:
+          negatives: bytes | None, rerank_boxes: bool, calibration_key: Hashable | None = None,
+          ncc: NccFeatures | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
@@ -128,10 +132,10 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     if calibration is None:
         confs: list[list[float | None]] = [[None] * (1 + n) for n in counts]
     else:
-        boxes, scores = _rows(results, counts)
+        boxes, scores = answer_rows(results)
         with torch.inference_mode():  # no autograd bookkeeping (torchvision's RoIAlign has a Python layer for it)
             conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
-                                prototype=prototype, negatives=negatives)
+                                prototype=prototype, negatives=negatives, ncc=ncc)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
 
@@ -152,25 +156,20 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     return out
 
 
-def _rows(results: list, counts: list[int]) -> tuple[Tensor, Tensor]:
-    """Every image's answer and then its instances as one row, padded with the answer -> (boxes ``[n, 1 + K, 4]``
-    float32, scores ``[n, 1 + K]`` float64): one scoring pass for every box of the request."""
-    pad = max(counts, default=0)
-    rows = [[(r.box, r.score)] + [(i.box, i.score) for i in (r.instances or ())] + [(r.box, r.score)] * (pad - n)
-            for r, n in zip(results, counts, strict=True)]
-    boxes = torch.tensor([[list(b) for b, _ in row] for row in rows], dtype=torch.float32)
-    scores = torch.tensor([[float(s) for _, s in row] for row in rows], dtype=torch.float64)
-    return boxes, scores
-
-
 def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor, *,
-                 loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None) -> Tensor:
+                 loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None,
+                 ncc: NccFeatures | None = None) -> Tensor:
     """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> calibrated ``P(correct)``
     ``[n, K]`` by the richest fit the set allows: the NCC fit (a calibration with templates: no model needed),
     else the negatives' fit (local mode, a set with negatives: the boxes embedded, one backbone pass per image),
     else the score's."""
     if cal.templates is not None and cal.ncc is not None:
-        return _ncc_confidences(cal, images, boxes, scores)
+        if ncc is None:
+            return _ncc_confidences(cal, images, boxes, scores)
+        k = scores.shape[1]  # the features' rows may be padded further (the batch's most instances)
+        pos, neg = ncc
+        return cal.confidence(scores.flatten(), ncc=pos[:, :k].flatten(),
+                              ncc_negatives=None if neg is None else neg[:, :k].flatten()).view(scores.shape)
     if loaded is None or negatives is None or cal.negatives is None:
         return cal.confidence(scores.flatten()).view(scores.shape)
     batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given

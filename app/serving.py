@@ -36,6 +36,7 @@ from app.inference import (
 from app.lru import LoadingLRU
 from app.storage import BlobStore
 from models.bundle import PolicyMismatch, Reward
+from models.core.templates import Templates
 from models.inference import Localization, Localizer, preprocess
 from models.nets.agent import Agent
 
@@ -68,6 +69,15 @@ class LocalizeCall:
     """``None``: the bundle's own default."""
     max_instances: int = 1
     """Up to this many objects per image (``Localization.instances``; 1: the one answer only)."""
+    templates: Templates | None = field(default=None, repr=False, compare=False)
+    """The set's calibration templates, where its confidence is the NCC fit: the local backends then read each
+    answer's NCC features with the forward pass, on its input batch (``LocalizeAnswer.ncc``), batched across the
+    calls of a batch. Other backends may leave it (the route then reads them itself)."""
+
+
+NccFeatures = tuple[Tensor, Tensor | None]
+"""An answer's NCC features (``Templates.ncc``): with the exemplars ``[n, 1 + K]`` float64 and with the negative
+exemplars (or ``None``), for each image's row of boxes (``answer_rows``)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,20 @@ class LocalizeAnswer:
     """Whether the answers are the nearest visited boxes (the option as resolved)."""
     refined: bool = False
     """Whether the answers were refined on the checkpoint's repaired reward (``models.refine``)."""
+    ncc: NccFeatures | None = None
+    """The call's ``templates`` read on every answer's row of boxes (``None``: not read here)."""
+
+
+def answer_rows(results: list[Localization]) -> tuple[Tensor, Tensor]:
+    """Every image's answer and then its instances as one row, padded with the answer -> (boxes ``[n, 1 + K, 4]``
+    float32, scores ``[n, 1 + K]`` float64), K the most instances of any image: one scoring pass for every box."""
+    counts = [len(r.instances or ()) for r in results]
+    pad = max(counts, default=0)
+    rows = [[(r.box, r.score)] + [(i.box, i.score) for i in (r.instances or ())] + [(r.box, r.score)] * (pad - n)
+            for r, n in zip(results, counts, strict=True)]
+    boxes = torch.tensor([[list(b) for b, _ in row] for row in rows], dtype=torch.float32)
+    scores = torch.tensor([[float(s) for _, s in row] for row in rows], dtype=torch.float64)
+    return boxes, scores
 
 
 class InferenceRefused(Exception):  # noqa: N818 -- an answer for the client, not a crash
@@ -180,8 +204,12 @@ class LocalInference:
                        if v is not None)
         batch, scales = preprocess(call.images, loaded.localizer.spec)
         prototype = served.prototype if served.prototype is not None else prototype_from_bytes(call.prototype)
+        spec = loaded.localizer.spec
+        t = call.templates  # read on this batch only if it is the batch the templates are read on
+        same_input = t is not None and (t.size, t.channels, tuple(t.fill)) == (spec.size, spec.channels,
+                                                                                tuple(spec.fill))
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
-                            nearest, call.max_instances)
+                            nearest, call.max_instances, t if same_input else None)
         # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
         key = (loaded.sha256, None if call.checkpoint is None else call.checkpoint.id, nearest,
                object() if call.samples > 0 else 0, call.max_instances)
@@ -208,6 +236,8 @@ class Prepared:
     samples: int
     nearest: bool
     max_instances: int = 1
+    templates: Templates | None = None
+    """``LocalizeCall.templates`` where ``batch`` is what they are read on."""
 
 
 def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
@@ -230,14 +260,41 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
                                              nearest=first.nearest, max_instances=first.max_instances)
-    answers, at = [], 0
-    for c, n in zip(calls, counts, strict=True):  # per call, not per image: slicing the batch's answers
+    starts = [sum(counts[:i]) for i in range(len(calls))]
+    features = read_ncc(calls, starts, counts, batch, scales, results)
+    answers = []
+    for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers
         mine = results[at:at + n]
-        at += n
         if not c.trajectory and mine and mine[0].trajectory is not None:
             mine = [Localization(r.box, r.score, None, r.instances) for r in mine]
-        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine))
+        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine, f))
     return answers
+
+
+def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
+             results: list[Localization]) -> list[NccFeatures | None]:
+    """Each call's answers read by its ``templates`` (``None`` without): one ``Templates.ncc`` per set of
+    templates for all the images of the calls that share it (concurrent requests on one set: one pass), on the
+    batch the model read. What the route's verdict would read on the same images, without preprocessing them
+    again or paying the pass's fixed cost per request."""
+    out: list[NccFeatures | None] = [None] * len(calls)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(calls):
+        if c.templates is not None and counts[i]:
+            groups.setdefault(id(c.templates), []).append(i)
+    for members in groups.values():
+        rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in members])
+        boxes, _ = answer_rows([results[r] for r in rows.tolist()])
+        k = torch.cat([scales[rows], scales[rows]], dim=1)[:, None].to(boxes)  # [m, 1, 4]: image pixels -> input
+        rows_d = rows.to(batch.device)
+        pos, neg = calls[members[0]].templates.ncc(batch[rows_d], (boxes / k).to(batch.device))  # type: ignore[union-attr]
+        pos, neg = pos.cpu(), None if neg is None else neg.cpu()
+        at = 0
+        for i in members:
+            n = counts[i]
+            out[i] = (pos[at:at + n], None if neg is None else neg[at:at + n])
+            at += n
+    return out
 
 
 class BatchedInference(LocalInference):

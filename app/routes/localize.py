@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import crud, export, pool
-from app.calibration import RERANK_CANDIDATES, judge
+from app.calibration import RERANK_CANDIDATES, decoded, judge
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.db import begin_read
 from app.deps import Caller, CallerDep, ServingDep
@@ -215,11 +215,13 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
         except pool.PoolFull as e:
             raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     metrics.localize_batch.observe(len(images))
+    fit = None if calibration is None else decoded(calibration, calibration_key)
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
         images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
-        max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank else run.max_instances)
+        max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank else run.max_instances,
+        templates=fit.templates if fit is not None and fit.ncc is not None else None)
     try:
         answer = inference.localize(call)
     except InferenceRefused as e:
@@ -229,7 +231,7 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
                        min_confidence=opts.min_confidence, prototype=es.prototype,
                        loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
                        negatives=es.negatives if use_negatives else None, rerank_boxes=rerank,
-                       calibration_key=calibration_key)
+                       calibration_key=calibration_key, ncc=answer.ncc)
     for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
         if j.instances is not None:
             j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]

@@ -426,3 +426,59 @@ def test_the_engines_batches_and_waits_are_in_the_metrics(settings):
     assert f"qloc_engine_batch_images_count {float(stats.batches)}" in text
     assert "qloc_engine_batch_images_sum 18.0" in text
     assert "qloc_engine_wait_seconds_count 12.0" in text
+
+
+def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_would_read_them(backends, settings):
+    """Calls carrying their calibration's templates get each answer's NCC features from the engine, one pass per
+    set of templates across the batch's calls; the verdict on them equals the verdict that reads them itself."""
+    import torch
+
+    from app.calibration import judge
+    from models.calibration import Calibration, PlattFit
+    from models.core.templates import Templates
+
+    bundles, local, held = backends
+    loaded = bundles.get(settings.default_bundle)
+    spec = loaded.localizer.spec
+    g = torch.Generator().manual_seed(0)
+
+    def grid(n: int) -> torch.Tensor:  # on the 8-bit grid templates are stored on: a stored copy reads the same
+        return (torch.rand(n, spec.channels, 16, 16, generator=g) * 255).round() / 255
+
+    def templates(negatives: bool, size: int = spec.size) -> Templates:
+        return Templates(grid(3), grid(2) if negatives else None, size, spec.channels, tuple(spec.fill))
+
+    a, b, other_size = templates(True), templates(False), templates(True, spec.size + 8)
+    calls = [make_call(loaded, 1, n=2, templates=a, max_instances=3), make_call(loaded, 2, n=1, templates=b,
+                                                                                 max_instances=3),
+             make_call(loaded, 3, n=3, templates=a, max_instances=3), make_call(loaded, 4, n=1, max_instances=3),
+             make_call(loaded, 5, n=1, templates=other_size, max_instances=3)]
+    with ThreadPoolExecutor(len(calls) + 1) as pool:
+        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
+        assert held.started.wait(30)
+        futures = [pool.submit(held.localize, c) for c in calls]
+        wait_until(lambda: held.batcher.waiting == sum(len(c.images) for c in calls), "the calls to queue")
+        held.release.set()
+        answers = [f.result(60) for f in futures]
+        blocker.result(60)
+    assert held.batch_calls == [1, len(calls)]
+    assert answers[3].ncc is None  # no templates
+    assert answers[4].ncc is None  # templates read on another input size: the route reads them itself
+    fit = PlattFit(["log_score", "ncc", "ncc_negatives"], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.3, 2.0, -1.5], 0.1)
+    for call, answer in zip(calls[:3], answers[:3], strict=True):
+        pos, neg = answer.ncc
+        assert pos.shape[0] == len(call.images) and (neg is None) == (call.templates.negatives is None)
+        assert any(r.instances for r in answer.results)
+        calibration = Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {},
+                                  PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.3, 2.0], 0.1),
+                                  fit if neg is not None else None, call.templates).to_dict()
+        options = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=call.prototype, negatives=None,
+                       rerank_boxes=False)
+        read_here = judge(answer.results, call.images, calibration, **options)
+        engine = judge(answer.results, call.images, calibration, **options, ncc=answer.ncc)
+        assert [j.confidence for j in engine] != [j.confidence for j in judge(
+            answer.results, call.images, calibration, **options, ncc=(pos + 0.1, neg))]  # the features count
+        assert [j.confidence for j in engine] == pytest.approx([j.confidence for j in read_here], abs=1e-9)
+        for e, h in zip(engine, read_here, strict=True):
+            assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances],
+                                                                        abs=1e-9)
