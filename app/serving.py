@@ -72,7 +72,8 @@ class LocalizeCall:
     templates: Templates | None = field(default=None, repr=False, compare=False)
     """The set's calibration templates, where its confidence is the NCC fit: the local backends then read each
     answer's NCC features with the forward pass, on its input batch (``LocalizeAnswer.ncc``), batched across the
-    calls of a batch. Other backends may leave it (the route then reads them itself)."""
+    calls of a batch, where the model runs on the CPU. Other backends and devices leave it (the route then reads
+    them itself)."""
 
 
 NccFeatures = tuple[Tensor, Tensor | None]
@@ -205,9 +206,11 @@ class LocalInference:
         batch, scales = preprocess(call.images, loaded.localizer.spec)
         prototype = served.prototype if served.prototype is not None else prototype_from_bytes(call.prototype)
         spec = loaded.localizer.spec
-        t = call.templates  # read on this batch only if it is the batch the templates are read on
-        same_input = t is not None and (t.size, t.channels, tuple(t.fill)) == (spec.size, spec.channels,
-                                                                                tuple(spec.fill))
+        # The engine reads the templates only on the batch they are read on, and only where the model runs on the
+        # CPU: on a GPU its thread must not wait for CPU work that the request threads do side by side.
+        t = call.templates
+        same_input = (t is not None and loaded.localizer.device.type == "cpu"
+                      and (t.size, t.channels, tuple(t.fill)) == (spec.size, spec.channels, tuple(spec.fill)))
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
                             nearest, call.max_instances, t if same_input else None)
         # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
@@ -286,9 +289,7 @@ def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch:
         rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in members])
         boxes, _ = answer_rows([results[r] for r in rows.tolist()])
         k = torch.cat([scales[rows], scales[rows]], dim=1)[:, None].to(boxes)  # [m, 1, 4]: image pixels -> input
-        rows_d = rows.to(batch.device)
-        pos, neg = calls[members[0]].templates.ncc(batch[rows_d], (boxes / k).to(batch.device))  # type: ignore[union-attr]
-        pos, neg = pos.cpu(), None if neg is None else neg.cpu()
+        pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes / k)  # type: ignore[union-attr]
         at = 0
         for i in members:
             n = counts[i]

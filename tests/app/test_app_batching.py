@@ -428,7 +428,8 @@ def test_the_engines_batches_and_waits_are_in_the_metrics(settings):
     assert "qloc_engine_wait_seconds_count 12.0" in text
 
 
-def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_would_read_them(backends, settings):
+def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_would_read_them(backends, settings,
+                                                                                               monkeypatch):
     """Calls carrying their calibration's templates get each answer's NCC features from the engine, one pass per
     set of templates across the batch's calls; the verdict on them equals the verdict that reads them itself."""
     import torch
@@ -482,3 +483,7 @@ def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_w
         for e, h in zip(engine, read_here, strict=True):
             assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances],
                                                                         abs=1e-9)
+    # where the model runs on a GPU, the engine leaves the CPU work to the request threads
+    assert held.prepare(calls[0])[1].templates is calls[0].templates
+    monkeypatch.setattr(loaded.localizer, "device", torch.device("cuda"))
+    assert held.prepare(calls[0])[1].templates is None
