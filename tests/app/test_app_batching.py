@@ -210,6 +210,20 @@ def pil_image(data):
     return im
 
 
+def queued_behind_a_held_batch(held, loaded, calls):
+    """``calls`` submitted from threads of their own while the engine holds a first batch, so that they wait together;
+    then the engine released -> their answers."""
+    with ThreadPoolExecutor(len(calls) + 1) as pool:
+        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
+        assert held.started.wait(30)
+        futures = [pool.submit(held.localize, c) for c in calls]
+        wait_until(lambda: held.batcher.waiting == sum(len(c.images) for c in calls), "the calls to queue")
+        held.release.set()
+        answers = [f.result(60) for f in futures]
+        blocker.result(60)
+    return answers
+
+
 @pytest.fixture
 def backends(settings):
     bundles = BundleRegistry(settings.bundle_dir, "cpu")
@@ -224,14 +238,7 @@ def test_concurrent_calls_of_different_sets_run_as_one_forward_and_answer_as_run
     bundles, local, held = backends
     loaded = bundles.get(settings.default_bundle)
     calls = [make_call(loaded, s, n=1 + s % 3, trajectory=s % 2 == 0) for s in range(6)]
-    with ThreadPoolExecutor(len(calls) + 1) as pool:
-        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
-        assert held.started.wait(30)
-        futures = [pool.submit(held.localize, c) for c in calls]
-        wait_until(lambda: held.batcher.waiting == sum(len(c.images) for c in calls), "the calls to queue")
-        held.release.set()
-        answers = [f.result(60) for f in futures]
-        blocker.result(60)
+    answers = queued_behind_a_held_batch(held, loaded, calls)
     assert held.batch_calls == [1, len(calls)]  # the six calls (three prototypes' worth of sets): one forward
     for call, answer in zip(calls, answers, strict=True):
         alone = local.localize(call)
@@ -249,14 +256,7 @@ def test_calls_that_differ_in_computation_do_not_share_a_forward(backends, setti
     loaded = bundles.get(settings.default_bundle)
     calls = [make_call(loaded, 1), make_call(loaded, 2, nearest=True), make_call(loaded, 3, samples=2),
              make_call(loaded, 4, samples=2), make_call(loaded, 5)]
-    with ThreadPoolExecutor(len(calls) + 1) as pool:
-        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
-        assert held.started.wait(30)
-        futures = [pool.submit(held.localize, c) for c in calls]
-        wait_until(lambda: held.batcher.waiting == 2 * len(calls), "the calls to queue")
-        held.release.set()
-        answers = [f.result(60) for f in futures]
-        blocker.result(60)
+    answers = queued_behind_a_held_batch(held, loaded, calls)
     # greedy last-box calls 1 and 5 together; nearest alone; each best-of-N search alone (its random stream)
     assert sorted(held.batch_calls) == [1, 1, 1, 1, 2]
     for call, answer in zip(calls, answers, strict=True):
@@ -454,14 +454,7 @@ def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_w
                                                                                  max_instances=3),
              make_call(loaded, 3, n=3, templates=a, max_instances=3), make_call(loaded, 4, n=1, max_instances=3),
              make_call(loaded, 5, n=1, templates=other_size, max_instances=3)]
-    with ThreadPoolExecutor(len(calls) + 1) as pool:
-        blocker = pool.submit(held.localize, make_call(loaded, 99, n=1))
-        assert held.started.wait(30)
-        futures = [pool.submit(held.localize, c) for c in calls]
-        wait_until(lambda: held.batcher.waiting == sum(len(c.images) for c in calls), "the calls to queue")
-        held.release.set()
-        answers = [f.result(60) for f in futures]
-        blocker.result(60)
+    answers = queued_behind_a_held_batch(held, loaded, calls)
     assert held.batch_calls == [1, len(calls)]
     assert answers[3].ncc is None  # no templates
     assert answers[4].ncc is None  # templates read on another input size: the route reads them itself
