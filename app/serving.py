@@ -16,6 +16,7 @@ import logging
 import uuid
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -263,7 +264,7 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
                                              nearest=first.nearest, max_instances=first.max_instances)
-    starts = [sum(counts[:i]) for i in range(len(calls))]
+    starts = list(accumulate(counts, initial=0))[:-1]
     features = read_ncc(calls, starts, counts, batch, scales, results)
     answers = []
     for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers
