@@ -30,6 +30,7 @@ from app.inference import LoadedBundle, prototype_from_bytes
 from app.lru import LoadingLRU
 from app.serving import NccFeatures, answer_rows
 from models.calibration import Calibration, calibrate_policy, score_boxes
+from models.core.templates import Templates
 from models.data.types import LabeledImages
 from models.inference import pil_to_tensor, preprocess, resize_batch
 
@@ -79,14 +80,12 @@ def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image
                              0 if negatives is None else len(negatives))
 
 
-def _ncc_confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor) -> Tensor:
-    """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> the NCC fit's ``P(correct)``
-    ``[n, K]`` (the calibration has templates)."""
-    t = cal.templates
-    assert t is not None
+def _read_ncc(t: Templates, images: list[Image.Image], boxes: Tensor) -> NccFeatures:
+    """Boxes ``[n, K, 4]`` in the pixels of ``images`` -> their NCC features (``Templates.ncc``), read on the images
+    resized as the templates were fit (what the local backends read with their batch instead)."""
     batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)
     k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
-    return cal.box_confidence(batch, boxes / k, scores)
+    return t.ncc(batch, boxes / k)
 
 
 @dataclass
@@ -164,10 +163,8 @@ def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, sco
     else the negatives' fit (local mode, a set with negatives: the boxes embedded, one backbone pass per image),
     else the score's."""
     if cal.templates is not None and cal.ncc is not None:
-        if ncc is None:
-            return _ncc_confidences(cal, images, boxes, scores)
-        k = scores.shape[1]  # the features' rows may be padded further (the batch's most instances)
-        pos, neg = ncc
+        pos, neg = ncc if ncc is not None else _read_ncc(cal.templates, images, boxes)
+        k = scores.shape[1]  # the engine's rows may be padded further (its batch's most instances)
         return cal.confidence(scores.flatten(), ncc=pos[:, :k].flatten(),
                               ncc_negatives=None if neg is None else neg[:, :k].flatten()).view(scores.shape)
     if loaded is None or negatives is None or cal.negatives is None:

@@ -287,9 +287,9 @@ def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch:
         if c.templates is not None and counts[i]:
             groups.setdefault(id(c.templates), []).append(i)
     for members in groups.values():
-        rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in members])
-        boxes, _ = answer_rows([results[r] for r in rows.tolist()])
-        k = torch.cat([scales[rows], scales[rows]], dim=1)[:, None].to(boxes)  # [m, 1, 4]: image pixels -> input
+        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+        boxes, _ = answer_rows([results[r] for r in rows])
+        k = scales[rows].repeat(1, 2)[:, None].to(boxes)  # [m, 1, 4] (sx, sy, sx, sy): image pixels -> input
         pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes / k)  # type: ignore[union-attr]
         at = 0
         for i in members:
