@@ -8,7 +8,11 @@ through HTTP against a running service (``./scripts/run``: the embedded default,
 2. localize 200 test images (unseen fonts) with ``checkpoint=base``: CorLoc before;
 3. an adaptation job on 64 unlabeled images with every job field left to the server (``activate=auto``), waited for;
 4. localize the same test images with ``checkpoint=active``: CorLoc after (= before when nothing was activated);
-5. template matching (``models.experiments.baselines``, no learning) on the same images, for reference.
+5. template matching (``models.experiments.baselines``, no learning) on the same images, for reference;
+6. with ``--rerank``, the same images on the active checkpoint twice more: with ``rerank=true`` (the likeliest of
+   the several-instances candidates by the calibration) and by a gated rule computed here from ``max_instances=4``
+   answers (the likeliest candidate only where the agent's answer is not ``found`` and a candidate is likelier),
+   plus ``misses``: the test images the answer misses, with their IoU and template matching's.
 
     ./scripts/run &
     .venv/bin/python benchmarks/service_new_kinds.py --kinds 'Φ' '¥' --seeds 0 1 2 --out runs/service-kinds.json
@@ -32,6 +36,7 @@ from _client import emit, to_png  # noqa: E402
 
 from app.client import QlocClient  # noqa: E402
 from models.bundle import load_bundle  # noqa: E402
+from models.core.boxes import paired_iou  # noqa: E402
 from models.core.metrics import corloc  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.baselines import template_matching  # noqa: E402
@@ -48,7 +53,23 @@ def localized(qloc: QlocClient, set_id, pngs: list, checkpoint: str, per_request
     return torch.tensor(boxes, dtype=torch.float32)
 
 
-def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, n_test: int) -> dict:
+def reranked(qloc: QlocClient, set_id, pngs: list, per_request: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The active checkpoint's answers for ``pngs`` -> (``rerank=true``'s boxes, the gated rule's boxes)."""
+    rerank, gated = [], []
+    for i in range(0, len(pngs), per_request):
+        chunk = pngs[i:i + per_request]
+        rerank += [r.box for r in qloc.localize(set_id, chunk, rerank=True).results]
+        for r in qloc.localize(set_id, chunk, max_instances=4).results:
+            best = max(r.instances or [], key=lambda c: c.confidence if c.confidence is not None else -1.0,
+                       default=None)
+            likelier = best is not None and None not in (best.confidence, r.confidence) and (
+                best.confidence > r.confidence)  # type: ignore[operator]
+            gated.append(best.box if likelier and not r.found else r.box)  # type: ignore[union-attr]
+    return torch.tensor(rerank, dtype=torch.float32), torch.tensor(gated, dtype=torch.float32)
+
+
+def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, n_test: int,  # noqa: PLR0913
+               rerank: bool = False) -> dict:
     kind = GlyphKind(char, background)
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
@@ -62,16 +83,28 @@ def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, 
     before = corloc(localized(qloc, s.id, pngs, "base"), test.boxes)
     job = qloc.create_adaptation(s.id, [(f"unl-{i}.png", to_png(t)) for i, t in enumerate(unl.images)])
     job = qloc.wait(job, progress=False, poll=2.0)
-    after = corloc(localized(qloc, s.id, pngs, "active"), test.boxes)
+    answered = localized(qloc, s.id, pngs, "active")
+    after = corloc(answered, test.boxes)
     seconds = time.perf_counter() - t0
-    template = corloc(template_matching(test.images, crops), test.boxes)
+    templates = template_matching(test.images, crops)
+    template = corloc(templates, test.boxes)
+    extra = {}
+    if rerank:
+        by_rerank, by_gate = reranked(qloc, s.id, pngs)
+        iou, iou_t = paired_iou(answered, test.boxes), paired_iou(templates, test.boxes)
+        extra = {"corloc_rerank": round(corloc(by_rerank, test.boxes), 1),
+                 "corloc_gated": round(corloc(by_gate, test.boxes), 1),
+                 "misses": [{"image": i, "iou": round(float(iou[i]), 2), "iou_template": round(float(iou_t[i]), 2),
+                             "true": [round(v) for v in test.boxes[i].tolist()],
+                             "answer": [round(v) for v in answered[i].tolist()]}
+                            for i in (iou < 0.5).nonzero().flatten().tolist()]}
     v = job.validation or {}
     activated = qloc.get_exemplar_set(s.id).active_checkpoint_id != base_checkpoint
     row = {"kind": char, "background": background, "seed": seed, "bundle": s.bundle, "status": job.status,
            "verdict": job.verdict, "activated": activated, "activated_iteration": v.get("activated_iteration"),
            "corloc_before": round(before, 1), "corloc_after": round(after, 1), "change": round(after - before, 1),
            "corloc_template": round(template, 1), "reward": v.get("reward"),
-           "reward_choice": (v.get("reward_choice") or {}).get("chosen"), "seconds": round(seconds, 1)}
+           "reward_choice": (v.get("reward_choice") or {}).get("chosen"), "seconds": round(seconds, 1), **extra}
     qloc.delete_exemplar_set(s.id)
     return row
 
@@ -84,6 +117,7 @@ def main() -> None:
     p.add_argument("--background", default="patch")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--n-test", type=int, default=200)
+    p.add_argument("--rerank", action="store_true", help="also rerank=true and the gated rule (step 6)")
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -92,7 +126,7 @@ def main() -> None:
         bundle = load_bundle(ROOT / "bundles" / f"{qloc.bundles()['default']}.pt", "cpu")  # the images' size and fill
         for seed in a.seeds:
             for char in a.kinds:
-                row = run_target(qloc, bundle, char, a.background, seed, a.n_test)
+                row = run_target(qloc, bundle, char, a.background, seed, a.n_test, a.rerank)
                 rows.append(row)
                 print(json.dumps(row, ensure_ascii=False), file=sys.stderr, flush=True)
 
@@ -106,6 +140,8 @@ def main() -> None:
                                   for s in a.seeds},
                "per_seed_template": {s: round(statistics.fmean(r["corloc_template"] for r in rows
                                                                if r["seed"] == s), 1) for s in a.seeds}}
+    if a.rerank:
+        summary |= {"corloc_rerank": mean("corloc_rerank"), "corloc_gated": mean("corloc_gated")}
     emit({"kinds": a.kinds, "background": a.background, "seeds": a.seeds, "summary": summary, "rows": rows}, a.out)
 
 
