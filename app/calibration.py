@@ -5,7 +5,8 @@
   labeled examples, its negative exemplars -- and the negatives' embeddings.
 - ``Judged`` / ``judge``: after a localize answer, each result's calibrated ``confidence`` and ``found``; with
   negative exemplars (and the model at hand), the confidence also weighs how near each box is to the
-  look-alikes; ``rerank`` answers with the candidate (several-instances search) that calibration likes best.
+  look-alikes; ``rerank`` answers with the candidate (several-instances search) that calibration likes best:
+  always (``true``), or (``auto``) only where the agent's own answer is clearly unlikely and a candidate is likely.
 
 What is computed here runs after the answer, in the route; the NCC features only where the inference backend did
 not read them with its forward pass (``LocalizeCall.templates``: the local backends read them there, batched
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from app.inference import LoadedBundle, prototype_from_bytes
 from app.lru import LoadingLRU
+from app.schemas import Rerank
 from app.serving import NccFeatures, answer_rows
 from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.core.templates import Templates
@@ -35,7 +37,19 @@ from models.data.types import LabeledImages
 from models.inference import pil_to_tensor, preprocess, resize_batch
 
 RERANK_CANDIDATES = 4
-"""``rerank=true`` chooses among at least this many candidates per image (``max_instances``)."""
+"""``rerank`` chooses among at least this many candidates per image (``max_instances``)."""
+
+SECOND_LOOK_BELOW = 0.5
+"""``rerank=auto`` looks again at answers whose confidence is below this fraction of the set's threshold (and takes
+the likeliest candidate only if it reaches the threshold): chosen on validation images (BENCHMARKS.md, "A second
+look"), where a looser rule (any answer below the threshold, any likelier candidate) gained more on starting
+policies but lost up to 4.5 points on adapted ones."""
+
+
+def doubtful(confidence: float | None, threshold: float) -> bool:
+    """``rerank=auto`` looks again at this answer: its confidence is below ``SECOND_LOOK_BELOW`` x ``threshold``."""
+    return confidence is not None and confidence < SECOND_LOOK_BELOW * threshold
+
 
 CALIBRATION_SAMPLES = 128
 """Positives and negatives a calibration is fit on (each)."""
@@ -98,6 +112,8 @@ class Judged:
     found: bool
     instances: list[Judged] | None = None
     """With ``max_instances``: each instance's verdict, best first (those under ``min_confidence`` left out)."""
+    reranked: bool = False
+    """The box is a candidate of the several-instances search chosen by ``rerank``, not the agent's answer."""
 
 
 DECODED_CACHE_SIZE = 256
@@ -114,7 +130,7 @@ def decoded(calibration: dict, key: Hashable | None) -> Calibration:
 
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
-          negatives: bytes | None, rerank_boxes: bool, calibration_key: Hashable | None = None,
+          negatives: bytes | None, rerank: Rerank = "false", calibration_key: Hashable | None = None,
           ncc: NccFeatures | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
@@ -122,9 +138,11 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     use the negatives' fit of the calibration (``calibration_key``: the row it was read from, see ``decoded``).
     Without a calibration: confidence None, found True. The results'
     ``instances`` are judged the same way, in the same pass as the answers (the pixels are read once);
-    ``min_confidence`` drops those under it. ``rerank_boxes`` (needs the results' instances: the route asks for
-    ``RERANK_CANDIDATES``) answers with the instance the calibration finds most likely right (with NCC fits and
-    negatives: the one most like the exemplars and least like the look-alikes)."""
+    ``min_confidence`` drops those under it. ``rerank`` (``Rerank``; it needs the results' instances: the route
+    asks for ``RERANK_CANDIDATES``) answers with the instance the calibration finds most likely right (with NCC
+    fits and negatives: the one most like the exemplars and least like the look-alikes): ``true`` always,
+    ``auto`` only where the answer is ``doubtful`` and the instance reaches ``threshold`` (``min_confidence`` plays
+    no part: it decides ``found``, not the box)."""
     if not results:
         return []
     counts = [len(r.instances or ()) for r in results]
@@ -146,9 +164,12 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         answer = judged(r.box, r.score, cs[0])
         if r.instances is not None:
             found = [judged(i.box, i.score, c) for i, c in zip(r.instances, cs[1:], strict=True)]
-            if rerank_boxes and found and found[0].confidence is not None:
+            if rerank != "false" and found and found[0].confidence is not None and answer.confidence is not None:
                 best = max(found, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
-                answer = Judged(best.box, best.score, best.confidence, best.found)
+                if rerank == "true" or (doubtful(answer.confidence, threshold)
+                                        and best.confidence >= threshold):  # type: ignore[operator]
+                    answer = Judged(best.box, best.score, best.confidence, best.found,
+                                    reranked=best.box != answer.box)
             answer.instances = [j for j in found if min_confidence is None or j.confidence is None
                                 or j.confidence >= min_confidence]
         out.append(answer)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.schemas import InstanceResult, LocalizationResult
+from app.schemas import InstanceResult, LocalizationResult, Rerank
 
 
 def _score(r: LocalizationResult | InstanceResult) -> float:
@@ -74,7 +74,7 @@ class AnswerOptions:
     """Localize's options about the answer's confidence and format (the route's query parameters)."""
 
     min_confidence: float | None = None
-    rerank: bool = False
+    rerank: Rerank = "auto"
     format: str = "json"
     image_ids: str | None = None
     category_id: int = 1

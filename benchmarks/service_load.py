@@ -13,7 +13,9 @@ between trees round by round, so a slow moment of a shared machine falls on both
 Clients run in this process (asyncio + aiohttp, one connection each), the servers in their own. Images are
 cMNIST test images of ``--digit`` (84 x 84 grayscale PNGs); each server gets an exemplar set of ground-truth
 crops. Per tree and phase: requests/s (median over rounds), latency p50 / p95 over every request of every
-round, errors (any answer but 200, or a failed connection); then the ratios between trees and phases.
+round, errors (any answer but 200, or a failed connection), the CPU time the API's processes and the client
+process spent per answered request (medians over rounds: on a shared 2-core machine the client's share is CPU the
+server did not get); then the ratios between trees and phases.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from _client import emit, multipart, percentiles, to_png, wait_compiled  # noqa: E402
 
@@ -92,6 +95,22 @@ class Server:
                              capture_output=True, text=True)
         return wait_compiled(self.url, self.tree, int(ask.stdout.strip() or 1) if ask.returncode == 0 else 1)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the API's processes (the supervisor and every process under it)."""
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return total
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -138,11 +157,23 @@ async def load(url: str, path: str, images: list[bytes], clients: int, seconds: 
     return {"requests": done, "errors": errors, "seconds": wall, "requests_per_s": done / wall, "latency": lat}
 
 
+def measured(server: Server, url: str, path: str, images: list[bytes], clients: int, seconds: float) -> dict:
+    """``load``, with the CPU time the server's processes and this client process spent per answered request."""
+    server0, client0 = server.cpu_seconds(), time.process_time()
+    out = asyncio.run(load(url, path, images, clients, seconds))
+    per = 1000 / max(out["requests"], 1)
+    out["server_cpu_ms_per_request"] = (server.cpu_seconds() - server0) * per
+    out["client_cpu_ms_per_request"] = (time.process_time() - client0) * per
+    return out
+
+
 def summarize(runs: list[dict]) -> dict:
     lat = [t for r in runs for t in r["latency"]]
     return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs),
             "requests_per_s": round(statistics.median(r["requests_per_s"] for r in runs), 1),
             "requests_per_s_each_round": [round(r["requests_per_s"], 1) for r in runs],
+            "server_cpu_ms_per_request": round(statistics.median(r["server_cpu_ms_per_request"] for r in runs), 2),
+            "client_cpu_ms_per_request": round(statistics.median(r["client_cpu_ms_per_request"] for r in runs), 2),
             **(percentiles(lat) if lat else {})}
 
 
@@ -190,10 +221,12 @@ def main() -> None:
         for rnd in range(a.rounds):
             for n in a.clients:
                 for s in servers:
-                    out = asyncio.run(load(s.url, paths[s.name], images, n, a.seconds))
+                    out = measured(s, s.url, paths[s.name], images, n, a.seconds)
                     runs.setdefault((s.name, n), []).append(out)
                     print(f"round {rnd + 1}: {s.name}, {n} clients: {out['requests_per_s']:.1f} req/s, "
-                          f"{out['errors']} errors", file=sys.stderr)
+                          f"{out['errors']} errors, CPU ms per request: server "
+                          f"{out['server_cpu_ms_per_request']:.2f}, client {out['client_cpu_ms_per_request']:.2f}",
+                          file=sys.stderr)
         for s in servers:
             result["trees"][s.name] = {"dir": str(s.tree), **{f"clients_{n}": summarize(runs[(s.name, n)])
                                                               for n in a.clients}}

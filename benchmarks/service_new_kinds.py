@@ -5,14 +5,17 @@ through HTTP against a running service (``./scripts/run``: the embedded default,
 ``app.client.QlocClient``:
 
 1. an exemplar set of 5 exemplar crops (PNG), on the default bundle (no ``bundle`` field);
-2. localize 200 test images (unseen fonts) with ``checkpoint=base``: CorLoc before;
+2. localize 200 test images (held-out fonts; ``--split``) with ``checkpoint=base``: CorLoc before;
 3. an adaptation job on 64 unlabeled images with every job field left to the server (``activate=auto``), waited for;
 4. localize the same test images with ``checkpoint=active``: CorLoc after (= before when nothing was activated);
 5. template matching (``models.experiments.baselines``, no learning) on the same images, for reference;
-6. with ``--rerank``, the same images on the active checkpoint twice more: with ``rerank=true`` (the likeliest of
-   the several-instances candidates by the calibration) and by a gated rule computed here from ``max_instances=4``
-   answers (the likeliest candidate only where the agent's answer is not ``found`` and a candidate is likelier),
-   plus ``misses``: the test images the answer misses, with their IoU and template matching's.
+6. with ``--rerank``, the same images on the active checkpoint by the other ways of answering than the server's
+   default (``rerank=auto``: a second look at doubtful answers): ``rerank=false`` (the agent's answer) and
+   ``rerank=true`` (the likeliest of the several-instances candidates by the calibration), the starting policy's
+   with ``rerank=false`` too, plus ``misses``: the test images the server's answer misses, with their IoU and
+   template matching's.
+
+``--split val`` localizes validation images (the training fonts) instead of test images: for choices.
 
     ./scripts/run &
     .venv/bin/python benchmarks/service_new_kinds.py --kinds 'Φ' '¥' --seeds 0 1 2 --out runs/service-kinds.json
@@ -45,35 +48,33 @@ from models.experiments.datasets import GlyphKind  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def localized(qloc: QlocClient, set_id, pngs: list, checkpoint: str, per_request: int = 64) -> torch.Tensor:
+def localized(qloc: QlocClient, set_id, pngs: list, checkpoint: str, per_request: int = 64, **options
+              ) -> torch.Tensor:
     """The boxes the API answers for ``pngs``, ``per_request`` images a request (the server's default limit)."""
     boxes = []
     for i in range(0, len(pngs), per_request):
-        boxes += [r.box for r in qloc.localize(set_id, pngs[i:i + per_request], checkpoint=checkpoint).results]
+        boxes += [r.box for r in qloc.localize(set_id, pngs[i:i + per_request], checkpoint=checkpoint,
+                                               **options).results]
     return torch.tensor(boxes, dtype=torch.float32)
 
 
-def reranked(qloc: QlocClient, set_id, pngs: list, per_request: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The active checkpoint's answers for ``pngs`` -> (``rerank=true``'s boxes, the gated rule's boxes)."""
-    rerank, gated = [], []
+def reranked(qloc: QlocClient, set_id, pngs: list, per_request: int = 64) -> dict[str, torch.Tensor]:
+    """The active checkpoint's answers for ``pngs`` by the other ways of answering than the server's default
+    (``rerank=auto``): ``rerank=false`` (the agent's answer) and ``rerank=true`` (the likeliest candidate)."""
+    out: dict[str, list] = {"agent": [], "rerank": []}
     for i in range(0, len(pngs), per_request):
         chunk = pngs[i:i + per_request]
-        rerank += [r.box for r in qloc.localize(set_id, chunk, rerank=True).results]
-        for r in qloc.localize(set_id, chunk, max_instances=4).results:
-            best = max(r.instances or [], key=lambda c: c.confidence if c.confidence is not None else -1.0,
-                       default=None)
-            likelier = best is not None and None not in (best.confidence, r.confidence) and (
-                best.confidence > r.confidence)  # type: ignore[operator]
-            gated.append(best.box if likelier and not r.found else r.box)  # type: ignore[union-attr]
-    return torch.tensor(rerank, dtype=torch.float32), torch.tensor(gated, dtype=torch.float32)
+        out["agent"] += [r.box for r in qloc.localize(set_id, chunk, rerank=False).results]
+        out["rerank"] += [r.box for r in qloc.localize(set_id, chunk, rerank=True).results]
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in out.items()}
 
 
 def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, n_test: int,  # noqa: PLR0913
-               rerank: bool = False) -> dict:
+               rerank: bool = False, split: str = "test") -> dict:
     kind = GlyphKind(char, background)
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
-    test = kind.draw(bundle, "test", n_test, seed)
+    test = kind.draw(bundle, split, n_test, seed)
     crops = exemplar_crops(ex)
     pngs = [(f"test-{i}.png", to_png(t)) for i, t in enumerate(test.images)]
     t0 = time.perf_counter()
@@ -81,6 +82,7 @@ def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, 
                                  name=f"kind {char} seed {seed}")
     base_checkpoint = s.active_checkpoint_id
     before = corloc(localized(qloc, s.id, pngs, "base"), test.boxes)
+    before_agent = corloc(localized(qloc, s.id, pngs, "base", rerank=False), test.boxes) if rerank else None
     job = qloc.create_adaptation(s.id, [(f"unl-{i}.png", to_png(t)) for i, t in enumerate(unl.images)])
     job = qloc.wait(job, progress=False, poll=2.0)
     answered = localized(qloc, s.id, pngs, "active")
@@ -90,10 +92,10 @@ def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, 
     template = corloc(templates, test.boxes)
     extra = {}
     if rerank:
-        by_rerank, by_gate = reranked(qloc, s.id, pngs)
+        by = reranked(qloc, s.id, pngs)
         iou, iou_t = paired_iou(answered, test.boxes), paired_iou(templates, test.boxes)
-        extra = {"corloc_rerank": round(corloc(by_rerank, test.boxes), 1),
-                 "corloc_gated": round(corloc(by_gate, test.boxes), 1),
+        extra = {"corloc_before_agent": round(before_agent, 1)} | {  # type: ignore[arg-type]
+                 f"corloc_{k}": round(corloc(b, test.boxes), 1) for k, b in by.items()} | {
                  "misses": [{"image": i, "iou": round(float(iou[i]), 2), "iou_template": round(float(iou_t[i]), 2),
                              "true": [round(v) for v in test.boxes[i].tolist()],
                              "answer": [round(v) for v in answered[i].tolist()]}
@@ -117,7 +119,9 @@ def main() -> None:
     p.add_argument("--background", default="patch")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--n-test", type=int, default=200)
-    p.add_argument("--rerank", action="store_true", help="also rerank=true and the gated rule (step 6)")
+    p.add_argument("--rerank", action="store_true", help="also rerank=false and rerank=true (step 6)")
+    p.add_argument("--split", choices=("test", "val"), default="test",
+                   help="the images localized: test (held-out fonts) or val (training fonts, for choices)")
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -126,7 +130,7 @@ def main() -> None:
         bundle = load_bundle(ROOT / "bundles" / f"{qloc.bundles()['default']}.pt", "cpu")  # the images' size and fill
         for seed in a.seeds:
             for char in a.kinds:
-                row = run_target(qloc, bundle, char, a.background, seed, a.n_test, a.rerank)
+                row = run_target(qloc, bundle, char, a.background, seed, a.n_test, a.rerank, a.split)
                 rows.append(row)
                 print(json.dumps(row, ensure_ascii=False), file=sys.stderr, flush=True)
 
@@ -141,8 +145,9 @@ def main() -> None:
                "per_seed_template": {s: round(statistics.fmean(r["corloc_template"] for r in rows
                                                                if r["seed"] == s), 1) for s in a.seeds}}
     if a.rerank:
-        summary |= {"corloc_rerank": mean("corloc_rerank"), "corloc_gated": mean("corloc_gated")}
-    emit({"kinds": a.kinds, "background": a.background, "seeds": a.seeds, "summary": summary, "rows": rows}, a.out)
+        summary |= {k: mean(k) for k in ("corloc_before_agent", "corloc_agent", "corloc_rerank")}
+    emit({"split": a.split, "kinds": a.kinds, "background": a.background, "seeds": a.seeds, "summary": summary,
+          "rows": rows}, a.out)
 
 
 if __name__ == "__main__":

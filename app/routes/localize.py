@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, HTTPException, Query, Request, Response, UploadFile, status
@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import crud, export, pool
-from app.calibration import RERANK_CANDIDATES, decoded, judge
+from app.calibration import RERANK_CANDIDATES, Judged, decoded, doubtful, judge
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.db import begin_read
 from app.deps import Caller, CallerDep, ServingDep
@@ -28,8 +28,8 @@ from app.routes.exemplar_sets import NOT_FOUND, set_bundle, unprocessable
 from app.routes.pool import add_to_pool
 from app.routes.pool import limits as pool_limits
 from app.routes.uploads import read_images
-from app.schemas import CocoResults, InstanceResult, LabelStudioTask, LocalizationResult, LocalizeResponse
-from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeCall
+from app.schemas import CocoResults, InstanceResult, LabelStudioTask, LocalizationResult, LocalizeResponse, Rerank
+from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeAnswer, LocalizeCall
 from app.storage import BlobStore
 from app.tables import Checkpoint, ExemplarSet
 
@@ -95,12 +95,16 @@ def localize(
         "Raise the set's threshold for this request: an answer whose calibrated `confidence` is below it comes "
         "back with `found=false` (its box is kept; `format=coco` then leaves it out, `format=labelstudio` gives "
         "it an empty result). No effect on a set without calibration (confidence null, found true)."))] = None,
-    rerank: Annotated[bool, Query(description=(
-        "Answer with the candidate the set's calibration finds most likely right, among the several-instances "
-        "candidates (at least 4 per image, as `max_instances`), not the agent's own answer; `score` and "
-        "`confidence` are then that box's. With a grayscale bundle's calibration (NCC with the exemplars) and "
-        "negative exemplars: the box most like the exemplars and least like the look-alikes (cMNIST 4-vs-9: CorLoc "
-        "46.7 -> 78.7, BENCHMARKS.md). No effect on a set without a calibration."))] = False,
+    rerank: Annotated[Rerank, Query(description=(
+        "Which box answers, on a set with a calibration. `false`: the agent's own answer. `true`: the candidate "
+        "the calibration finds most likely right among the several-instances candidates (at least 4 per image, as "
+        "`max_instances`; about 7x the work); with a grayscale bundle's calibration (NCC with the exemplars) and "
+        "negative exemplars, the box most like the exemplars and least like the look-alikes (cMNIST 4-vs-9: "
+        "CorLoc 46.7 -> 78.7, BENCHMARKS.md). `auto` (default): a second look only where it is needed, on "
+        "grayscale bundles' sets: an answer whose confidence is below half the set's threshold is replaced by "
+        "the likeliest candidate when that one reaches the threshold (`reranked: true` on that result); the "
+        "other answers, and every answer of a photo bundle's set, are the agent's. `score` and `confidence` are "
+        "always the returned box's. No effect on a set without a calibration."))] = "auto",
     max_instances: Annotated[int, Query(ge=1, le=MAX_INSTANCES, description=(
         "Up to this many objects per image, in `results[i].instances`, best (lowest score) first: the agent's "
         "answer, and episodes started from the best windows of a coarse ranking, none overlapping another by more "
@@ -206,7 +210,6 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     calibration, calibration_key = ((ckpt.calibration, ("checkpoint", ckpt.id)) if ckpt.calibration is not None
                                     else (es.calibration, ("set", es.id)))
     use_negatives = es.negatives is not None and calibration is not None and local and bundles is not None
-    rerank = opts.rerank and calibration is not None  # among several candidates: the instances
     n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
     if keep:  # a full pool is refused before the work (add_to_pool decides for good after it)
@@ -216,32 +219,51 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
             raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     metrics.localize_batch.observe(len(images))
     fit = None if calibration is None else decoded(calibration, calibration_key)
+    ncc = fit is not None and fit.ncc is not None
+    # rerank=auto: a second look only where the confidence is the NCC fit's (grayscale bundles' sets)
+    rerank: Rerank = "false" if fit is None or (opts.rerank == "auto" and not ncc) else opts.rerank
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
         images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
-        max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank else run.max_instances,
-        templates=fit.templates if fit is not None and fit.ncc is not None else None)
-    try:
-        answer = inference.localize(call)
-    except InferenceRefused as e:
-        raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
-    with turn:
-        judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
-                       min_confidence=opts.min_confidence, prototype=es.prototype,
-                       loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
-                       negatives=es.negatives if use_negatives else None, rerank_boxes=rerank,
-                       calibration_key=calibration_key, ncc=answer.ncc)
+        max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
+        templates=fit.templates if fit is not None and ncc else None)
+
+    def answered(call: LocalizeCall, rerank: Rerank) -> tuple[LocalizeAnswer, list[Judged]]:
+        try:
+            answer = inference.localize(call)
+        except InferenceRefused as e:
+            raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
+        with turn:
+            judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
+                           min_confidence=opts.min_confidence, prototype=es.prototype,
+                           loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
+                           negatives=es.negatives if use_negatives else None, rerank=rerank,
+                           calibration_key=calibration_key, ncc=answer.ncc)
+        return answer, judged
+
+    answer, judged = answered(call, rerank if call.max_instances >= RERANK_CANDIDATES else "false")
+    located = list(answer.results)
+    if rerank == "auto" and call.max_instances < RERANK_CANDIDATES:
+        # The second look: the candidates of the images whose answer is doubtful, searched for them alone
+        # (the rest paid nothing for it); an answer no candidate beats stays the first one.
+        doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
+        if doubt:
+            again, verdicts = answered(replace(call, images=[call.images[i] for i in doubt],
+                                               max_instances=RERANK_CANDIDATES), "auto")
+            for i, r, j in zip(doubt, again.results, verdicts, strict=True):
+                if j.reranked:
+                    located[i], judged[i] = r, j
     for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
         if j.instances is not None:
             j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]
     kept = [r.id for r in add_to_pool(session, store, settings, es, images)] if keep else None
     results = [LocalizationResult(filename=im.filename, width=im.width, height=im.height,
                                   box=list(im.box_to_full(j.box)), score=j.score, confidence=j.confidence,
-                                  found=j.found,
+                                  found=j.found, reranked=j.reranked or None,
                                   trajectory=[list(im.box_to_full(b)) for b in r.trajectory] if trajectory else None,
                                   instances=None if j.instances is None else [
                                       InstanceResult(box=list(im.box_to_full(i.box)), score=i.score,
                                                      confidence=i.confidence, found=i.found) for i in j.instances])
-               for im, r, j in zip(images, answer.results, judged, strict=True)]
+               for im, r, j in zip(images, located, judged, strict=True)]
     return Localized(es, ckpt, n_samples, answer.nearest, results, kept, answer.refined)

@@ -467,7 +467,7 @@ def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_w
                                   PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.3, 2.0], 0.1),
                                   fit if neg is not None else None, call.templates).to_dict()
         options = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=call.prototype, negatives=None,
-                       rerank_boxes=False)
+                       rerank="false")
         read_here = judge(answer.results, call.images, calibration, **options)
         engine = judge(answer.results, call.images, calibration, **options, ncc=answer.ncc)
         assert [j.confidence for j in engine] != [j.confidence for j in judge(

@@ -1,15 +1,21 @@
 """Calibrated confidence, ``found``, ``threshold`` / ``min_confidence`` and negative exemplars on the API."""
 
+import math
 import uuid
 
 import pytest
+import torch
+from PIL import Image
 from service_fixtures import files, png_bytes, row_counts
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
+from app.calibration import judge
 from app.lru import LoadingLRU
 from app.tables import Checkpoint, ExemplarSet
 from models.calibration import Calibration, PlattFit
+from models.core.templates import Templates
+from models.inference import Instance, Localization
 
 
 def new_set(client, negatives=(), **data):
@@ -124,6 +130,91 @@ def test_rerank_answers_with_the_likeliest_candidate(client, settings, crops):
         assert r["confidence"] >= c["confidence"] - 1e-6  # never a less likely answer than the agent's
     both = localize(client, es["id"], "?rerank=true&max_instances=2")
     assert all(len(r["instances"]) <= 2 for r in both)
+
+
+def ncc_fitted_set(client, settings, crops: int, centre: float, slope: float) -> str:
+    """A set of ``crops`` crops whose NCC fit is ``sigmoid(slope * (ncc - centre))`` (3 crops: the grayscale test
+    bundle fits NCC; 1 crop: it keeps the score's fit, left as it is)."""
+    r = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=9 + k) for k in range(crops)]))
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    with Session(create_engine(settings.database_url)) as s:
+        row = s.get_one(ExemplarSet, uuid.UUID(sid))
+        cal = dict(row.calibration)
+        assert (cal.get("ncc") is not None) == (crops > 1)
+        if crops > 1:
+            cal["ncc"] = {"features": ["log_score", "ncc"], "mean": [0.0, centre], "std": [1.0, 1.0],
+                          "weights": [0.0, slope], "bias": 0.0}
+            row.calibration = cal
+        s.commit()
+    return sid
+
+
+@pytest.mark.parametrize("crops", [1, 3])
+def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settings, crops):
+    """The default ``rerank=auto``, on a set whose confidence is the NCC fit (3 crops, the grayscale test bundle):
+    an answer below half the set's threshold is replaced by the likeliest candidate when that one reaches the
+    threshold (and says so: ``reranked``); every other answer is the agent's own (``rerank=false``), whatever
+    ``min_confidence``. A set whose confidence is not the NCC fit (1 crop: the score's) keeps the agent's answers."""
+    n = 8
+
+    def answers(sid: str) -> tuple[list, list, list]:
+        agent = localize(client, sid, "?rerank=false", n=n)
+        candidates = localize(client, sid, "?rerank=false&max_instances=4", n=n)
+        return agent, candidates, [max(c["instances"], key=lambda i: i["confidence"]) for c in candidates]
+
+    # First the NCC of each answer and best candidate (a known fit, inverted); then a fit for the same crops (the
+    # same agent) under which the answer farthest below its best candidate is doubtful and that candidate found
+    agent, _, bests = answers(ncc_fitted_set(client, settings, crops, 0.17, 60.0))
+    ncc = [[0.17 + math.log(p / (1 - p)) / 60.0 for p in (a["confidence"], b["confidence"])]
+           for a, b in zip(agent, bests, strict=True)]
+    low, high = max(ncc, key=lambda v: v[1] - v[0])
+    sid = ncc_fitted_set(client, settings, crops, high - 1e-4, 2.2 / max(high - low, 1e-3))
+    agent, candidates, bests = answers(sid)
+    cut = 0.5  # the set's threshold (the default)
+    auto, explicit = localize(client, sid, n=n), localize(client, sid, "?rerank=auto&min_confidence=0.99", n=n)
+    with_instances = localize(client, sid, "?max_instances=4", n=n)  # the candidates at hand: no second call
+    switched = kept = 0
+    for a, c, best, r, e, w in zip(agent, candidates, bests, auto, explicit, with_instances, strict=True):
+        assert "instances" not in r and c["box"] == pytest.approx(a["box"])
+        if crops > 1 and a["confidence"] < cut / 2 and best["confidence"] >= cut:
+            switched += 1
+            assert r["box"] == pytest.approx(best["box"]) and r["confidence"] == pytest.approx(best["confidence"])
+            assert r["reranked"] is True and r["found"]
+        else:
+            kept += 1
+            assert r["box"] == pytest.approx(a["box"]) and r["confidence"] == pytest.approx(a["confidence"])
+            assert "reranked" not in r
+        assert e["box"] == pytest.approx(r["box"])  # min_confidence decides found, not the box
+        assert w["box"] == pytest.approx(r["box"]) and len(w["instances"]) == len(c["instances"])
+    assert (switched > 0) == (crops > 1) and kept > 0
+    r = client.post(f"/v1/exemplar-sets/{sid}/localize?rerank=maybe", files=files(png_bytes()))
+    assert r.status_code == 422 and "rerank" in r.text
+
+
+@pytest.mark.parametrize(("rerank", "answer", "best", "switched"), [
+    ("auto", 0.20, 0.60, True),  # doubtful (below half the threshold 0.5) and a candidate reaching it
+    ("auto", 0.30, 0.90, False),  # below the threshold but not doubtful: the agent's answer stays
+    ("auto", 0.20, 0.45, False),  # doubtful, but no candidate reaches the threshold
+    ("auto", 0.60, 0.95, False),  # found
+    ("true", 0.60, 0.95, True),  # always the likeliest
+    ("false", 0.01, 0.99, False),  # never
+])
+def test_judge_reranks_by_the_rule_asked_for(rerank, answer, best, switched):
+    """``judge``'s rule, on known confidences: an NCC fit that is the identity on the logit of the features
+    given (``ncc=``, as the engine passes them), the threshold 0.5."""
+    logit = [math.log(p / (1 - p)) for p in (answer, 0.1, best)]
+    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, 84, 1, (0.0,))
+    cal = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0), None, 0.5, {},
+                      PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0), None,
+                      templates).to_dict()
+    boxes = [(0.0, 0.0, 10.0, 10.0), (20.0, 20.0, 30.0, 30.0), (40.0, 40.0, 50.0, 50.0)]
+    result = Localization(boxes[0], 1.0, instances=[Instance(b, 1.0) for b in boxes])
+    ncc = (torch.tensor([logit[:1] + logit], dtype=torch.float64), None)  # the answer, then its 3 instances
+    [j] = judge([result], [Image.new("L", (84, 84))], cal, threshold=0.5, min_confidence=0.99, loaded=None,
+                prototype=b"", negatives=None, rerank=rerank, ncc=ncc)
+    assert j.box == (boxes[2] if switched else boxes[0]) and j.reranked == switched
+    assert j.confidence == pytest.approx(best if switched else answer) and not j.found  # min_confidence 0.99
 
 
 def test_bad_negative_files_and_thresholds_are_refused_with_nothing_written(client, settings):
