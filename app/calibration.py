@@ -165,7 +165,9 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         if r.instances is not None:
             found = [judged(i.box, i.score, c) for i, c in zip(r.instances, cs[1:], strict=True)]
             if rerank != "false" and found and found[0].confidence is not None and answer.confidence is not None:
-                best = max(found, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
+                # auto: among the first RERANK_CANDIDATES (a larger max_instances leaves the answer as it was)
+                pool = found if rerank == "true" else found[:RERANK_CANDIDATES]
+                best = max(pool, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
                 if rerank == "true" or (doubtful(answer.confidence, threshold)
                                         and best.confidence >= threshold):  # type: ignore[operator]
                     answer = Judged(best.box, best.score, best.confidence, best.found,

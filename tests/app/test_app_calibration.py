@@ -216,6 +216,13 @@ def test_judge_reranks_by_the_rule_asked_for(rerank, answer, best, switched):
     assert j.box == (boxes[2] if switched else boxes[0]) and j.reranked == switched
     assert j.confidence == pytest.approx(best if switched else answer) and not j.found  # min_confidence 0.99
 
+    # auto looks among the first 4 candidates only: a fifth (max_instances > 4) leaves the answer as it was
+    many = Localization(boxes[0], 1.0, instances=[Instance((float(k), 0.0, k + 5.0, 5.0), 1.0) for k in range(5)])
+    ncc = (torch.tensor([[logit[0], logit[0], logit[1], logit[1], logit[1], logit[2]]], dtype=torch.float64), None)
+    [j] = judge([many], [Image.new("L", (84, 84))], cal, threshold=0.5, min_confidence=None, loaded=None,
+                prototype=b"", negatives=None, rerank=rerank, ncc=ncc)
+    assert j.reranked == (switched and rerank == "true") and len(j.instances) == 5
+
 
 def test_bad_negative_files_and_thresholds_are_refused_with_nothing_written(client, settings):
     before = row_counts(settings.database_url)
