@@ -254,6 +254,9 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
             for i, r, j in zip(doubt, again.results, verdicts, strict=True):
                 if j.reranked:
                     located[i], judged[i] = r, j
+            reranked = sum(j.reranked for j in verdicts)
+            metrics.second_looks.labels("reranked").inc(reranked)
+            metrics.second_looks.labels("kept").inc(len(doubt) - reranked)
     for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
         if j.instances is not None:
             j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]

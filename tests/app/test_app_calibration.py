@@ -1,6 +1,7 @@
 """Calibrated confidence, ``found``, ``threshold`` / ``min_confidence`` and negative exemplars on the API."""
 
 import math
+import re
 import uuid
 
 import pytest
@@ -172,7 +173,16 @@ def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settin
     sid = ncc_fitted_set(client, settings, crops, high - 1e-4, 2.2 / max(high - low, 1e-3))
     agent, candidates, bests = answers(sid)
     cut = 0.5  # the set's threshold (the default)
-    auto, explicit = localize(client, sid, n=n), localize(client, sid, "?rerank=auto&min_confidence=0.99", n=n)
+
+    def looks() -> dict[str, float]:
+        text = client.get("/metrics").text
+        return {o: float(m.group(1)) if (m := re.search(rf'qloc_localize_second_looks_total{{outcome="{o}"}} (\S+)',
+                                                          text)) else 0.0 for o in ("reranked", "kept")}
+
+    before = looks()
+    auto = localize(client, sid, n=n)
+    after = looks()
+    explicit = localize(client, sid, "?rerank=auto&min_confidence=0.99", n=n)
     with_instances = localize(client, sid, "?max_instances=4", n=n)  # the candidates at hand: no second call
     switched = kept = 0
     for a, c, best, r, e, w in zip(agent, candidates, bests, auto, explicit, with_instances, strict=True):
@@ -188,6 +198,9 @@ def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settin
         assert e["box"] == pytest.approx(r["box"])  # min_confidence decides found, not the box
         assert w["box"] == pytest.approx(r["box"]) and len(w["instances"]) == len(c["instances"])
     assert (switched > 0) == (crops > 1) and kept > 0
+    doubtful = sum(a["confidence"] < cut / 2 for a in agent) if crops > 1 else 0
+    assert after["reranked"] - before["reranked"] == switched
+    assert after["kept"] - before["kept"] == doubtful - switched
     r = client.post(f"/v1/exemplar-sets/{sid}/localize?rerank=maybe", files=files(png_bytes()))
     assert r.status_code == 422 and "rerank" in r.text
 
