@@ -59,22 +59,27 @@ def _impulse_job(tmp_path, monkeypatch, *, mislead: bool) -> tuple[float, float,
             assert r.status_code == 201, r.text
             sid = r.json()["id"]
 
-            def corloc(checkpoint: str) -> float:
-                r = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": checkpoint},
+            def corloc(checkpoint: str, rerank: str = "false") -> float:
+                """CorLoc of the agent's answers (``rerank=false``: what adaptation trains), or the server's."""
+                r = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": checkpoint,
+                                                                             "rerank": rerank},
                                 files=_upload([_png(im) for im in test.images]))
                 assert r.status_code == 200, r.text
                 boxes = torch.tensor([x["box"] for x in r.json()["results"]])
                 return float((paired_iou(boxes, test.boxes) >= 0.5).float().mean() * 100)
 
-            before = corloc("active")
+            before, served_before = corloc("active"), corloc("active", "auto")
             job = client.post(f"/v1/exemplar-sets/{sid}/adaptations", files=_upload([_png(im) for im in unlabeled]))
             assert job.status_code == 202, job.text
             assert job.json()["params"]["activate"] == "auto"  # the default
             assert run_adaptation_job(ctx, uuid.UUID(job.json()["id"]), worker="test") == "succeeded"
             polled = client.get(f"/v1/adaptations/{job.json()['id']}").json()
             es = client.get(f"/v1/exemplar-sets/{sid}").json()
-            after = corloc("active")
+            after, served_after = corloc("active"), corloc("active", "auto")
             assert corloc("base") == before  # the base policy is untouched
+            # The default answers (rerank=auto: a second look at doubtful answers) are never worse than the agent's
+            assert served_before >= before and served_after >= after, (before, served_before, after, served_after)
+            assert served_after >= served_before, (served_before, served_after)
     finally:
         ctx.engine.dispose()
     return before, after, polled, es
