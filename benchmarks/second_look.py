@@ -12,8 +12,9 @@ A target is ``glyph:CHAR:BACKGROUND`` or ``digit:D:BACKGROUND``; ``:absent`` add
 default bundle, 200 images of ``--split``; ``--adapt`` first runs an adaptation job on 64 unlabeled images with the
 server's defaults and answers with its active checkpoint (else the starting policy).
 
-``rules`` replays every rule on those answers (no server): the CorLoc each would give, and false alarms on images
-without the object, per group of targets, and each rule's worst change against the agent's answer:
+``rules`` replays every rule on those answers (no server): the CorLoc each would give (and, with images without the
+object, its false alarms there and the precision / recall of ``found``), per group of targets, and each rule's worst
+change against the agent's answer:
 
     .venv/bin/python benchmarks/second_look.py rules runs/second-look-val.jsonl ...
 """
@@ -91,18 +92,21 @@ def collect(a: argparse.Namespace) -> None:
             qloc.delete_exemplar_set(s.id)
 
 
-def replay(record: dict, rule: Rule) -> tuple[float, int]:
-    """A target's CorLoc under ``rule`` and its false alarms (``found`` on images without the object)."""
+def replay(record: dict, rule: Rule) -> tuple[float, int, int, int]:
+    """A target's CorLoc under ``rule``; its false alarms (``found`` on images without the object); its answers
+    ``found`` and right (IoU >= 0.5), and ``found`` in all (the precision and recall of ``found``)."""
     t = record["threshold"]
-    right = present = alarms = 0
+    right = present = alarms = found_right = found = 0
     for im in record["images"]:
         best = max(im["candidates"], key=lambda c: c[0], default=[im["confidence"], im["iou"]])
         confidence, iou = best if rule(im["confidence"], best[0], t) else (im["confidence"], im["iou"])
+        found += confidence >= t
         if im["present"]:
             present, right = present + 1, right + (iou >= 0.5)
+            found_right += confidence >= t and iou >= 0.5
         else:
             alarms += confidence >= t
-    return 100.0 * right / max(present, 1), alarms
+    return 100.0 * right / max(present, 1), alarms, found_right, found
 
 
 def group(record: dict) -> str:
@@ -123,10 +127,13 @@ def rules(paths: list[str]) -> None:
         for rs in groups.values():
             scores = [replay(r, rule) for r in rs]
             worst = min([worst] + [s[0] - replay(r, RULES["agent"][1])[0] for s, r in zip(scores, rs, strict=True)])
-            alarms = sum(s[1] for s in scores)
-            cells.append(f"{sum(s[0] for s in scores) / len(scores):.1f}" + (f" ({alarms} false alarms)"
-                                                                              if any("absent" in r["target"]
-                                                                                     for r in rs) else ""))
+            cell = f"{sum(s[0] for s in scores) / len(scores):.1f}"
+            if any("absent" in r["target"] for r in rs):  # found: precision / recall over the group's images
+                present = sum(im["present"] for r in rs for im in r["images"])
+                right, found = sum(s[2] for s in scores), sum(s[3] for s in scores)
+                cell += (f" ({sum(s[1] for s in scores)} false alarms; found P / R {right / max(found, 1):.3f} / "
+                         f"{right / max(present, 1):.3f})")
+            cells.append(cell)
         print(f"| {label} | " + " | ".join(cells) + f" | {worst:+.1f} |")
 
 
