@@ -6,7 +6,8 @@
 - ``Judged`` / ``judge``: after a localize answer, each result's calibrated ``confidence`` and ``found``; with
   negative exemplars (and the model at hand), the confidence also weighs how near each box is to the
   look-alikes; ``rerank`` answers with the candidate (several-instances search) that calibration likes best:
-  always (``true``), or (``auto``) only where the agent's own answer is clearly unlikely and a candidate is likely.
+  always (``true``), or (``auto``) only where the agent's own answer is clearly unlikely and a candidate is likely
+  (``second_look``: the local engine searches the candidates of those images in the same forward pass).
 
 What is computed here runs after the answer, in the route; the NCC features only where the inference backend did
 not read them with its forward pass (``LocalizeCall.templates``: the local backends read them there, batched
@@ -30,7 +31,7 @@ from torch import Tensor
 from app.inference import LoadedBundle, prototype_from_bytes
 from app.lru import LoadingLRU
 from app.schemas import Rerank
-from app.serving import NccFeatures, answer_rows
+from app.serving import NccFeatures, SecondLook, answer_rows
 from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.core.templates import Templates
 from models.data.types import LabeledImages
@@ -49,6 +50,12 @@ policies but lost up to 4.5 points on adapted ones."""
 def doubtful(confidence: float | None, threshold: float) -> bool:
     """``rerank=auto`` looks again at this answer: its confidence is below ``SECOND_LOOK_BELOW`` x ``threshold``."""
     return confidence is not None and confidence < SECOND_LOOK_BELOW * threshold
+
+
+def second_look(fit: Calibration, threshold: float, candidates: int) -> SecondLook:
+    """``rerank=auto``'s second look for the engine (``app.serving.SecondLook``): the answers ``doubtful`` by the
+    set's ``threshold`` get ``candidates`` instances."""
+    return SecondLook(fit, SECOND_LOOK_BELOW * threshold, candidates)
 
 
 CALIBRATION_SAMPLES = 128

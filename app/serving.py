@@ -37,6 +37,7 @@ from app.inference import (
 from app.lru import LoadingLRU
 from app.storage import BlobStore
 from models.bundle import PolicyMismatch, Reward
+from models.calibration import Calibration
 from models.core.templates import Templates
 from models.inference import Localization, Localizer, preprocess
 from models.nets.agent import Agent
@@ -75,6 +76,20 @@ class LocalizeCall:
     answer's NCC features with the forward pass, on its input batch (``LocalizeAnswer.ncc``), batched across the
     calls of a batch, where the model runs on the CPU. Other backends and devices leave it (the route then reads
     them itself)."""
+    second_look: SecondLook | None = field(default=None, repr=False, compare=False)
+    """With ``max_instances == 1`` and ``templates``: the images whose answer is doubtful get candidates in the same
+    pass (``LocalizeAnswer.looked``), where the backend reads the templates; elsewhere ignored."""
+
+
+@dataclass(frozen=True)
+class SecondLook:
+    """``rerank=auto``'s second look, taken by the engine where it reads the call's NCC features (``templates``): an
+    image whose answer's ``calibration`` confidence is below ``below`` also gets up to ``candidates`` instances,
+    searched on the feature map of the same forward pass (``LocalizeAnswer.looked``)."""
+
+    calibration: Calibration
+    below: float
+    candidates: int
 
 
 NccFeatures = tuple[Tensor, Tensor | None]
@@ -92,6 +107,9 @@ class LocalizeAnswer:
     """Whether the answers were refined on the checkpoint's repaired reward (``models.refine``)."""
     ncc: NccFeatures | None = None
     """The call's ``templates`` read on every answer's row of boxes (``None``: not read here)."""
+    looked: bool = False
+    """The engine took the call's ``second_look``: the results with ``instances`` are those of the doubtful answers,
+    and only theirs."""
 
 
 def answer_rows(results: list[Localization]) -> tuple[Tensor, Tensor]:
@@ -212,8 +230,9 @@ class LocalInference:
         t = call.templates
         same_input = (t is not None and loaded.localizer.device.type == "cpu"
                       and (t.size, t.channels, tuple(t.fill)) == (spec.size, spec.channels, tuple(spec.fill)))
+        look = call.second_look if same_input and call.max_instances == 1 else None
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
-                            nearest, call.max_instances, t if same_input else None)
+                            nearest, call.max_instances, t if same_input else None, look)
         # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
         key = (loaded.sha256, None if call.checkpoint is None else call.checkpoint.id, nearest,
                object() if call.samples > 0 else 0, call.max_instances)
@@ -242,6 +261,8 @@ class Prepared:
     max_instances: int = 1
     templates: Templates | None = None
     """``LocalizeCall.templates`` where ``batch`` is what they are read on."""
+    second_look: SecondLook | None = None
+    """``LocalizeCall.second_look`` where the engine takes it (``templates`` set, ``max_instances == 1``)."""
 
 
 def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
@@ -261,42 +282,103 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
         batch, scales = torch.cat([c.batch for c in calls]), torch.cat([c.scales for c in calls])
         prototypes = torch.stack([c.prototype for c in calls]).repeat_interleave(
             torch.tensor(counts), dim=0)  # [B, D]: each image its call's prototype
+    starts = list(accumulate(counts, initial=0))[:-1]
+    answer_ncc: dict[int, NccFeatures] = {}
+    looks = [c.second_look for c in calls]  # set where the engine takes it (``prepare``)
+    look_again = None
+    if any(looks):
+        def look_again(boxes: Tensor, distances: Tensor) -> Tensor:
+            return doubtful_answers(calls, looks, starts, counts, batch, boxes.cpu(), distances.cpu(), answer_ncc)
+
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
-                                             nearest=first.nearest, max_instances=first.max_instances)
-    starts = list(accumulate(counts, initial=0))[:-1]
-    features = read_ncc(calls, starts, counts, batch, scales, results)
+                                             nearest=first.nearest, max_instances=first.max_instances,
+                                             look_again=look_again,
+                                             look_again_instances=max((lk.candidates for lk in looks if lk), default=1))
+    features = read_ncc(calls, starts, counts, batch, scales, results, answer_ncc)
     answers = []
     for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers
         mine = results[at:at + n]
         if not c.trajectory and mine and mine[0].trajectory is not None:
             mine = [Localization(r.box, r.score, None, r.instances) for r in mine]
-        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine, f))
+        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine, f, c.second_look is not None))
     return answers
 
 
+def _by_templates(calls: list[Prepared], members: list[int]) -> list[list[int]]:
+    """The calls ``members`` grouped by their templates (the calls of concurrent requests on one set: one read)."""
+    groups: dict[int, list[int]] = {}
+    for i in members:
+        groups.setdefault(id(calls[i].templates), []).append(i)
+    return list(groups.values())
+
+
+def doubtful_answers(calls: list[Prepared], looks: list[SecondLook | None], starts: list[int], counts: list[int],
+                     batch: Tensor, boxes: Tensor, distances: Tensor, answer_ncc: dict[int, NccFeatures]) -> Tensor:
+    """The engine's second look (``SecondLook``): which of the batch's answers (``boxes [B, 4]`` input pixels,
+    ``distances [B]``) are doubtful -> ``[B]`` bool. Reads the NCC features of the answers of the calls that look
+    again (one read per set of templates) and keeps them in ``answer_ncc`` (call index -> ``[n, 1]`` features), so
+    that ``read_ncc`` does not read them again."""
+    pick = torch.zeros(len(boxes), dtype=torch.bool)
+    for members in _by_templates(calls, [i for i, lk in enumerate(looks) if lk is not None and counts[i]]):
+        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+        pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes[rows][:, None])  # type: ignore[union-attr]
+        at = 0
+        for i in members:
+            n, look = counts[i], looks[i]
+            p, q = pos[at:at + n], None if neg is None else neg[at:at + n]
+            answer_ncc[i] = (p, q)
+            conf = look.calibration.confidence(  # type: ignore[union-attr]
+                distances[starts[i]:starts[i] + n].double(), ncc=p[:, 0], ncc_negatives=None if q is None else q[:, 0])
+            pick[starts[i]:starts[i] + n] = conf < look.below  # type: ignore[union-attr]
+            at += n
+    return pick
+
+
 def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
-             results: list[Localization]) -> list[NccFeatures | None]:
+             results: list[Localization], answer_ncc: dict[int, NccFeatures] | None = None
+             ) -> list[NccFeatures | None]:
     """Each call's answers read by its ``templates`` (``None`` without): one ``Templates.ncc`` per set of
     templates for all the images of the calls that share it (concurrent requests on one set: one pass), on the
     batch the model read. What the route's verdict would read on the same images, without preprocessing them
-    again or paying the pass's fixed cost per request."""
+    again or paying the pass's fixed cost per request. ``answer_ncc``: the answers' features already read
+    (``doubtful_answers``); where every call of a set of templates has them, only the instances are read (each
+    box is read on its own: the same features)."""
+    known = answer_ncc or {}
     out: list[NccFeatures | None] = [None] * len(calls)
-    groups: dict[int, list[int]] = {}
-    for i, c in enumerate(calls):
-        if c.templates is not None and counts[i]:
-            groups.setdefault(id(c.templates), []).append(i)
-    for members in groups.values():
+    for members in _by_templates(calls, [i for i, c in enumerate(calls) if c.templates is not None and counts[i]]):
         rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
         boxes, _ = answer_rows([results[r] for r in rows])
         k = scales[rows].repeat(1, 2)[:, None].to(boxes)  # [m, 1, 4] (sx, sy, sx, sy): image pixels -> input
-        pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes / k)  # type: ignore[union-attr]
+        templates = calls[members[0]].templates
+        if all(i in known for i in members):
+            pos, neg = _with_instances(templates, batch[rows].cpu(), boxes / k, [results[r] for r in rows],  # type: ignore[arg-type]
+                                       [known[i] for i in members])
+        else:
+            pos, neg = templates.ncc(batch[rows].cpu(), boxes / k)  # type: ignore[union-attr]
         at = 0
         for i in members:
             n = counts[i]
             out[i] = (pos[at:at + n], None if neg is None else neg[at:at + n])
             at += n
     return out
+
+
+def _with_instances(templates: Templates, images01: Tensor, boxes: Tensor, results: list[Localization],
+                    answers: list[NccFeatures]) -> NccFeatures:
+    """The features of rows of boxes ``[m, 1 + K, 4]`` (input pixels; ``answer_rows``) whose answers' are known
+    (``answers``, each ``[n, 1]``): the instances read, the rest (the answers, the padding) the answers'."""
+    pos = torch.cat([p for p, _ in answers])
+    neg = None if answers[0][1] is None else torch.cat([q for _, q in answers])  # type: ignore[misc]
+    width = boxes.shape[1]
+    pos, neg = pos.expand(-1, width).clone(), None if neg is None else neg.expand(-1, width).clone()
+    more = [j for j, r in enumerate(results) if r.instances]
+    if more and width > 1:
+        p, q = templates.ncc(images01[more], boxes[more, 1:])
+        pos[more, 1:] = p
+        if neg is not None and q is not None:
+            neg[more, 1:] = q
+    return pos, neg
 
 
 class BatchedInference(LocalInference):

@@ -6,6 +6,7 @@ per image per call; boxes come back in the pixels of the images as given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,8 +135,8 @@ class Localization:
     score: float
     trajectory: list[tuple[float, float, float, float]] | None = None
     instances: list[Instance] | None = None
-    """With ``max_instances``: up to that many objects, best (lowest score) first; the agent's answer (``box``) is
-    one of them unless a closer box overlaps it (``models.instances``)."""
+    """With ``max_instances`` (or where ``look_again`` picked the image): up to that many objects, best (lowest score)
+    first; the agent's answer (``box``) is one of them unless a closer box overlaps it (``models.instances``)."""
 
 
 class Localizer:
@@ -250,7 +251,9 @@ class Localizer:
     def localize_batch(self, batch01: Tensor, scales: Tensor, prototype: Tensor, agent: Agent, *,
                        deterministic: bool = True, trajectory: bool = False, seed: int | None = None,
                        samples: int = 0, nearest: bool | None = None, max_instances: int = 1,
-                       instance_config: InstanceConfig | None = None) -> list[Localization]:
+                       instance_config: InstanceConfig | None = None,
+                       look_again: Callable[[Tensor, Tensor], Tensor] | None = None,
+                       look_again_instances: int = 4) -> list[Localization]:
         """``localize`` on images already preprocessed (``preprocess``: ``batch01 [B, C, S, S]``, ``scales [B, 2]``)
         with an agent already built (``agent``): what a server that batches several requests runs.
 
@@ -258,7 +261,11 @@ class Localizer:
         image and prototype only, so the answers of a batch equal those of its images localized apart (to
         float rounding); sampled episodes (``samples`` or ``deterministic=False``) share one random stream
         across the batch. ``max_instances > 1`` adds ``instances`` to each answer (``models.instances``, on the
-        same feature map: the backbone still runs once per image)."""
+        same feature map: the backbone still runs once per image).
+
+        ``look_again`` (with ``max_instances == 1``): a predicate on every image's answer (boxes ``[B, 4]`` in input
+        pixels, distances ``[B]``) -> ``[B]`` bool; the images it picks also get up to ``look_again_instances``
+        instances, searched on their feature maps (the backbone is not run again; the others pay nothing)."""
         b = batch01.shape[0]
         if max_instances < 1:
             raise ValueError(f"max_instances must be >= 1, got {max_instances}")
@@ -275,11 +282,19 @@ class Localizer:
             feats = self.embedder.features(normalize(batch01.to(self.device), self.spec))  # the one backbone pass
             ro = self.run_features(feats, prototype, agent, deterministic=deterministic, generator=gen,
                                    samples=samples, nearest=nearest)
-            found = None
+            found, looked = None, None
             if max_instances > 1:
                 found = find_instances(self.embedder, agent, feats, prototype, self.bundle.config.env,
                                        self.spec.size, max_instances, ro.boxes[-1], ro.distances[-1],
                                        instance_config)
+            elif look_again is not None and look_again_instances > 1:
+                pick = look_again(ro.boxes[-1], ro.distances[-1]).to(feats.device)
+                looked = pick.nonzero().flatten()
+                if len(looked):
+                    found = find_instances(self.embedder, agent, feats[looked],
+                                           prototype[looked] if prototype.dim() == 2 else prototype,
+                                           self.bundle.config.env, self.spec.size, look_again_instances,
+                                           ro.boxes[-1][looked], ro.distances[-1][looked], instance_config)
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         finals, scores = boxes[-1].tolist(), ro.distances[-1].cpu().tolist()  # one conversion for the batch
@@ -288,8 +303,10 @@ class Localizer:
             for loc, path in zip(out, boxes.transpose(0, 1).tolist(), strict=True):  # [B][T+1][4]
                 loc.trajectory = [tuple(p) for p in path]
         if found is not None:
-            inst_boxes = (found.boxes * k[:, None]).cpu().tolist()  # [B][K][4]
+            picked = out if looked is None else [out[i] for i in looked.tolist()]
+            kk = k if looked is None else k[looked]
+            inst_boxes = (found.boxes * kk[:, None]).cpu().tolist()  # [B][K][4]
             inst_dist, valid = found.distances.cpu().tolist(), found.valid.cpu().tolist()
-            for loc, bs, ds, vs in zip(out, inst_boxes, inst_dist, valid, strict=True):
+            for loc, bs, ds, vs in zip(picked, inst_boxes, inst_dist, valid, strict=True):
                 loc.instances = [Instance(tuple(bx), d) for bx, d, v in zip(bs, ds, vs, strict=True) if v]
         return out

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import crud, export, pool
-from app.calibration import RERANK_CANDIDATES, Judged, decoded, doubtful, judge
+from app.calibration import RERANK_CANDIDATES, Judged, decoded, doubtful, judge, second_look
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.db import begin_read
 from app.deps import Caller, CallerDep, ServingDep
@@ -222,38 +222,50 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     ncc = fit is not None and fit.ncc is not None
     # rerank=auto: a second look only where the confidence is the NCC fit's (grayscale bundles' sets)
     rerank: Rerank = "false" if fit is None or (opts.rerank == "auto" and not ncc) else opts.rerank
+    look = rerank == "auto" and run.max_instances < RERANK_CANDIDATES
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
         images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
         max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
-        templates=fit.templates if fit is not None and ncc else None)
+        templates=fit.templates if fit is not None and ncc else None,
+        second_look=second_look(fit, es.threshold, RERANK_CANDIDATES) if fit is not None and look else None)
 
-    def answered(call: LocalizeCall, rerank: Rerank) -> tuple[LocalizeAnswer, list[Judged]]:
+    def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
         try:
             answer = inference.localize(call)
         except InferenceRefused as e:
             raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
+        # candidates: asked for (rerank=true, or auto's second call), or the engine's second look
+        rerank_now = rerank if call.max_instances >= RERANK_CANDIDATES or answer.looked else "false"
         with turn:
             judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
                            min_confidence=opts.min_confidence, prototype=es.prototype,
                            loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
-                           negatives=es.negatives if use_negatives else None, rerank=rerank,
+                           negatives=es.negatives if use_negatives else None, rerank=rerank_now,
                            calibration_key=calibration_key, ncc=answer.ncc)
         return answer, judged
 
-    answer, judged = answered(call, rerank if call.max_instances >= RERANK_CANDIDATES else "false")
+    answer, judged = answered(call)
     located = list(answer.results)
-    if rerank == "auto" and call.max_instances < RERANK_CANDIDATES:
-        # The second look: the candidates of the images whose answer is doubtful, searched for them alone
-        # (the rest paid nothing for it); an answer no candidate beats stays the first one.
-        doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
+    if look:
+        # The second look: the candidates of the images whose answer is doubtful, searched for them alone (the rest
+        # pay nothing for it); an answer no candidate beats stays the first one. The local engine takes it in the
+        # same forward pass (``LocalizeAnswer.looked``: the doubtful images' results carry candidates); elsewhere
+        # (workers, a GPU, max_instances 2-3) a second call on the doubtful images.
+        if answer.looked:
+            doubt = [i for i, r in enumerate(answer.results) if r.instances is not None]
+            verdicts = [judged[i] for i in doubt]
+        else:
+            doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
+            verdicts = []
+            if doubt:
+                again, verdicts = answered(replace(call, images=[call.images[i] for i in doubt],
+                                                   max_instances=RERANK_CANDIDATES))
+                for i, r, j in zip(doubt, again.results, verdicts, strict=True):
+                    if j.reranked:
+                        located[i], judged[i] = r, j
         if doubt:
-            again, verdicts = answered(replace(call, images=[call.images[i] for i in doubt],
-                                               max_instances=RERANK_CANDIDATES), "auto")
-            for i, r, j in zip(doubt, again.results, verdicts, strict=True):
-                if j.reranked:
-                    located[i], judged[i] = r, j
             reranked = sum(j.reranked for j in verdicts)
             metrics.second_looks.labels("reranked").inc(reranked)
             metrics.second_looks.labels("kept").inc(len(doubt) - reranked)

@@ -179,13 +179,19 @@ def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settin
         return {o: float(m.group(1)) if (m := re.search(rf'qloc_localize_second_looks_total{{outcome="{o}"}} (\S+)',
                                                           text)) else 0.0 for o in ("reranked", "kept")}
 
-    before = looks()
+    engine = client.app.state.inference.batcher.stats
+    before, calls = looks(), engine.items
     auto = localize(client, sid, n=n)
     after = looks()
+    assert engine.items - calls == 1  # the engine took the second look in the same forward pass
     explicit = localize(client, sid, "?rerank=auto&min_confidence=0.99", n=n)
     with_instances = localize(client, sid, "?max_instances=4", n=n)  # the candidates at hand: no second call
+    calls = engine.items
+    two = localize(client, sid, "?max_instances=2", n=n)  # the route's second call, on the doubtful images only
+    doubtful = sum(a["confidence"] < cut / 2 for a in agent) if crops > 1 else 0
+    assert engine.items - calls == 1 + (doubtful > 0)
     switched = kept = 0
-    for a, c, best, r, e, w in zip(agent, candidates, bests, auto, explicit, with_instances, strict=True):
+    for a, c, best, r, e, w, t in zip(agent, candidates, bests, auto, explicit, with_instances, two, strict=True):
         assert "instances" not in r and c["box"] == pytest.approx(a["box"])
         if crops > 1 and a["confidence"] < cut / 2 and best["confidence"] >= cut:
             switched += 1
@@ -197,8 +203,10 @@ def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settin
             assert "reranked" not in r
         assert e["box"] == pytest.approx(r["box"])  # min_confidence decides found, not the box
         assert w["box"] == pytest.approx(r["box"]) and len(w["instances"]) == len(c["instances"])
+        assert t["box"] == pytest.approx(r["box"]) and len(t["instances"]) == min(2, len(c["instances"]))
+        assert [v for i in t["instances"] for v in i["box"]] == pytest.approx(
+            [v for i in c["instances"][:2] for v in i["box"]])
     assert (switched > 0) == (crops > 1) and kept > 0
-    doubtful = sum(a["confidence"] < cut / 2 for a in agent) if crops > 1 else 0
     assert after["reranked"] - before["reranked"] == switched
     assert after["kept"] - before["kept"] == doubtful - switched
     r = client.post(f"/v1/exemplar-sets/{sid}/localize?rerank=maybe", files=files(png_bytes()))

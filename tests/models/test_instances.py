@@ -98,6 +98,46 @@ def test_a_batch_answers_as_its_images_apart_and_the_backbone_runs_once():
         loc.localize_batch(batch, scales, protos, loc.agent(), max_instances=0)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_second_look_searches_the_images_picked_on_the_same_pass(shared):
+    """``look_again``: the images the predicate picks (told their answers: input pixels and distances) get the
+    instances a ``max_instances`` call gives them; the others none; one backbone pass for the lot."""
+    loc = Localizer(tiny_bundle(6), "cpu")
+    ims = [x for x in images(5, 1, 9)]
+    protos = torch.randn(5, 16, generator=torch.Generator().manual_seed(4)) * 3
+    proto = protos[0] if shared else protos
+    calls, told = [], []
+    features = loc.embedder.features
+
+    def counting(x):
+        calls.append(x.shape[0])
+        return features(x)
+
+    def pick(boxes, distances):
+        told.append((boxes.clone(), distances.clone()))
+        return torch.tensor([False, True, False, True, True])
+
+    loc.embedder.features = counting
+    batch, scales = preprocess(ims, loc.spec)
+    looked = loc.localize_batch(batch, scales, proto, loc.agent(), look_again=pick, look_again_instances=3)
+    assert calls == [5]
+    plain = loc.localize_batch(batch, scales, proto, loc.agent())
+    full = loc.localize_batch(batch, scales, proto, loc.agent(), max_instances=3)
+    [(boxes, distances)] = told
+    assert boxes.shape == (5, 4) and distances.tolist() == pytest.approx([p.score for p in plain])
+    assert (boxes * scales.repeat(1, 2)).flatten().tolist() == pytest.approx([v for p in plain for v in p.box])
+    for i, (lk, p, f) in enumerate(zip(looked, plain, full, strict=True)):
+        assert lk.box == p.box and lk.score == p.score
+        if i in (1, 3, 4):
+            assert len(lk.instances) == len(f.instances)
+            assert [v for x in lk.instances for v in x.box] == pytest.approx([v for x in f.instances for v in x.box],
+                                                                            abs=1e-3)
+        else:
+            assert lk.instances is None
+    none = loc.localize_batch(batch, scales, proto, loc.agent(), look_again=lambda b, d: torch.zeros(5, dtype=bool))
+    assert all(r.instances is None for r in none)
+
+
 def test_episodes_start_from_given_windows():
     bundle = tiny_bundle(1)
     x = images(2, 1, 0)
