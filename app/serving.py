@@ -284,17 +284,17 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
             torch.tensor(counts), dim=0)  # [B, D]: each image its call's prototype
     starts = list(accumulate(counts, initial=0))[:-1]
     answer_ncc: dict[int, NccFeatures] = {}
-    looks = [c.second_look for c in calls]  # set where the engine takes it (``prepare``)
+    looks = [c.second_look for c in calls if c.second_look is not None]  # where the engine takes it (``prepare``)
     look_again = None
-    if any(looks):
+    if looks:
         def look_again(boxes: Tensor, distances: Tensor) -> Tensor:
-            return doubtful_answers(calls, looks, starts, counts, batch, boxes.cpu(), distances.cpu(), answer_ncc)
+            return doubtful_answers(calls, starts, counts, batch, boxes.cpu(), distances.cpu(), answer_ncc)
 
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
                                              nearest=first.nearest, max_instances=first.max_instances,
                                              look_again=look_again,
-                                             look_again_instances=max((lk.candidates for lk in looks if lk), default=1))
+                                             look_again_instances=max((lk.candidates for lk in looks), default=1))
     features = read_ncc(calls, starts, counts, batch, scales, results, answer_ncc)
     answers = []
     for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers
@@ -305,32 +305,37 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
     return answers
 
 
-def _by_templates(calls: list[Prepared], members: list[int]) -> list[list[int]]:
-    """The calls ``members`` grouped by their templates (the calls of concurrent requests on one set: one read)."""
-    groups: dict[int, list[int]] = {}
+def _by_templates(calls: list[Prepared], members: list[int], *, fit: bool = False) -> list[list[int]]:
+    """The calls ``members`` grouped by their templates (the calls of concurrent requests on one set: one read),
+    and by their second look's calibration too with ``fit``."""
+    groups: dict[tuple[int, int], list[int]] = {}
     for i in members:
-        groups.setdefault(id(calls[i].templates), []).append(i)
+        look = calls[i].second_look
+        groups.setdefault((id(calls[i].templates), id(look.calibration) if fit and look else 0), []).append(i)
     return list(groups.values())
 
 
-def doubtful_answers(calls: list[Prepared], looks: list[SecondLook | None], starts: list[int], counts: list[int],
-                     batch: Tensor, boxes: Tensor, distances: Tensor, answer_ncc: dict[int, NccFeatures]) -> Tensor:
+def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, boxes: Tensor,
+                     distances: Tensor, answer_ncc: dict[int, NccFeatures]) -> Tensor:
     """The engine's second look (``SecondLook``): which of the batch's answers (``boxes [B, 4]`` input pixels,
     ``distances [B]``) are doubtful -> ``[B]`` bool. Reads the NCC features of the answers of the calls that look
-    again (one read per set of templates) and keeps them in ``answer_ncc`` (call index -> ``[n, 1]`` features), so
-    that ``read_ncc`` does not read them again."""
+    again (one read, and one confidence, per set of templates and calibration) and keeps them in ``answer_ncc``
+    (call index -> ``[n, 1]`` features), so that ``read_ncc`` does not read them again."""
     pick = torch.zeros(len(boxes), dtype=torch.bool)
-    for members in _by_templates(calls, [i for i, lk in enumerate(looks) if lk is not None and counts[i]]):
+    looking = [i for i, c in enumerate(calls) if c.second_look is not None and counts[i]]
+    for members in _by_templates(calls, looking, fit=True):
         rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+        look = calls[members[0]].second_look
         pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes[rows][:, None])  # type: ignore[union-attr]
+        conf = look.calibration.confidence(distances[rows].double(), ncc=pos[:, 0],  # type: ignore[union-attr]
+                                           ncc_negatives=None if neg is None else neg[:, 0])
+        below = torch.tensor([calls[i].second_look.below for i in members for _ in range(counts[i])],  # type: ignore[union-attr]
+                             dtype=conf.dtype)
+        pick[rows] = conf < below
         at = 0
         for i in members:
-            n, look = counts[i], looks[i]
-            p, q = pos[at:at + n], None if neg is None else neg[at:at + n]
-            answer_ncc[i] = (p, q)
-            conf = look.calibration.confidence(  # type: ignore[union-attr]
-                distances[starts[i]:starts[i] + n].double(), ncc=p[:, 0], ncc_negatives=None if q is None else q[:, 0])
-            pick[starts[i]:starts[i] + n] = conf < look.below  # type: ignore[union-attr]
+            n = counts[i]
+            answer_ncc[i] = (pos[at:at + n], None if neg is None else neg[at:at + n])
             at += n
     return pick
 
