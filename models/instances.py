@@ -35,7 +35,7 @@ from models.config import EnvConfig
 from models.core.boxes import candidate_boxes, clip_boxes, top_k_per_image
 from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
-from models.rollout import rollout
+from models.rollout import rollout, steer
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,19 @@ def find_instances(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototype
         # An image with fewer separate windows than ``s`` repeats its best (a wasted episode, not a wrong one).
         idx = torch.where(ok, idx, idx[:, :1])
         starts = _enlarge(windows.repeat(b, 1)[idx.flatten()], cfg.start_scale, float(size))  # [B*s, 4]
-        ro = rollout(embedder, agent, feats, protos, env, (float(size), float(size)), deterministic=True,
-                     rewards=True, episodes=s, starts=starts)
-        steps = ro.boxes.shape[0]
-        cand_boxes.append(ro.boxes.permute(1, 0, 2).reshape(b, s * steps, 4))  # [B, s*(T+1), 4]
-        cand_dist.append(ro.distances.T.reshape(b, s * steps))
+        if agent.cfg.use_prototype:  # the agent reads each step's embedding: the episodes embed as they go
+            ro = rollout(embedder, agent, feats, protos, env, (float(size), float(size)), deterministic=True,
+                         rewards=True, episodes=s, starts=starts)
+            steps = ro.boxes.shape[0]
+            visited = ro.boxes.permute(1, 0, 2).reshape(b, s * steps, 4)  # [B, s*(T+1), 4]
+            visited_dist = ro.distances.T.reshape(b, s * steps)
+        else:  # the moves alone, then every visited box embedded at once (one head call, not one per step)
+            path, _, _ = steer(embedder, agent, feats, starts, env, (float(size), float(size)))
+            steps = path.shape[0]
+            visited = path.permute(1, 0, 2).reshape(b, s * steps, 4)
+            visited_dist = (embedder.embed(feats, visited) - protos[:, None]).norm(dim=-1)
+        cand_boxes.append(visited)
+        cand_dist.append(visited_dist)
         evaluations += s * steps
     boxes = torch.cat([answer[:, None]] + cand_boxes, 1)  # [B, M, 4]: the answer first
     first = torch.full((b, 1), -torch.inf, device=dev) if cfg.answer_first else answer_distance[:, None]
