@@ -332,12 +332,14 @@ def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int]
         below = torch.tensor([calls[i].second_look.below for i in members for _ in range(counts[i])],  # type: ignore[union-attr]
                              dtype=conf.dtype)
         pick[rows] = conf < below
-        at = 0
-        for i in members:
-            n = counts[i]
-            answer_ncc[i] = (pos[at:at + n], None if neg is None else neg[at:at + n])
-            at += n
+        answer_ncc.update(zip(members, _per_call(pos, neg, [counts[i] for i in members]), strict=True))
     return pick
+
+
+def _per_call(pos: Tensor, neg: Tensor | None, counts: list[int]) -> list[NccFeatures]:
+    """Features of the rows of several calls, one after the other -> each call's (``counts``: its rows)."""
+    starts = accumulate(counts, initial=0)
+    return [(pos[at:at + n], None if neg is None else neg[at:at + n]) for at, n in zip(starts, counts, strict=False)]
 
 
 def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
@@ -361,11 +363,8 @@ def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch:
                                        [known[i] for i in members])
         else:
             pos, neg = templates.ncc(batch[rows].cpu(), boxes / k)  # type: ignore[union-attr]
-        at = 0
-        for i in members:
-            n = counts[i]
-            out[i] = (pos[at:at + n], None if neg is None else neg[at:at + n])
-            at += n
+        for i, f in zip(members, _per_call(pos, neg, [counts[i] for i in members]), strict=True):
+            out[i] = f
     return out
 
 
