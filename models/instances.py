@@ -8,7 +8,8 @@ the backbone computed (``feats``):
    ranking.
 2. **Episodes from the best windows.** The ``starts`` best windows that do not overlap each other (NMS) start
    one greedy episode each (from the window itself, or enlarged ``start_scale`` times), all batched as one
-   rollout.
+   rollout (an agent that does not read the prototype moves without embedding; the visited boxes are embedded
+   at once after).
 3. **Candidates.** Every box the episodes visit, every coarse window and the agent's usual answer (``answer``,
    its episode from the whole image) is a candidate, scored by its embedding distance to the prototype (lower
    is closer); non-maximum suppression (IoU ``nms_iou``) keeps up to ``k`` per image, best first. With
