@@ -37,6 +37,8 @@ from models.inference import normalize
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLD = 0.5
 """A new set's threshold (the service's default)."""
+BARS = (0.7, 0.8, 0.9)
+"""Stricter bars for the template box than the threshold (the other candidates keep the threshold)."""
 
 
 def target_rows(loaded, target: str, seed: int) -> dict:
@@ -71,15 +73,22 @@ def target_rows(loaded, target: str, seed: int) -> dict:
     for c in range(2 + k):
         iou[:present, c] = paired_iou(b[:present, c], val.boxes)
 
-    def second_look(candidates: list[int]) -> torch.Tensor:
+    def second_look(candidates: list[int], template_bar: float = THRESHOLD) -> torch.Tensor:
+        """The served rule over ``candidates``; the template box (column ``k + 1``) must reach ``template_bar``."""
         chosen = torch.zeros(n, dtype=torch.long)
-        best = conf[:, candidates].max(1)
+        c = conf[:, candidates].clone()
+        if k + 1 in candidates:
+            c[:, candidates.index(k + 1)] = torch.where(conf[:, k + 1] >= template_bar, c[:, candidates.index(k + 1)],
+                                                        -1.0)
+        best = c.max(1)
         take = (conf[:, 0] < SECOND_LOOK_BELOW * THRESHOLD) & (best.values >= THRESHOLD)
         chosen[take] = torch.tensor(candidates)[best.indices[take]]
         return chosen
 
     rules = {"agent": torch.zeros(n, dtype=torch.long), "second look (served)": second_look(list(range(1, k + 1))),
              "second look + template box": second_look(list(range(1, k + 2))),
+             **{f"second look + template box reaching {bar}": second_look(list(range(1, k + 2)), bar)
+                for bar in BARS},
              "template box": torch.full((n,), k + 1, dtype=torch.long)}
     out: dict = {"target": target, "images": present, "absent": n - present}
     rows = torch.arange(n)
