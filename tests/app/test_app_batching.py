@@ -480,3 +480,79 @@ def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_w
     assert held.prepare(calls[0])[1].templates is calls[0].templates
     monkeypatch.setattr(loaded.localizer, "device", torch.device("cuda"))
     assert held.prepare(calls[0])[1].templates is None
+
+
+def test_second_looks_of_concurrent_calls_are_taken_in_one_forward_for_the_doubtful_answers_only(backends, settings):
+    """Calls with a ``SecondLook`` (``rerank=auto``) of two sets, one call of the first set without it and one without
+    templates, queued together: one forward; each looking call's doubtful answers (their confidence, from the
+    engine's features, under ``below``), and only those, carry the candidates a ``max_instances=4`` call finds for
+    them alone; every call's features are those the verdict would read itself."""
+    import dataclasses
+
+    import torch
+
+    from app.calibration import RERANK_CANDIDATES, judge
+    from app.serving import SecondLook
+    from models.calibration import Calibration, PlattFit
+    from models.core.templates import Templates
+
+    bundles, local, held = backends
+    loaded = bundles.get(settings.default_bundle)
+    spec = loaded.localizer.spec
+    g = torch.Generator().manual_seed(1)
+
+    def templates(negatives: bool) -> Templates:
+        def grid(n: int) -> torch.Tensor:
+            return (torch.rand(n, spec.channels, 16, 16, generator=g) * 255).round() / 255
+        return Templates(grid(3), grid(2) if negatives else None, spec.size, spec.channels, tuple(spec.fill))
+
+    def calibration(t: Templates) -> Calibration:
+        score = PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0)
+        ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.1, 6.0], 0.0)
+        neg = PlattFit(["log_score", "ncc", "ncc_negatives"], [0.0] * 3, [1.0] * 3, [0.1, 6.0, -2.0], 0.0)
+        return Calibration(score, None, 0.5, {}, ncc, neg if t.negatives is not None else None, t)
+
+    ta, tb = templates(True), templates(False)
+    ca, cb = calibration(ta), calibration(tb)
+    plain = [make_call(loaded, 11, n=4, templates=ta), make_call(loaded, 12, n=3, templates=tb)]
+
+    def confidences(call, answer, cal) -> list[float]:
+        return [j.confidence for j in judge(answer.results, call.images, cal.to_dict(), threshold=0.5,
+                                            min_confidence=None, loaded=None, prototype=call.prototype,
+                                            negatives=None, ncc=answer.ncc)]
+
+    # each looking set's bar: between its answers' confidences, so that some are doubtful and some not
+    bars = []
+    for call, cal in zip(plain, (ca, cb), strict=True):
+        conf = sorted(confidences(call, local.localize(call), cal))
+        assert conf[0] < conf[-1]
+        bars.append((conf[0] + conf[1]) / 2 if len(conf) > 2 else (conf[0] + conf[-1]) / 2)
+    looking = [dataclasses.replace(c, second_look=SecondLook(cal, bar, RERANK_CANDIDATES))
+               for c, cal, bar in zip(plain, (ca, cb), bars, strict=True)]
+    calls = [looking[0], looking[1], make_call(loaded, 11, n=2, templates=ta), make_call(loaded, 13, n=1)]
+    answers = queued_behind_a_held_batch(held, loaded, calls)
+    assert held.batch_calls == [1, len(calls)]
+    assert [a.looked for a in answers] == [True, True, False, False]
+    assert answers[3].ncc is None and all(r.instances is None for a in answers[2:] for r in a.results)
+    for call, answer, cal, bar in zip(calls[:2], answers[:2], (ca, cb), bars, strict=True):
+        conf = confidences(call, answer, cal)
+        doubtful = [c < bar for c in conf]
+        assert [r.instances is not None for r in answer.results] == doubtful and any(doubtful)
+        alone = local.localize(dataclasses.replace(call, second_look=None, max_instances=RERANK_CANDIDATES))
+        for r, a, d in zip(answer.results, alone.results, doubtful, strict=True):
+            assert r.box == pytest.approx(a.box, abs=1e-3)
+            if d:
+                assert [v for i in r.instances for v in i.box] == pytest.approx(
+                    [v for i in a.instances for v in i.box], abs=1e-3)
+    for call, answer in zip(calls[:3], answers[:3], strict=True):  # the features are those read here
+        cal = (ca if call.templates is ta else cb).to_dict()
+        options = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=call.prototype, negatives=None,
+                       rerank="false")
+        engine = judge(answer.results, call.images, cal, **options, ncc=answer.ncc)
+        read_here = judge(answer.results, call.images, cal, **options)
+        assert [j.confidence for j in engine] == pytest.approx([j.confidence for j in read_here], abs=1e-9)
+        for e, h in zip(engine, read_here, strict=True):
+            assert (e.instances is None) == (h.instances is None)
+            if e.instances is not None:
+                assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances],
+                                                                            abs=1e-9)
