@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from models.core.boxes import paired_iou
-from models.core.templates import Templates, box_ncc, make_templates, mean_ncc, source_template
+from models.core.templates import Templates, box_ncc_sets, make_templates, mean_ncc, source_template
 from models.data.calibration_samples import PROBE_SCALE, Samples, make_samples, synthetic_backgrounds, transformed_crops
 from models.data.probes import paste_probes
 from models.data.types import LabeledImages
@@ -298,15 +298,15 @@ def template_features(samples: Samples, pos_boxes: Tensor, neg_boxes: Tensor, te
     t, nt = templates.exemplars, templates.negatives
     pos_img, neg_img = samples.positives.images, samples.negatives
     src = _sources(samples.positives.sources, pos_img, samples.positives.boxes, t)
-    pos_ncc = mean_ncc(box_ncc(pos_img, pos_boxes[:, None], t, jitter=templates.jitter)[:, 0], src)
-    neg_ncc = mean_ncc(box_ncc(neg_img, neg_boxes[:, None], t, jitter=templates.jitter)[:, 0])
+    sets = [t] if nt is None or not len(nt) else [t, nt]  # each box read once for both sets
+    pos_read = box_ncc_sets(pos_img, pos_boxes[:, None], sets, jitter=templates.jitter)
+    neg_read = box_ncc_sets(neg_img, neg_boxes[:, None], sets, jitter=templates.jitter)
+    pos_ncc, neg_ncc = mean_ncc(pos_read[0][:, 0], src), mean_ncc(neg_read[0][:, 0])
     if nt is None or not len(nt):
         return pos_ncc, neg_ncc, None, None
     nboxes = samples.negative_boxes if samples.negative_boxes is not None else torch.full((len(neg_img), 4), torch.nan)
     nsrc = _sources(samples.negative_sources, neg_img, nboxes, nt)
-    pos_nn = mean_ncc(box_ncc(pos_img, pos_boxes[:, None], nt, jitter=templates.jitter)[:, 0])
-    neg_nn = mean_ncc(box_ncc(neg_img, neg_boxes[:, None], nt, jitter=templates.jitter)[:, 0], nsrc)
-    return pos_ncc, neg_ncc, pos_nn, neg_nn
+    return pos_ncc, neg_ncc, mean_ncc(pos_read[1][:, 0]), mean_ncc(neg_read[1][:, 0], nsrc)
 
 
 def calibrate(localizer: Localizer, agent: Agent, prototype: Tensor, samples: Samples, *, nearest: bool,

@@ -85,15 +85,28 @@ def box_ncc(images01: Tensor, boxes: Tensor, templates: Tensor, *, jitter: float
     """NCC of the content of each box ``boxes [n, K, 4]`` (pixels of ``images01 [n, C, H, W]``) with each template
     ``templates [E, C, s, s]`` -> ``[n, K, E]`` in [-1, 1] (the best of the box's ``jittered`` reads; a flat box
     or template: 0). Vectorized: one ``roi_align`` and one matrix product for every box and template."""
+    return box_ncc_sets(images01, boxes, [templates], jitter=jitter)[0]
+
+
+def box_ncc_sets(images01: Tensor, boxes: Tensor, sets: list[Tensor], *, jitter: float = JITTER) -> list[Tensor]:
+    """``box_ncc`` with each of several sets of templates of one side (``[E_i, C, s, s]`` each) -> ``[n, K, E_i]``
+    each: the boxes are read once (one ``roi_align``), then one matrix product per set (each the same numbers as
+    ``box_ncc`` alone)."""
     n, k = boxes.shape[:2]
-    e, side = len(templates), templates.shape[-1]
-    if e == 0:
-        return torch.zeros(n, k, 0, dtype=torch.float64)
+    if all(len(t) == 0 for t in sets):
+        return [torch.zeros(n, k, 0, dtype=torch.float64) for _ in sets]
+    side = next(t for t in sets if len(t)).shape[-1]
     jb = jittered(boxes.float(), jitter)  # [n, K, J, 4]
     j = jb.shape[2]
     content = zero_mean_unit(box_contents(images01, jb.reshape(n, k * j, 4), side))  # [n, K*J, D]
-    t = zero_mean_unit(templates.to(content.device))  # [E, D]
-    return (content @ t.T).view(n, k, j, e).amax(dim=2).clamp(-1, 1)
+    out = []
+    for templates in sets:  # a set or two (the exemplars, the negatives)
+        if len(templates) == 0:
+            out.append(torch.zeros(n, k, 0, dtype=torch.float64))
+            continue
+        t = zero_mean_unit(templates.to(content.device))  # [E, D]
+        out.append((content @ t.T).view(n, k, j, len(t)).amax(dim=2).clamp(-1, 1))
+    return out
 
 
 def mean_ncc(ncc: Tensor, exclude: Tensor | None = None) -> Tensor:
@@ -170,8 +183,8 @@ class Templates:
         ``[n, K]`` and with the negatives ``[n, K]`` (None without negatives): the test-time features, over
         every template."""
         n, k = boxes.shape[:2]
-        pos = mean_ncc(box_ncc(images01, boxes, self.exemplars, jitter=self.jitter).view(n * k, -1)).view(n, k)
-        if self.negatives is None or not len(self.negatives):
-            return pos, None
-        neg = mean_ncc(box_ncc(images01, boxes, self.negatives, jitter=self.jitter).view(n * k, -1)).view(n, k)
-        return pos, neg
+        with_negatives = self.negatives is not None and len(self.negatives) > 0
+        sets = [self.exemplars, self.negatives] if with_negatives else [self.exemplars]
+        read = [mean_ncc(x.view(n * k, -1)).view(n, k)  # the boxes read once for both sets
+                for x in box_ncc_sets(images01, boxes, sets, jitter=self.jitter)]  # type: ignore[arg-type]
+        return read[0], read[1] if with_negatives else None
