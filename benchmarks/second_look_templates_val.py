@@ -1,5 +1,6 @@
-"""Exploration (validation images only): would template matching's best box help as one more candidate of the
-second look (``rerank=auto``)? Not a served option: a lead, measured in the library the way the service answers.
+"""Exploration (chosen on validation images; ``--split test`` previews a rule chosen there): would template
+matching's best box help as one more candidate of the second look (``rerank=auto``)? Not a served option: a lead,
+measured in the library the way the service answers.
 
 Per target (``glyph:CHAR:BACKGROUND`` or ``digit:D:BACKGROUND``; ``:absent`` adds 198 images of the other digits),
 on the default bundle's starting policy: a set of 5 crops calibrated as the service calibrates a new set
@@ -41,7 +42,7 @@ BARS = (0.7, 0.8, 0.9)
 """Stricter bars for the template box than the threshold (the other candidates keep the threshold)."""
 
 
-def target_rows(loaded, target: str, seed: int) -> dict:
+def target_rows(loaded, target: str, seed: int, split: str = "val") -> dict:
     """One target's replayed rules."""
     loc, bundle, agent = loaded.localizer, loaded.bundle, loaded.localizer.agent()
     what, name, background, *extra = target.split(":")
@@ -50,10 +51,10 @@ def target_rows(loaded, target: str, seed: int) -> dict:
     proto = loc.prototype(crops)
     cal = Calibration.from_dict(calibrate_new_set(loaded, proto, [to_pil_image(c) for c in crops], [], [],
                                                   threshold=THRESHOLD).calibration)
-    val = kind.draw(bundle, "val", 200, seed)
+    val = kind.draw(bundle, split, 200, seed)
     images, present = val.images, len(val.images)
     if "absent" in extra:
-        images = torch.cat([images] + [CMnistKind(d, background).draw(bundle, "val", 22, seed).images
+        images = torch.cat([images] + [CMnistKind(d, background).draw(bundle, split, 22, seed).images
                                        for d in range(10) if d != int(name)])
     n, k = len(images), RERANK_CANDIDATES
     with torch.inference_mode():
@@ -106,13 +107,15 @@ def main() -> None:
     p.add_argument("targets", nargs="+")
     p.add_argument("--bundle", default="mnist-general")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=("val", "test"), default="val",
+                   help="test: only once a rule was chosen on val (its preview, not a choice)")
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(1)
     loaded = BundleRegistry(ROOT / "bundles", "cpu").get(a.bundle)
     results = []
     for target in a.targets:
-        results.append(target_rows(loaded, target, a.seed))
+        results.append(target_rows(loaded, target, a.seed, a.split))
         print(json.dumps(results[-1]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2))
