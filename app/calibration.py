@@ -52,10 +52,16 @@ def doubtful(confidence: float | None, threshold: float) -> bool:
     return confidence is not None and confidence < SECOND_LOOK_BELOW * threshold
 
 
-def second_look(fit: Calibration, threshold: float, candidates: int) -> SecondLook:
+TEMPLATE_BAR = 0.8
+"""``rerank=templates``: template matching's window answers a doubtful image only if its confidence reaches this (the
+other candidates: the set's threshold). Chosen on validation images among 0.5 / 0.7 / 0.8 / 0.9 (BENCHMARKS.md, "A
+second look ... template matching"): most of the gain for few false alarms on images without the object."""
+
+
+def second_look(fit: Calibration, threshold: float, candidates: int, *, templates: bool = False) -> SecondLook:
     """``rerank=auto``'s second look for the engine (``app.serving.SecondLook``): the answers ``doubtful`` by the
-    set's ``threshold`` get ``candidates`` instances."""
-    return SecondLook(fit, SECOND_LOOK_BELOW * threshold, candidates)
+    set's ``threshold`` get ``candidates`` instances (and, with ``templates``, template matching's window)."""
+    return SecondLook(fit, SECOND_LOOK_BELOW * threshold, candidates, TEMPLATE_BAR if templates else None)
 
 
 CALIBRATION_SAMPLES = 128
@@ -138,7 +144,7 @@ def decoded(calibration: dict, key: Hashable | None) -> Calibration:
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
           negatives: bytes | None, rerank: Rerank = "false", calibration_key: Hashable | None = None,
-          ncc: NccFeatures | None = None) -> list[Judged]:
+          ncc: NccFeatures | None = None, template_bar: float | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
@@ -149,7 +155,9 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     asks for ``RERANK_CANDIDATES``) answers with the instance the calibration finds most likely right (with NCC
     fits and negatives: the one most like the exemplars and least like the look-alikes): ``true`` always,
     ``auto`` only where the answer is ``doubtful`` and the instance reaches ``threshold`` (``min_confidence`` plays
-    no part: it decides ``found``, not the box)."""
+    no part: it decides ``found``, not the box). A template-matching window among the instances
+    (``Instance.template``, ``rerank=templates``) is a candidate only if it reaches ``template_bar`` too, and is
+    never listed among the answer's instances."""
     if not results:
         return []
     counts = [len(r.instances or ()) for r in results]
@@ -170,13 +178,16 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     for r, cs in zip(results, confs, strict=True):
         answer = judged(r.box, r.score, cs[0])
         if r.instances is not None:
-            found = [judged(i.box, i.score, c) for i, c in zip(r.instances, cs[1:], strict=True)]
-            if rerank != "false" and found and found[0].confidence is not None and answer.confidence is not None:
+            every = [judged(i.box, i.score, c) for i, c in zip(r.instances, cs[1:], strict=True)]
+            found = [j for j, i in zip(every, r.instances, strict=True) if not i.template]
+            windows = [j for j, i in zip(every, r.instances, strict=True) if i.template and template_bar is not None
+                       and j.confidence is not None and j.confidence >= template_bar]
+            if rerank != "false" and every and every[0].confidence is not None and answer.confidence is not None:
                 # auto: among the first RERANK_CANDIDATES (a larger max_instances leaves the answer as it was)
-                pool = found if rerank == "true" else found[:RERANK_CANDIDATES]
-                best = max(pool, key=lambda j: j.confidence)  # type: ignore[arg-type, return-value]
-                if rerank == "true" or (doubtful(answer.confidence, threshold)
-                                        and best.confidence >= threshold):  # type: ignore[operator]
+                pool = (found if rerank == "true" else found[:RERANK_CANDIDATES]) + windows
+                best = max(pool, key=lambda j: j.confidence, default=None)  # type: ignore[arg-type, return-value]
+                if best is not None and (rerank == "true" or (doubtful(answer.confidence, threshold)
+                                                              and best.confidence >= threshold)):  # type: ignore[operator]
                     answer = Judged(best.box, best.score, best.confidence, best.found,
                                     reranked=best.box != answer.box)
             answer.instances = [j for j in found if min_confidence is None or j.confidence is None

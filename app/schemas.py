@@ -12,11 +12,13 @@ from app.jobstates import JobState
 
 Box = Annotated[list[float], Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in uploaded pixels")]
 
-Rerank = Literal["auto", "true", "false"]
+Rerank = Literal["auto", "templates", "true", "false"]
 """localize's ``rerank``: ``true`` answers with the likeliest candidate; ``auto`` (the default) does so only where the
 agent's answer is clearly unlikely (its confidence below half the set's threshold) and a candidate is likely (at or
 above it): a second look, on grayscale bundles' sets (their confidence is the NCC with the exemplars: evidence of its
-own, not the agent's embedding); ``false``: the agent's answer."""
+own, not the agent's embedding); ``templates``: ``auto`` with template matching's window as one more candidate of
+the second look (taken only if its confidence reaches ``app.calibration.TEMPLATE_BAR``); ``false``: the agent's
+answer."""
 
 
 class ErrorDetail(BaseModel):

@@ -90,6 +90,9 @@ class SecondLook:
     calibration: Calibration
     below: float
     candidates: int
+    template_bar: float | None = None
+    """``rerank=templates``: template matching's window (``Templates.match``) is one more candidate of the doubtful
+    images (``Instance.template``), taken only if its confidence reaches this; ``None``: not looked for."""
 
 
 NccFeatures = tuple[Tensor, Tensor | None]
@@ -290,11 +293,17 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
         def look_again(boxes: Tensor, distances: Tensor) -> Tensor:
             return doubtful_answers(calls, starts, counts, batch, boxes.cpu(), distances.cpu(), answer_ncc)
 
+    look_again_extra = None
+    if any(lk.template_bar is not None for lk in looks):
+        def look_again_extra(picked: Tensor) -> Tensor:
+            return template_windows(calls, counts, batch, scales, picked)
+
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
                                              nearest=first.nearest, max_instances=first.max_instances,
                                              look_again=look_again,
-                                             look_again_instances=max((lk.candidates for lk in looks), default=1))
+                                             look_again_instances=max((lk.candidates for lk in looks), default=1),
+                                             look_again_extra=look_again_extra)
     features = read_ncc(calls, starts, counts, batch, scales, results, answer_ncc)
     answers = []
     for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers
@@ -334,6 +343,23 @@ def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int]
         pick[rows] = conf < below
         answer_ncc.update(zip(members, _per_call(pos, neg, [counts[i] for i in members]), strict=True))
     return pick
+
+
+def template_windows(calls: list[Prepared], counts: list[int], batch: Tensor, scales: Tensor, picked: Tensor
+                     ) -> Tensor:
+    """``rerank=templates``: template matching's window (``Templates.match``) on each picked image of the batch
+    (``picked [m]``, the doubtful answers' rows) whose call asks for it -> ``[m, 4]`` input pixels, NaN elsewhere;
+    one match per set of templates."""
+    out = torch.full((len(picked), 4), torch.nan)
+    owner = torch.repeat_interleave(torch.arange(len(calls)), torch.tensor(counts))[picked]  # each row's call
+    wanted = [i for i, c in enumerate(calls) if c.second_look is not None and c.second_look.template_bar is not None
+              and c.templates is not None]
+    for members in _by_templates(calls, wanted):
+        at = [j for j, o in enumerate(owner.tolist()) if o in members]
+        if at:
+            rows = picked[at]
+            out[at] = calls[members[0]].templates.match(batch[rows].cpu(), scales[rows])  # type: ignore[union-attr]
+    return out
 
 
 def _per_call(pos: Tensor, neg: Tensor | None, counts: list[int]) -> list[NccFeatures]:

@@ -24,14 +24,14 @@ samples (``models.data.calibration_samples``: backgrounds, pastes) and fits on i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from models.core.boxes import paired_iou
-from models.core.templates import Templates, box_ncc_sets, make_templates, mean_ncc, source_template
+from models.core.templates import Templates, box_ncc_sets, make_templates, match_crops, mean_ncc, source_template
 from models.data.calibration_samples import PROBE_SCALE, Samples, make_samples, synthetic_backgrounds, transformed_crops
 from models.data.probes import paste_probes
 from models.data.types import LabeledImages
@@ -325,8 +325,7 @@ def calibrate(localizer: Localizer, agent: Agent, prototype: Tensor, samples: Sa
     ncc: tuple[Tensor | None, ...] = (None,) * 4
     if templates is not None and len(templates.exemplars) >= 2:  # leave-one-out needs another exemplar
         if templates.negatives is not None and len(templates.negatives) < 2:
-            templates = Templates(templates.exemplars, None, templates.size, templates.channels, templates.fill,
-                                  templates.jitter)
+            templates = replace(templates, negatives=None)
         ncc = template_features(samples, pb, nb, templates)
         all_ns = ns
         if samples.shapes is not None and len(samples.shapes):
@@ -401,7 +400,8 @@ def calibrate_policy(localizer: Localizer, prototype: Tensor, crops: list[Tensor
         ncc = NCC_FOR_GRAY and spec.channels == 1
     if ncc:
         neg_t = make_templates(negative_crops) if negative_crops else negative_templates
-        templates = Templates(make_templates(crops), neg_t, spec.size, spec.channels, tuple(spec.fill))
+        templates = Templates(make_templates(crops), neg_t, spec.size, spec.channels, tuple(spec.fill),
+                              crops=(kept := match_crops(crops))[0], crop_sizes=kept[1])
         shapes = transformed_crops(crops, templates.exemplars)
         if shapes:  # their own generator: the samples of the other fits are those made without NCC
             samples.shapes = paste_probes(shapes, bgs, n // 2, object_side=spec.exemplar_size, scale=PROBE_SCALE,

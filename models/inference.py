@@ -125,6 +125,9 @@ class Instance:
 
     box: tuple[float, float, float, float]
     score: float
+    template: bool = False
+    """Template matching's window, added as one more candidate (``localize_batch``'s ``look_again_extra``), not one
+    the instance search found."""
 
 
 @dataclass
@@ -253,7 +256,8 @@ class Localizer:
                        samples: int = 0, nearest: bool | None = None, max_instances: int = 1,
                        instance_config: InstanceConfig | None = None,
                        look_again: Callable[[Tensor, Tensor], Tensor] | None = None,
-                       look_again_instances: int = 4) -> list[Localization]:
+                       look_again_instances: int = 4,
+                       look_again_extra: Callable[[Tensor], Tensor] | None = None) -> list[Localization]:
         """``localize`` on images already preprocessed (``preprocess``: ``batch01 [B, C, S, S]``, ``scales [B, 2]``)
         with an agent already built (``agent``): what a server that batches several requests runs.
 
@@ -265,7 +269,9 @@ class Localizer:
 
         ``look_again`` (with ``max_instances == 1``): a predicate on every image's answer (boxes ``[B, 4]`` in input
         pixels, distances ``[B]``) -> ``[B]`` bool; the images it picks also get up to ``look_again_instances``
-        instances, searched on their feature maps (the backbone is not run again; the others pay nothing)."""
+        instances, searched on their feature maps (the backbone is not run again; the others pay nothing).
+        ``look_again_extra``: the picked images' indices ``[m]`` -> one more box each ``[m, 4]`` (input pixels; NaN:
+        none), scored on the same feature maps and added last (``Instance.template``)."""
         b = batch01.shape[0]
         if max_instances < 1:
             raise ValueError(f"max_instances must be >= 1, got {max_instances}")
@@ -282,7 +288,7 @@ class Localizer:
             feats = self.embedder.features(normalize(batch01.to(self.device), self.spec))  # the one backbone pass
             ro = self.run_features(feats, prototype, agent, deterministic=deterministic, generator=gen,
                                    samples=samples, nearest=nearest)
-            found, looked = None, None
+            found, looked, extra = None, None, None
             if max_instances > 1:
                 found = find_instances(self.embedder, agent, feats, prototype, self.bundle.config.env,
                                        self.spec.size, max_instances, ro.boxes[-1], ro.distances[-1],
@@ -291,10 +297,16 @@ class Localizer:
                 pick = look_again(ro.boxes[-1], ro.distances[-1]).to(feats.device)
                 looked = pick.nonzero().flatten()
                 if len(looked):
-                    found = find_instances(self.embedder, agent, feats[looked],
-                                           prototype[looked] if prototype.dim() == 2 else prototype,
-                                           self.bundle.config.env, self.spec.size, look_again_instances,
-                                           ro.boxes[-1][looked], ro.distances[-1][looked], instance_config)
+                    protos = prototype[looked] if prototype.dim() == 2 else prototype
+                    found = find_instances(self.embedder, agent, feats[looked], protos, self.bundle.config.env,
+                                           self.spec.size, look_again_instances, ro.boxes[-1][looked],
+                                           ro.distances[-1][looked], instance_config)
+                    if look_again_extra is not None:
+                        extra = look_again_extra(looked.cpu()).to(feats.device, torch.float32)  # [m, 4]
+                        ok = ~extra.isnan().any(-1)
+                        safe = torch.where(ok[:, None], extra, ro.boxes[-1][looked])
+                        extra_dist = (self.embedder.embed(feats[looked], safe[:, None])[:, 0]
+                                      - protos.to(feats.device)).norm(dim=-1)
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         finals, scores = boxes[-1].tolist(), ro.distances[-1].cpu().tolist()  # one conversion for the batch
@@ -309,4 +321,9 @@ class Localizer:
             inst_dist, valid = found.distances.cpu().tolist(), found.valid.cpu().tolist()
             for loc, bs, ds, vs in zip(picked, inst_boxes, inst_dist, valid, strict=True):
                 loc.instances = [Instance(tuple(bx), d) for bx, d, v in zip(bs, ds, vs, strict=True) if v]
+            if extra is not None:
+                for loc, bx, d, v in zip(picked, (safe * kk).cpu().tolist(), extra_dist.cpu().tolist(),
+                                         ok.cpu().tolist(), strict=True):
+                    if v:
+                        loc.instances.append(Instance(tuple(bx), d, template=True))  # type: ignore[union-attr]
         return out

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import crud, export, pool
-from app.calibration import RERANK_CANDIDATES, Judged, decoded, doubtful, judge, second_look
+from app.calibration import RERANK_CANDIDATES, TEMPLATE_BAR, Judged, decoded, doubtful, judge, second_look
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.db import begin_read
 from app.deps import Caller, CallerDep, ServingDep
@@ -103,8 +103,12 @@ def localize(
         "CorLoc 46.7 -> 78.7, BENCHMARKS.md). `auto` (default): a second look only where it is needed, on "
         "grayscale bundles' sets: an answer whose confidence is below half the set's threshold is replaced by "
         "the likeliest candidate when that one reaches the threshold (`reranked: true` on that result); the "
-        "other answers, and every answer of a photo bundle's set, are the agent's. `score` and `confidence` are "
-        "always the returned box's. No effect on a set without a calibration."))] = "auto",
+        "other answers, and every answer of a photo bundle's set, are the agent's. `templates`: `auto`, with "
+        "template matching's best window (your crops at their uploaded size, 5 scales) one more candidate of the "
+        "second look, taken only if its confidence reaches 0.8 (new kinds of objects before any adaptation job: "
+        "CorLoc 75 -> 88 on validation glyphs, a few more false `found` where the object is absent; sets made "
+        "before it existed, `QLOC_INFERENCE=workers`, a GPU and `max_instances` 2-3 answer as `auto`). `score` and "
+        "`confidence` are always the returned box's. No effect on a set without a calibration."))] = "auto",
     max_instances: Annotated[int, Query(ge=1, le=MAX_INSTANCES, description=(
         "Up to this many objects per image, in `results[i].instances`, best (lowest score) first: the agent's "
         "answer, and episodes started from the best windows of a coarse ranking, none overlapping another by more "
@@ -221,15 +225,17 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     fit = None if calibration is None else decoded(calibration, calibration_key)
     ncc = fit is not None and fit.ncc is not None
     # rerank=auto: a second look only where the confidence is the NCC fit's (grayscale bundles' sets)
-    rerank: Rerank = "false" if fit is None or (opts.rerank == "auto" and not ncc) else opts.rerank
-    look = rerank == "auto" and run.max_instances < RERANK_CANDIDATES
+    rerank: Rerank = "false" if fit is None or (opts.rerank in ("auto", "templates") and not ncc) else opts.rerank
+    look = rerank in ("auto", "templates") and run.max_instances < RERANK_CANDIDATES
+    rule: Rerank = "auto" if rerank == "templates" else rerank  # templates: auto's rule, one more candidate
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
         images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
         max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
         templates=fit.templates if fit is not None and ncc else None,
-        second_look=second_look(fit, es.threshold, RERANK_CANDIDATES) if fit is not None and look else None)
+        second_look=second_look(fit, es.threshold, RERANK_CANDIDATES, templates=rerank == "templates")
+        if fit is not None and look else None)
 
     def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
         try:
@@ -237,13 +243,14 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
         except InferenceRefused as e:
             raise HTTPException(e.status_code, e.detail, headers=e.headers) from e
         # candidates: asked for (rerank=true, or auto's second call), or the engine's second look
-        rerank_now = rerank if call.max_instances >= RERANK_CANDIDATES or answer.looked else "false"
+        rerank_now = rule if call.max_instances >= RERANK_CANDIDATES or answer.looked else "false"
         with turn:
             judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
                            min_confidence=opts.min_confidence, prototype=es.prototype,
                            loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
                            negatives=es.negatives if use_negatives else None, rerank=rerank_now,
-                           calibration_key=calibration_key, ncc=answer.ncc)
+                           calibration_key=calibration_key, ncc=answer.ncc,
+                           template_bar=TEMPLATE_BAR if rerank == "templates" else None)
         return answer, judged
 
     answer, judged = answered(call)

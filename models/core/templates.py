@@ -35,6 +35,25 @@ def zero_mean_unit(x: Tensor, min_std: float = 1e-3) -> Tensor:
     return torch.where(norm > min_std * x.shape[-1] ** 0.5, x / norm.clamp(min=1e-12), torch.zeros_like(x))
 
 
+MATCH_SIDE = 64
+"""Crops kept for template matching (``Templates.crops``) are at most this long a side (larger ones downscaled)."""
+
+
+def match_crops(crops: list[Tensor], side: int = MATCH_SIDE) -> tuple[list[Tensor], list[tuple[int, int]]]:
+    """Crops ``[C, h, w]`` in [0, 1] as uploaded -> (the crops kept for template matching, on the 8-bit grid, long
+    side at most ``side``; each one's ``(h, w)`` as uploaded)."""
+    kept, sizes = [], []
+    for c in crops:
+        h, w = c.shape[-2:]
+        k = min(1.0, side / max(h, w))
+        small = c if k == 1.0 else torch.nn.functional.interpolate(
+            c[None].float(), size=(max(2, round(h * k)), max(2, round(w * k))), mode="bilinear", antialias=True,
+            align_corners=False)[0]
+        kept.append((small.float().clamp(0, 1) * 255).round() / 255)
+        sizes.append((int(h), int(w)))
+    return kept, sizes
+
+
 def make_templates(crops: list[Tensor], side: int = TEMPLATE_SIDE) -> Tensor:
     """Crops ``[C, h_i, w_i]`` in [0, 1] -> templates ``[E, C, side, side]`` (float32 on a 1/255 grid; bilinear,
     antialiased)."""
@@ -155,16 +174,25 @@ class Templates:
     channels: int
     fill: tuple[float, ...]
     jitter: float = JITTER
+    crops: list[Tensor] | None = None
+    """The exemplar crops for template matching (``match``): each ``[C, h, w]`` on the 8-bit grid, its long side at
+    most ``MATCH_SIDE`` (``match_crops``); ``None`` in calibrations made before they were kept."""
+    crop_sizes: list[tuple[int, int]] | None = None
+    """Each crop's ``(h, w)`` as uploaded (pixels of the image it was cut from)."""
 
     def to_dict(self) -> dict[str, Any]:
         def enc(t: Tensor) -> str:
             return base64.b64encode((t.clamp(0, 1) * 255).round().to(torch.uint8).numpy().tobytes()).decode()
 
-        return {"side": int(self.exemplars.shape[-1]), "channels": self.channels, "size": self.size,
-                "fill": list(self.fill), "jitter": self.jitter, "count": len(self.exemplars),
-                "exemplars": enc(self.exemplars),
-                "negative_count": 0 if self.negatives is None else len(self.negatives),
-                "negatives": None if self.negatives is None else enc(self.negatives)}
+        out = {"side": int(self.exemplars.shape[-1]), "channels": self.channels, "size": self.size,
+               "fill": list(self.fill), "jitter": self.jitter, "count": len(self.exemplars),
+               "exemplars": enc(self.exemplars),
+               "negative_count": 0 if self.negatives is None else len(self.negatives),
+               "negatives": None if self.negatives is None else enc(self.negatives)}
+        if self.crops is not None and self.crop_sizes is not None:
+            out["crops"] = [{"shape": list(c.shape), "size": list(hw), "data": enc(c)}
+                            for c, hw in zip(self.crops, self.crop_sizes, strict=True)]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Templates:
@@ -175,8 +203,36 @@ class Templates:
             return torch.frombuffer(raw, dtype=torch.uint8).float().view(n, c, side, side) / 255
 
         neg = dec(d["negatives"], int(d["negative_count"])) if d.get("negatives") else None
+        crops = [torch.frombuffer(bytearray(base64.b64decode(k["data"])), dtype=torch.uint8).float().view(
+            *[int(v) for v in k["shape"]]) / 255 for k in d["crops"]] if d.get("crops") else None
+        sizes = [(int(k["size"][0]), int(k["size"][1])) for k in d["crops"]] if d.get("crops") else None
         return cls(dec(d["exemplars"], int(d["count"])), neg, int(d["size"]), c, tuple(d["fill"]),
-                   float(d.get("jitter", JITTER)))
+                   float(d.get("jitter", JITTER)), crops, sizes)
+
+    def match(self, images01: Tensor, scales: Tensor) -> Tensor:
+        """Template matching's best window in each image of ``images01 [n, C, size, size]`` (the images resized to
+        the input: ``scales [n, 2]`` = (w_i / size, h_i / size)) -> boxes ``[n, 4]`` in input pixels, NaN where
+        there is none (no crops kept, every template larger than the image). Each crop is matched at its uploaded
+        size in the image's pixels (as the benchmarks' baseline: exemplars cut from images of the same
+        resolution), at the baseline's scales; one ``models.core.matching.template_matching`` per distinct scale
+        of the images (usually one)."""
+        from models.core.matching import template_matching
+
+        out = torch.full((len(images01), 4), torch.nan)
+        if not self.crops or self.crop_sizes is None or not len(images01):
+            return out
+        keys = [tuple(round(float(v), 6) for v in row) for row in scales]
+        for key in dict.fromkeys(keys):  # distinct scales, in order
+            rows = [i for i, k in enumerate(keys) if k == key]
+            sx, sy = key
+            crops = [torch.nn.functional.interpolate(c[None], size=(max(2, round(h / sy)), max(2, round(w / sx))),
+                                                     mode="bilinear", antialias=True, align_corners=False)[0]
+                     .clamp(0, 1) for c, (h, w) in zip(self.crops, self.crop_sizes, strict=True)]
+            try:
+                out[rows] = template_matching(images01[rows].float(), crops).to(out)
+            except ValueError:  # every template larger than the images
+                continue
+        return out
 
     def ncc(self, images01: Tensor, boxes: Tensor) -> tuple[Tensor, Tensor | None]:
         """Boxes ``[n, K, 4]`` (pixels of ``images01 [n, C, size, size]``) -> the mean NCC with the exemplars

@@ -273,3 +273,86 @@ def test_a_stored_calibration_is_decoded_once_per_row(monkeypatch):
     for k in range(3):
         appcal.decoded(d, ("set", k))
     assert len(appcal._DECODED) == 2 and key not in appcal._DECODED  # bounded: the oldest goes
+
+
+def test_rerank_templates_adds_template_matchings_window_to_the_second_look(client, settings):
+    """``rerank=templates``: ``auto``'s second look with one more candidate, the window template matching finds with
+    the set's crops (kept at their uploaded size in the calibration), taken only if its confidence reaches
+    ``TEMPLATE_BAR``. The answers equal that rule computed here from the same server's answers, candidates and the
+    window's NCC; ``max_instances=2`` (the route's second call: no window there) answers as ``auto``."""
+    import io
+
+    import numpy as np
+
+    from app.calibration import TEMPLATE_BAR
+
+    n = 8
+    images = torch.stack([torch.from_numpy(np.asarray(Image.open(io.BytesIO(png_bytes(seed=i))).convert("L"),
+                                                      dtype=np.float32) / 255)[None] for i in range(n)])
+
+    def state(sid: str) -> tuple[list, list, Templates]:
+        agent = localize(client, sid, "?rerank=false", n=n)
+        candidates = localize(client, sid, "?rerank=false&max_instances=4", n=n)
+        with Session(create_engine(settings.database_url)) as s:
+            t = Templates.from_dict(s.get_one(ExemplarSet, uuid.UUID(sid)).calibration["templates"])
+        return agent, candidates, t
+
+    def logit_inverse(p: float, centre: float, slope: float) -> float:
+        return centre + math.log(p / (1 - p)) / slope
+
+    agent, candidates, t = state(ncc_fitted_set(client, settings, 3, 0.17, 60.0))
+    assert t.crops is not None and [tuple(c.shape) for c in t.crops] == [(1, 28, 28)] * 3
+    windows = t.match(images, torch.ones(n, 2))
+    assert not windows.isnan().any()
+    window_ncc = t.ncc(images, windows[:, None])[0][:, 0].tolist()
+    best_ncc = [max([logit_inverse(a["confidence"], 0.17, 60.0)]
+                    + [logit_inverse(i["confidence"], 0.17, 60.0) for i in c["instances"]])
+                for a, c in zip(agent, candidates, strict=True)]
+    # a fit under which one image's window is likely (>= 0.9), and its answer and candidates not (< 0.1)
+    k = max(range(n), key=lambda i: window_ncc[i] - best_ncc[i])
+    hi, lo = window_ncc[k], best_ncc[k]
+    assert hi > lo + 1e-3
+    centre, slope = (hi + lo) / 2, 2 * 2.3 / (hi - lo)
+    sid = ncc_fitted_set(client, settings, 3, centre, slope)
+    agent, candidates, _ = state(sid)
+    chosen = localize(client, sid, "?rerank=templates", n=n)
+    auto = localize(client, sid, n=n)
+    two = localize(client, sid, "?rerank=templates&max_instances=2", n=n)
+    switched = 0
+    for i, (a, c, r, u, w) in enumerate(zip(agent, candidates, chosen, auto, two, strict=True)):
+        window = 1 / (1 + math.exp(-slope * (window_ncc[i] - centre)))
+        pool = [(x["confidence"], x["box"]) for x in c["instances"][:4]]
+        pool += [(window, windows[i].tolist())] if window >= TEMPLATE_BAR else []
+        best = max(pool, key=lambda p: p[0], default=None)
+        if a["confidence"] < 0.25 and best is not None and best[0] >= 0.5:
+            assert r["box"] == pytest.approx(best[1], abs=1e-3) and r["reranked"] is True
+            switched += best[1] == windows[i].tolist()
+        else:
+            assert r["box"] == pytest.approx(a["box"]) and "reranked" not in r
+        assert "instances" not in r and w["box"] == pytest.approx(u["box"])  # no window where the engine did not look
+    assert switched >= 1 and chosen[k]["box"] == pytest.approx(windows[k].tolist(), abs=1e-3)
+    assert auto[k]["box"] != pytest.approx(windows[k].tolist(), abs=1e-3)  # auto has no such candidate
+
+
+@pytest.mark.parametrize(("window", "switched"), [(0.85, True), (0.70, False)])
+def test_a_template_window_answers_only_past_its_bar_and_is_never_listed(window, switched):
+    """``judge`` with a template-matching window among the instances (``Instance.template``): with ``template_bar``
+    it is a candidate only if it reaches the bar (the others: the threshold); it never shows among the instances;
+    without ``template_bar`` it is ignored."""
+    from app.calibration import TEMPLATE_BAR
+
+    assert TEMPLATE_BAR == 0.8
+    logit = [math.log(p / (1 - p)) for p in (0.2, 0.45, window)]
+    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, 84, 1, (0.0,))
+    cal = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0), None, 0.5, {},
+                      PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0), None,
+                      templates).to_dict()
+    boxes = [(0.0, 0.0, 10.0, 10.0), (20.0, 20.0, 30.0, 30.0), (40.0, 40.0, 50.0, 50.0)]
+    result = Localization(boxes[0], 1.0, instances=[Instance(boxes[1], 1.0), Instance(boxes[2], 1.0, template=True)])
+    ncc = (torch.tensor([logit[:1] + logit[1:]], dtype=torch.float64), None)  # the answer, a candidate, the window
+    args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None, rerank="auto", ncc=ncc)
+    [j] = judge([result], [Image.new("L", (84, 84))], cal, **args, template_bar=TEMPLATE_BAR)
+    assert j.box == (boxes[2] if switched else boxes[0]) and j.reranked == switched
+    assert [i.box for i in j.instances] == [boxes[1]]  # the window is not an instance
+    [j] = judge([result], [Image.new("L", (84, 84))], cal, **args)
+    assert j.box == boxes[0] and not j.reranked

@@ -136,6 +136,27 @@ def test_a_second_look_searches_the_images_picked_on_the_same_pass(shared):
             assert lk.instances is None
     none = loc.localize_batch(batch, scales, proto, loc.agent(), look_again=lambda b, d: torch.zeros(5, dtype=bool))
     assert all(r.instances is None for r in none)
+    # one more box per picked image (NaN: none), scored on the same feature maps and listed last
+    asked = []
+
+    def window(picked):
+        asked.append(picked.tolist())
+        return torch.tensor([[2.0, 3.0, 20.0, 24.0], [float("nan")] * 4, [5.0, 5.0, 15.0, 15.0]])
+
+    more = loc.localize_batch(batch, scales, proto, loc.agent(), look_again=pick, look_again_instances=3,
+                              look_again_extra=window)
+    assert asked == [[1, 3, 4]] and calls == [5] * 5  # one backbone pass per call
+    with torch.no_grad():
+        feats = loc.embedder.features(normalize(batch, loc.spec))
+    for i, box in ((1, (2.0, 3.0, 20.0, 24.0)), (4, (5.0, 5.0, 15.0, 15.0))):
+        *found, last = more[i].instances
+        assert not any(f.template for f in found) and len(found) == len(looked[i].instances) and last.template
+        k = scales[i].repeat(2)
+        assert list(last.box) == pytest.approx((torch.tensor(box) * k).tolist())
+        with torch.no_grad():
+            d = (loc.embedder.embed(feats[i:i + 1], torch.tensor([[box]])) - (proto[i] if not shared else proto)).norm()
+        assert last.score == pytest.approx(float(d), abs=1e-4)
+    assert not any(x.template for x in more[3].instances) and more[0].instances is None
 
 
 def test_episodes_start_from_given_windows():

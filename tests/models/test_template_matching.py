@@ -1,5 +1,6 @@
-"""The template-matching baseline (``models.experiments.baselines``): its normalized cross-correlation
-against a slow loop written out here, exact boxes where the answer is known, and batch independence."""
+"""Template matching (``models.core.matching``, the benchmarks' baseline; ``Templates.match``): its normalized
+cross-correlation against a slow loop written out here, exact boxes where the answer is known, and batch
+independence."""
 
 import pytest
 import torch
@@ -109,3 +110,36 @@ def test_template_matching_finds_glyphs_on_patches():
     boxes = template_matching(test.images, exemplar_crops(ex))
     assert boxes.shape == (24, 4)
     assert corloc(boxes, test.boxes) >= 75
+
+
+def test_a_sets_templates_keep_their_crops_and_match_them_at_each_images_scale():
+    """``Templates`` keep the crops for ``match`` (8-bit, long side at most ``MATCH_SIDE``, with their uploaded size),
+    through ``to_dict`` / ``from_dict``; a calibration stored before has none (``match``: NaN). ``match`` finds each
+    crop at its uploaded size in the image's pixels: an image uploaded at twice the size is matched with the crop
+    halved in the input frame, and gives the same box in that frame."""
+    import json
+
+    from models.core.templates import MATCH_SIDE, Templates, make_templates, match_crops
+
+    g = torch.Generator().manual_seed(2)
+    crop = ((torch.rand(1, 12, 8, generator=g) > 0.5).float() * 255).round() / 255
+    big = torch.rand(1, 90, 150, generator=g)
+    kept, sizes = match_crops([crop, big])
+    assert sizes == [(12, 8), (90, 150)] and kept[0].equal(crop) and max(kept[1].shape[-2:]) == MATCH_SIDE
+    t = Templates(make_templates([crop]), None, 48, 1, (0.0,), crops=kept[:1], crop_sizes=sizes[:1])
+    back = Templates.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.crop_sizes == [(12, 8)] and back.crops[0].equal(crop)
+    where = [(3, 5), (30, 20)]
+    images = paste_in_noise(crop, where)  # [2, 1, 48, 48], scale 1
+    boxes = back.match(images, torch.ones(2, 2))
+    assert boxes.tolist() == [[x, y, x + 8, y + 12] for x, y in where]
+    # an image uploaded at 96 px (the crop at its own size in it), seen at 48: the crop is matched at half its size
+    where2 = [(6, 10), (60, 40)]
+    half = torch.nn.functional.interpolate(paste_in_noise(crop, where2, size=96), size=(48, 48), mode="bilinear",
+                                           antialias=True, align_corners=False)
+    found = back.match(half, torch.full((2, 2), 2.0))
+    assert (found - torch.tensor([[x / 2, y / 2, x / 2 + 4, y / 2 + 6] for x, y in where2])).abs().max() <= 1.0
+    old = t.to_dict()
+    del old["crops"]
+    before = Templates.from_dict(old)
+    assert before.crops is None and before.match(images, torch.ones(2, 2)).isnan().all()
