@@ -54,8 +54,8 @@ def doubtful(confidence: float | None, threshold: float) -> bool:
 
 TEMPLATE_BAR = 0.8
 """``rerank=templates``: template matching's window answers a doubtful image only if its confidence reaches this (the
-other candidates: the set's threshold). Chosen on validation images among 0.5 / 0.7 / 0.8 / 0.9 (BENCHMARKS.md, "A
-second look ... template matching"): most of the gain for few false alarms on images without the object."""
+other candidates: the set's threshold). Chosen on validation images among 0.5 / 0.7 / 0.8 / 0.9 (BENCHMARKS.md,
+"`rerank=templates` (opt-in)"): most of the gain for few false alarms on images without the object."""
 
 
 def second_look(fit: Calibration, threshold: float, candidates: int, *, templates: bool = False) -> SecondLook:
