@@ -28,10 +28,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from app.engine_ncc import NccFeatures, SecondLook, answer_rows
 from app.inference import LoadedBundle, prototype_from_bytes
 from app.lru import LoadingLRU
 from app.schemas import Rerank
-from app.serving import NccFeatures, SecondLook, answer_rows
 from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.core.templates import Templates
 from models.data.types import LabeledImages

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.core.matching import scaled_template, template_matching
+
 TEMPLATE_SIDE = 16
 """Templates and box contents are compared at ``TEMPLATE_SIDE x TEMPLATE_SIDE`` (aspect not kept: both sides are
 resampled the same way)."""
@@ -43,12 +45,9 @@ def match_crops(crops: list[Tensor], side: int = MATCH_SIDE) -> tuple[list[Tenso
     """Crops ``[C, h, w]`` in [0, 1] as uploaded -> (the crops kept for template matching, on the 8-bit grid, long
     side at most ``side``; each one's ``(h, w)`` as uploaded)."""
     kept, sizes = [], []
-    for c in crops:
+    for c in crops:  # a set's few crops
         h, w = c.shape[-2:]
-        k = min(1.0, side / max(h, w))
-        small = c if k == 1.0 else torch.nn.functional.interpolate(
-            c[None].float(), size=(max(2, round(h * k)), max(2, round(w * k))), mode="bilinear", antialias=True,
-            align_corners=False)[0]
+        small = scaled_template(c, 1.0, ref_side=min(side, max(h, w)))  # downscaled only past ``side``
         kept.append((small.float().clamp(0, 1) * 255).round() / 255)
         sizes.append((int(h), int(w)))
     return kept, sizes
@@ -216,8 +215,6 @@ class Templates:
         size in the image's pixels (as the benchmarks' baseline: exemplars cut from images of the same
         resolution), at the baseline's scales; one ``models.core.matching.template_matching`` per distinct scale
         of the images (usually one)."""
-        from models.core.matching import template_matching
-
         out = torch.full((len(images01), 4), torch.nan)
         if not self.crops or self.crop_sizes is None or not len(images01):
             return out
