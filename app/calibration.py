@@ -21,6 +21,7 @@ bundle's input as the fit read it. It needs no model, so it holds with ``QLOC_IN
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -113,6 +114,18 @@ def _read_ncc(t: Templates, images: list[Image.Image], boxes: Tensor) -> NccFeat
     batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)
     k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
     return t.ncc(batch, boxes / k)
+
+
+def matched_windows(t: Templates, images: list[Image.Image], decoded_scales: list[tuple[float, float]]
+                    ) -> list[tuple[float, float, float, float] | None]:
+    """``rerank=templates``' window (``Templates.match``) in the pixels of each of ``images`` (``None``: none),
+    matched on the images resized as the templates were fit, each crop at its size in the decoded pixels
+    (``decoded_scales``: full / decoded per image, ``DecodedImage.scale``): where the engine does not match them
+    with its batch (``LocalizeCall.extra_boxes`` then carries them to any backend or device)."""
+    batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)
+    full = scales * torch.tensor(decoded_scales, dtype=scales.dtype).view(-1, 2)
+    boxes = t.match(batch, full) * torch.cat([scales, scales], dim=1)
+    return [None if any(math.isnan(v) for v in row) else (row[0], row[1], row[2], row[3]) for row in boxes.tolist()]
 
 
 @dataclass

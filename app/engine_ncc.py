@@ -85,9 +85,9 @@ def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int]
 
 def template_windows(calls: list[Prepared], counts: list[int], batch: Tensor, scales: Tensor, picked: Tensor
                      ) -> Tensor:
-    """``rerank=templates``: template matching's window (``Templates.match``) on each picked image of the batch
-    (``picked [m]``, the doubtful answers' rows) whose call asks for it -> ``[m, 4]`` input pixels, NaN elsewhere;
-    one match per set of templates."""
+    """``rerank=templates``: template matching's window (``Templates.match``, the crops sized by ``scales [B, 2]``:
+    ``Prepared.match_scales``) on each picked image of the batch (``picked [m]``, the doubtful answers' rows) whose
+    call asks for it -> ``[m, 4]`` input pixels, NaN elsewhere; one match per set of templates."""
     out = torch.full((len(picked), 4), torch.nan)
     owner = torch.repeat_interleave(torch.arange(len(calls)), torch.tensor(counts))[picked]  # each row's call
     wanted = [i for i, c in enumerate(calls) if c.second_look is not None and c.second_look.template_bar is not None

@@ -86,7 +86,9 @@ def encode_call(call: LocalizeCall) -> dict[str, Any]:
             "prototype": _b64(call.prototype),
             "checkpoint": None if ck is None else {"id": str(ck.id), "blob": ck.blob, "sha256": ck.sha256},
             "images": [encode_image(im) for im in call.images], "trajectory": call.trajectory,
-            "samples": call.samples, "nearest": call.nearest, "max_instances": call.max_instances}
+            "samples": call.samples, "nearest": call.nearest, "max_instances": call.max_instances,
+            "extra_boxes": None if call.extra_boxes is None else [None if b is None else list(b)
+                                                                  for b in call.extra_boxes]}
 
 
 def decode_call(data: dict[str, Any]) -> LocalizeCall:
@@ -96,14 +98,17 @@ def decode_call(data: dict[str, Any]) -> LocalizeCall:
         prototype=_unb64(data["prototype"]),
         checkpoint=None if ck is None else CheckpointRef(uuid.UUID(ck["id"]), ck["blob"], ck["sha256"]),
         images=[decode_image(d) for d in data["images"]], trajectory=bool(data["trajectory"]),
-        samples=int(data["samples"]), nearest=data["nearest"], max_instances=int(data.get("max_instances", 1)))
+        samples=int(data["samples"]), nearest=data["nearest"], max_instances=int(data.get("max_instances", 1)),
+        extra_boxes=None if data.get("extra_boxes") is None else [
+            None if b is None else (float(b[0]), float(b[1]), float(b[2]), float(b[3])) for b in data["extra_boxes"]])
 
 
 def encode_answer(answer: LocalizeAnswer) -> dict[str, Any]:
     return {"nearest": answer.nearest, "refined": answer.refined,
             "results": [{"box": list(r.box), "score": r.score,
                          "trajectory": None if r.trajectory is None else [list(b) for b in r.trajectory],
-                         "instances": None if r.instances is None else [[list(i.box), i.score] for i in r.instances]}
+                         "instances": None if r.instances is None else [[list(i.box), i.score, i.template]
+                                                                         for i in r.instances]}
                         for r in answer.results]}
 
 
@@ -111,8 +116,9 @@ def decode_answer(data: dict[str, Any]) -> LocalizeAnswer:
     return LocalizeAnswer(
         [Localization(tuple(r["box"]), float(r["score"]),  # type: ignore[arg-type]
                       None if r["trajectory"] is None else [tuple(b) for b in r["trajectory"]],
-                      None if r.get("instances") is None else [Instance(tuple(b), float(d))  # type: ignore[arg-type]
-                                                               for b, d in r["instances"]])
+                      None if r.get("instances") is None else [Instance(tuple(i[0]), float(i[1]),  # type: ignore[arg-type]
+                                                                        bool(i[2]) if len(i) > 2 else False)
+                                                               for i in r["instances"]])
          for r in data["results"]], bool(data["nearest"]), bool(data.get("refined", False)))
 
 

@@ -13,6 +13,7 @@ so the routes do not change with the deployment.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from app.batching import Batcher, BatcherClosed, QueueFull
 from app.engine_ncc import NccFeatures, SecondLook, doubtful_answers, read_ncc, template_windows
+from app.images import Box
 from app.inference import (
     BundleMismatch,
     BundleRegistry,
@@ -79,6 +81,14 @@ class LocalizeCall:
     second_look: SecondLook | None = field(default=None, repr=False, compare=False)
     """With ``max_instances == 1`` and ``templates``: the images whose answer is doubtful get candidates in the same
     pass (``LocalizeAnswer.looked``), where the backend reads the templates; elsewhere ignored."""
+    decoded_scales: list[tuple[float, float]] | None = field(default=None, repr=False, compare=False)
+    """Per image, (full / decoded) along x and y (``DecodedImage.scale``: an upload larger than
+    ``QLOC_DECODE_MAX_SIDE`` is decoded downscaled), where the backend matches the templates (``second_look``): the
+    set's crops, cut from full images, are matched at their size in the decoded pixels. ``None``: 1.0."""
+    extra_boxes: list[Box | None] | None = field(default=None, repr=False, compare=False)
+    """With ``max_instances > 1``: per image, one more candidate to score (in its pixels; ``None``: none), added
+    last to its instances as ``Instance.template`` (``rerank=templates``' window, found by the route where the
+    engine does not look for it: every backend and device scores it)."""
 
 
 @dataclass(frozen=True)
@@ -203,8 +213,15 @@ class LocalInference:
         same_input = (t is not None and loaded.localizer.device.type == "cpu"
                       and (t.size, t.channels, tuple(t.fill)) == (spec.size, spec.channels, tuple(spec.fill)))
         look = call.second_look if same_input and call.max_instances == 1 else None
+        extra = None
+        if call.extra_boxes is not None and call.max_instances > 1:
+            if len(call.extra_boxes) != len(call.images):
+                raise ValueError(f"extra_boxes: {len(call.extra_boxes)} for {len(call.images)} images")
+            extra = torch.tensor([list(b) if b is not None else [math.nan] * 4 for b in call.extra_boxes],
+                                 dtype=torch.float32).view(-1, 4) / scales.repeat(1, 2)  # input pixels
+        match_scales = scales if call.decoded_scales is None else scales * torch.tensor(call.decoded_scales).view(-1, 2)
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
-                            nearest, call.max_instances, t if same_input else None, look)
+                            nearest, call.max_instances, t if same_input else None, look, extra, match_scales)
         # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
         key = (loaded.sha256, None if call.checkpoint is None else call.checkpoint.id, nearest,
                object() if call.samples > 0 else 0, call.max_instances)
@@ -235,6 +252,11 @@ class Prepared:
     """``LocalizeCall.templates`` where ``batch`` is what they are read on."""
     second_look: SecondLook | None = None
     """``LocalizeCall.second_look`` where the engine takes it (``templates`` set, ``max_instances == 1``)."""
+    extra: Tensor | None = None
+    """``LocalizeCall.extra_boxes`` in input pixels ``[n, 4]`` (NaN rows: none), with ``max_instances > 1``."""
+    match_scales: Tensor | None = None
+    """``[n, 2]``: (full w_i / S, full h_i / S), the scales template matching sizes the crops by (``scales`` times
+    ``LocalizeCall.decoded_scales``); ``None``: ``scales``."""
 
 
 def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
@@ -265,14 +287,19 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
     look_again_extra = None
     if any(lk.template_bar is not None for lk in looks):
         def look_again_extra(picked: Tensor) -> Tensor:
-            return template_windows(calls, counts, batch, scales, picked)
+            match_scales = torch.cat([c.match_scales if c.match_scales is not None else c.scales for c in calls])
+            return template_windows(calls, counts, batch, match_scales, picked)
 
+    extra_boxes = None
+    if any(c.extra is not None for c in calls):  # calls of one key share max_instances
+        extra_boxes = torch.cat([c.extra if c.extra is not None else torch.full((n, 4), torch.nan)
+                                 for c, n in zip(calls, counts, strict=True)])
     results = first.localizer.localize_batch(batch, scales, prototypes, first.agent, deterministic=True,
                                              trajectory=any(c.trajectory for c in calls), samples=first.samples,
                                              nearest=first.nearest, max_instances=first.max_instances,
                                              look_again=look_again,
                                              look_again_instances=max((lk.candidates for lk in looks), default=1),
-                                             look_again_extra=look_again_extra)
+                                             look_again_extra=look_again_extra, extra_boxes=extra_boxes)
     features = read_ncc(calls, starts, counts, batch, scales, results, answer_ncc)
     answers = []
     for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers

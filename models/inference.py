@@ -126,8 +126,8 @@ class Instance:
     box: tuple[float, float, float, float]
     score: float
     template: bool = False
-    """Template matching's window, added as one more candidate (``localize_batch``'s ``look_again_extra``), not one
-    the instance search found."""
+    """Template matching's window, added as one more candidate (``localize_batch``'s ``look_again_extra`` or
+    ``extra_boxes``), not one the instance search found."""
 
 
 @dataclass
@@ -257,7 +257,8 @@ class Localizer:
                        instance_config: InstanceConfig | None = None,
                        look_again: Callable[[Tensor, Tensor], Tensor] | None = None,
                        look_again_instances: int = 4,
-                       look_again_extra: Callable[[Tensor], Tensor] | None = None) -> list[Localization]:
+                       look_again_extra: Callable[[Tensor], Tensor] | None = None,
+                       extra_boxes: Tensor | None = None) -> list[Localization]:
         """``localize`` on images already preprocessed (``preprocess``: ``batch01 [B, C, S, S]``, ``scales [B, 2]``)
         with an agent already built (``agent``): what a server that batches several requests runs.
 
@@ -271,7 +272,8 @@ class Localizer:
         pixels, distances ``[B]``) -> ``[B]`` bool; the images it picks also get up to ``look_again_instances``
         instances, searched on their feature maps (the backbone is not run again; the others pay nothing).
         ``look_again_extra``: the picked images' indices ``[m]`` -> one more box each ``[m, 4]`` (input pixels; NaN:
-        none), scored on the same feature maps and added last (``Instance.template``)."""
+        none), scored on the same feature maps and added last (``Instance.template``). ``extra_boxes`` (with
+        ``max_instances > 1``): the same for every image, given: ``[B, 4]`` input pixels, NaN rows none."""
         b = batch01.shape[0]
         if max_instances < 1:
             raise ValueError(f"max_instances must be >= 1, got {max_instances}")
@@ -293,6 +295,9 @@ class Localizer:
                 found = find_instances(self.embedder, agent, feats, prototype, self.bundle.config.env,
                                        self.spec.size, max_instances, ro.boxes[-1], ro.distances[-1],
                                        instance_config)
+                if extra_boxes is not None:
+                    extra = self._scored(feats, prototype, extra_boxes.to(feats.device, torch.float32),
+                                         ro.boxes[-1])
             elif look_again is not None and look_again_instances > 1:
                 pick = look_again(ro.boxes[-1], ro.distances[-1]).to(feats.device)
                 looked = pick.nonzero().flatten()
@@ -302,11 +307,9 @@ class Localizer:
                                            self.spec.size, look_again_instances, ro.boxes[-1][looked],
                                            ro.distances[-1][looked], instance_config)
                     if look_again_extra is not None:
-                        extra = look_again_extra(looked.cpu()).to(feats.device, torch.float32)  # [m, 4]
-                        ok = ~extra.isnan().any(-1)
-                        safe = torch.where(ok[:, None], extra, ro.boxes[-1][looked])
-                        extra_dist = (self.embedder.embed(feats[looked], safe[:, None])[:, 0]
-                                      - protos.to(feats.device)).norm(dim=-1)
+                        extra = self._scored(feats[looked], protos,
+                                             look_again_extra(looked.cpu()).to(feats.device, torch.float32),
+                                             ro.boxes[-1][looked])
         k = torch.cat([scales, scales], dim=1).to(ro.boxes.device)  # [B, 4] (sx, sy, sx, sy)
         boxes = (ro.boxes * k).cpu()  # [T+1, B, 4]
         finals, scores = boxes[-1].tolist(), ro.distances[-1].cpu().tolist()  # one conversion for the batch
@@ -322,8 +325,19 @@ class Localizer:
             for loc, bs, ds, vs in zip(picked, inst_boxes, inst_dist, valid, strict=True):
                 loc.instances = [Instance(tuple(bx), d) for bx, d, v in zip(bs, ds, vs, strict=True) if v]
             if extra is not None:
+                safe, extra_dist, ok = extra
                 for loc, bx, d, v in zip(picked, (safe * kk).cpu().tolist(), extra_dist.cpu().tolist(),
                                          ok.cpu().tolist(), strict=True):
                     if v:
                         loc.instances.append(Instance(tuple(bx), d, template=True))  # type: ignore[union-attr]
         return out
+
+    def _scored(self, feats: Tensor, prototype: Tensor, boxes: Tensor, fallback: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """One more box per image (``boxes [m, 4]`` input pixels, NaN rows: none) scored on the images' feature maps
+        ``feats [m, ...]`` against ``prototype`` (``[D]`` or ``[m, D]``) -> (the boxes, NaN rows replaced by
+        ``fallback [m, 4]``; their distances ``[m]``; which rows are real ``[m]`` bool): one head call."""
+        ok = ~boxes.isnan().any(-1)
+        safe = torch.where(ok[:, None], boxes, fallback)
+        dist = (self.embedder.embed(feats, safe[:, None])[:, 0] - prototype.to(feats.device)).norm(dim=-1)
+        return safe, dist, ok

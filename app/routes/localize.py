@@ -16,7 +16,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import crud, export, pool
-from app.calibration import RERANK_CANDIDATES, TEMPLATE_BAR, Judged, decoded, doubtful, judge, second_look
+from app.calibration import (
+    RERANK_CANDIDATES,
+    TEMPLATE_BAR,
+    Judged,
+    decoded,
+    doubtful,
+    judge,
+    matched_windows,
+    second_look,
+)
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.db import begin_read
 from app.deps import Caller, CallerDep, ServingDep
@@ -107,7 +116,7 @@ def localize(
         "template matching's best window (your crops at their uploaded size, 5 scales) one more candidate of the "
         "second look, taken only if its confidence reaches 0.8 (new kinds of objects before any adaptation job: "
         "CorLoc 75 -> 88 on validation glyphs, a few more false `found` where the object is absent; sets made "
-        "before it existed, `QLOC_INFERENCE=workers`, a GPU and `max_instances` 2-3 answer as `auto`). `score` and "
+        "before it existed answer as `auto`; the window is never listed among `instances`). `score` and "
         "`confidence` are always the returned box's. No effect on a set without a calibration."))] = "auto",
     max_instances: Annotated[int, Query(ge=1, le=MAX_INSTANCES, description=(
         "Up to this many objects per image, in `results[i].instances`, best (lowest score) first: the agent's "
@@ -228,14 +237,20 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     rerank: Rerank = "false" if fit is None or (opts.rerank in ("auto", "templates") and not ncc) else opts.rerank
     look = rerank in ("auto", "templates") and run.max_instances < RERANK_CANDIDATES
     rule: Rerank = "auto" if rerank == "templates" else rerank  # templates: auto's rule, one more candidate
+    windows = rerank == "templates" and fit is not None and fit.templates is not None and bool(fit.templates.crops)
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
-        images=[im.image for im in images], trajectory=trajectory, samples=n_samples, nearest=nearest,
+        images=[im.image for im in images], decoded_scales=[im.scale for im in images], trajectory=trajectory,
+        samples=n_samples, nearest=nearest,
         max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
         templates=fit.templates if fit is not None and ncc else None,
         second_look=second_look(fit, es.threshold, RERANK_CANDIDATES, templates=rerank == "templates")
-        if fit is not None and look else None)
+        if fit is not None and look else None,
+        # every image's candidates asked for at once: template matching's window among them (the route matches)
+        extra_boxes=matched_windows(fit.templates, [im.image for im in images],  # type: ignore[union-attr]
+                                    [im.scale for im in images])
+        if windows and run.max_instances >= RERANK_CANDIDATES else None)
 
     def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
         try:
@@ -259,7 +274,8 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
         # The second look: the candidates of the images whose answer is doubtful, searched for them alone (the rest
         # pay nothing for it); an answer no candidate beats stays the first one. The local engine takes it in the
         # same forward pass (``LocalizeAnswer.looked``: the doubtful images' results carry candidates); elsewhere
-        # (workers, a GPU, max_instances 2-3) a second call on the doubtful images.
+        # (workers, a GPU, max_instances 2-3) a second call on the doubtful images, with rerank=templates' windows
+        # matched here (``LocalizeCall.extra_boxes``: every backend scores them).
         if answer.looked:
             doubt = [i for i, r in enumerate(answer.results) if r.instances is not None]
             verdicts = [judged[i] for i in doubt]
@@ -267,8 +283,11 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
             doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
             verdicts = []
             if doubt:
-                again, verdicts = answered(replace(call, images=[call.images[i] for i in doubt],
-                                                   max_instances=RERANK_CANDIDATES))
+                again_images, again_scales = [call.images[i] for i in doubt], [images[i].scale for i in doubt]
+                again, verdicts = answered(replace(
+                    call, images=again_images, decoded_scales=again_scales, max_instances=RERANK_CANDIDATES,
+                    extra_boxes=matched_windows(fit.templates, again_images, again_scales)  # type: ignore[union-attr]
+                    if windows else None))
                 for i, r, j in zip(doubt, again.results, verdicts, strict=True):
                     if j.reranked:
                         located[i], judged[i] = r, j

@@ -279,7 +279,9 @@ def test_rerank_templates_adds_template_matchings_window_to_the_second_look(clie
     """``rerank=templates``: ``auto``'s second look with one more candidate, the window template matching finds with
     the set's crops (kept at their uploaded size in the calibration), taken only if its confidence reaches
     ``TEMPLATE_BAR``. The answers equal that rule computed here from the same server's answers, candidates and the
-    window's NCC; ``max_instances=2`` (the route's second call: no window there) answers as ``auto``."""
+    window's NCC. ``max_instances=2`` (the route's second call, as with ``QLOC_INFERENCE=workers`` or a GPU: the
+    route matches the templates and the call carries the windows, ``LocalizeCall.extra_boxes``) and
+    ``max_instances=4`` (every image's candidates at once) answer the same, the window never listed."""
     import io
 
     import numpy as np
@@ -318,8 +320,9 @@ def test_rerank_templates_adds_template_matchings_window_to_the_second_look(clie
     chosen = localize(client, sid, "?rerank=templates", n=n)
     auto = localize(client, sid, n=n)
     two = localize(client, sid, "?rerank=templates&max_instances=2", n=n)
+    four = localize(client, sid, "?rerank=templates&max_instances=4", n=n)
     switched = 0
-    for i, (a, c, r, u, w) in enumerate(zip(agent, candidates, chosen, auto, two, strict=True)):
+    for i, (a, c, r, w, f) in enumerate(zip(agent, candidates, chosen, two, four, strict=True)):
         window = 1 / (1 + math.exp(-slope * (window_ncc[i] - centre)))
         pool = [(x["confidence"], x["box"]) for x in c["instances"][:4]]
         pool += [(window, windows[i].tolist())] if window >= TEMPLATE_BAR else []
@@ -329,7 +332,12 @@ def test_rerank_templates_adds_template_matchings_window_to_the_second_look(clie
             switched += best[1] == windows[i].tolist()
         else:
             assert r["box"] == pytest.approx(a["box"]) and "reranked" not in r
-        assert "instances" not in r and w["box"] == pytest.approx(u["box"])  # no window where the engine did not look
+        assert "instances" not in r
+        for other in (w, f):  # the route's second call, every image's candidates: the same answer
+            assert other["box"] == pytest.approx(r["box"], abs=1e-3) and other.get("reranked") == r.get("reranked")
+        listed = [v for x in f["instances"] for v in x["box"]]
+        assert listed == pytest.approx([v for x in c["instances"] for v in x["box"]])  # the window not listed
+        assert len(w["instances"]) <= 2
     assert switched >= 1 and chosen[k]["box"] == pytest.approx(windows[k].tolist(), abs=1e-3)
     assert auto[k]["box"] != pytest.approx(windows[k].tolist(), abs=1e-3)  # auto has no such candidate
 
@@ -356,3 +364,86 @@ def test_a_template_window_answers_only_past_its_bar_and_is_never_listed(window,
     assert [i.box for i in j.instances] == [boxes[1]]  # the window is not an instance
     [j] = judge([result], [Image.new("L", (84, 84))], cal, **args)
     assert j.box == boxes[0] and not j.reranked
+
+
+@pytest.mark.parametrize("decoded_scale", [1.0, 2.0, 3.0])
+def test_template_windows_match_the_crops_at_their_size_in_the_decoded_pixels(decoded_scale):
+    """An upload larger than ``QLOC_DECODE_MAX_SIDE`` is decoded downscaled, while the set's crops were cut at full
+    resolution: ``rerank=templates``' window (``matched_windows``, the route's; the engine's by the same
+    ``Templates.match`` scales) sizes each crop by the image's full / decoded scale, and finds the object at its
+    place in the decoded pixels. Without that scale (1.0 for every image) a crop 2-3x too large matches elsewhere."""
+    from app.calibration import matched_windows
+    from models.core.boxes import paired_iou
+    from models.core.templates import make_templates, match_crops
+
+    g = torch.Generator().manual_seed(5)
+    pattern = torch.rand(1, 24, 30, generator=g)  # the object as the crop shows it (full resolution)
+    full_side, at = round(84 * decoded_scale), (round(20 * decoded_scale), round(45 * decoded_scale))
+    image = torch.rand(1, full_side, full_side, generator=g) * 0.3
+    big = torch.nn.functional.interpolate(pattern[None], scale_factor=decoded_scale, mode="bilinear")[0]
+    image[:, at[1]:at[1] + big.shape[1], at[0]:at[0] + big.shape[2]] = big
+    decoded = Image.fromarray((image[0] * 255).round().byte().numpy()).resize((84, 84), Image.Resampling.LANCZOS)
+    crop = big  # cut from the full image
+    kept, sizes = match_crops([crop])
+    t = Templates(make_templates([crop]), None, 84, 1, (0.0,), crops=kept, crop_sizes=sizes)
+    truth = torch.tensor([[20.0, 45.0, 50.0, 69.0]])  # in the decoded pixels
+    right = matched_windows(t, [decoded], [(decoded_scale, decoded_scale)])
+    assert right[0] is not None and float(paired_iou(torch.tensor(right), truth)[0]) > 0.8
+    if decoded_scale > 1:
+        wrong = matched_windows(t, [decoded], [(1.0, 1.0)])
+        assert wrong[0] is None or float(paired_iou(torch.tensor(wrong), truth)[0]) < 0.5
+
+
+def test_rerank_templates_on_uploads_decoded_downscaled_finds_the_object_on_every_path(tmp_path, bundle_dir):
+    """Uploads twice ``QLOC_DECODE_MAX_SIDE`` (decoded at half size) and crops cut at full resolution: the engine's
+    second look (``rerank=templates``), the route's second call (``max_instances=2``) and every image's candidates
+    (``max_instances=4``) all take template matching's window on the object (the crops sized by the image's full /
+    decoded scale), in full-image pixels."""
+    import io
+
+    from fastapi.testclient import TestClient
+    from service_fixtures import make_test_settings, migrate
+
+    from app.main import create_app
+    from models.core.boxes import paired_iou
+
+    s = make_test_settings(tmp_path, bundle_dir, decode_max_side=84)
+    migrate(s.database_url)
+    g = torch.Generator().manual_seed(11)
+
+    def png(t: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray((t[0] * 255).round().byte().numpy()).save(buf, "PNG")
+        return buf.getvalue()
+
+    pattern = torch.rand(1, 48, 56, generator=g)  # the object at full resolution (168 x 168 uploads)
+    crops = [pattern, pattern[:, 1:, 1:], pattern[:, :-1, :-1]]
+    scenes, truth = [], []
+    for i in range(4):
+        image = torch.rand(1, 168, 168, generator=g) * 0.3
+        x, y = 20 + 25 * i, 100 - 20 * i
+        image[:, y:y + 48, x:x + 56] = pattern
+        scenes.append(png(image))
+        truth.append([x, y, x + 56, y + 48])
+    with TestClient(create_app(s)) as client:
+        r = client.post("/v1/exemplar-sets", files=files(*[png(c) for c in crops]))
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        with Session(create_engine(s.database_url)) as db:  # NCC 0.7 -> 0.5: the pattern likely (~0.9), little else
+            row = db.get_one(ExemplarSet, uuid.UUID(sid))
+            cal = dict(row.calibration)
+            assert cal.get("ncc") is not None
+            cal["ncc"] = {"features": ["log_score", "ncc"], "mean": [0.0, 0.7], "std": [1.0, 1.0],
+                          "weights": [0.0, 60.0], "bias": 0.0}
+            row.calibration = cal
+            db.commit()
+        for query in ("?rerank=templates", "?rerank=templates&max_instances=2", "?rerank=templates&max_instances=4"):
+            r = client.post(f"/v1/exemplar-sets/{sid}/localize{query}", files=files(*scenes))
+            assert r.status_code == 200, r.text
+            got = r.json()["results"]
+            assert [(g["width"], g["height"]) for g in got] == [(168, 168)] * 4
+            iou = paired_iou(torch.tensor([g["box"] for g in got]), torch.tensor(truth, dtype=torch.float32))
+            assert bool((iou > 0.7).all()), (query, iou, got)
+            assert all(g["found"] and g["reranked"] for g in got)
+        agent = client.post(f"/v1/exemplar-sets/{sid}/localize?rerank=auto", files=files(*scenes)).json()["results"]
+        assert not all(a["found"] for a in agent)  # the agent alone misses (else this test shows nothing)

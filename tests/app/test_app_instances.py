@@ -7,6 +7,7 @@ every instance (read back by pycocotools); bad values are a 422 naming the field
 
 import io
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,3 +121,13 @@ def test_instances_travel_to_localize_workers_and_back():
     older = encode_answer(answer)
     del older["refined"]  # from a worker of the version before
     assert decode_answer(older).refined is False
+    # rerank=templates where the engine does not look: the route's windows go with the call, back as template instances
+    windows = replace(call, images=[Image.new("L", (8, 8))] * 2, extra_boxes=[(1.0, 2.0, 5.0, 6.0), None])
+    assert decode_call(encode_call(windows)).extra_boxes == [(1.0, 2.0, 5.0, 6.0), None]
+    assert decode_call(old).extra_boxes is None
+    candidates = [Instance((1.0, 2.0, 3.0, 4.0), 0.5), Instance((1.0, 2.0, 5.0, 6.0), 0.6, template=True)]
+    looked = LocalizeAnswer([Localization((1.0, 2.0, 3.0, 4.0), 0.5, None, candidates)], nearest=False)
+    assert decode_answer(json.loads(json.dumps(encode_answer(looked)))) == looked
+    two = encode_answer(looked)
+    two["results"][0]["instances"] = [i[:2] for i in two["results"][0]["instances"]]  # a worker of the version before
+    assert [i.template for i in decode_answer(two).results[0].instances] == [False, False]

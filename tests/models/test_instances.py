@@ -101,7 +101,8 @@ def test_a_batch_answers_as_its_images_apart_and_the_backbone_runs_once():
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_second_look_searches_the_images_picked_on_the_same_pass(shared):
     """``look_again``: the images the predicate picks (told their answers: input pixels and distances) get the
-    instances a ``max_instances`` call gives them; the others none; one backbone pass for the lot."""
+    instances a ``max_instances`` call gives them; the others none; one backbone pass for the lot. Template
+    matching's windows (``look_again_extra``, or ``extra_boxes`` with ``max_instances``) are scored on the same maps."""
     loc = Localizer(tiny_bundle(6), "cpu")
     ims = [x for x in images(5, 1, 9)]
     protos = torch.randn(5, 16, generator=torch.Generator().manual_seed(4)) * 3
@@ -157,6 +158,19 @@ def test_a_second_look_searches_the_images_picked_on_the_same_pass(shared):
             d = (loc.embedder.embed(feats[i:i + 1], torch.tensor([[box]])) - (proto[i] if not shared else proto)).norm()
         assert last.score == pytest.approx(float(d), abs=1e-4)
     assert not any(x.template for x in more[3].instances) and more[0].instances is None
+    # the same boxes given with a max_instances call (``extra_boxes``: every image, NaN rows none): the same windows
+    given = torch.full((5, 4), float("nan"))
+    given[1], given[4] = torch.tensor([2.0, 3.0, 20.0, 24.0]), torch.tensor([5.0, 5.0, 15.0, 15.0])
+    every = loc.localize_batch(batch, scales, proto, loc.agent(), max_instances=3, extra_boxes=given)
+    for i, (e, f) in enumerate(zip(every, full, strict=True)):
+        assert [(x.box, x.score) for x in e.instances if not x.template] == [(x.box, x.score) for x in f.instances]
+        windows = [x for x in e.instances if x.template]
+        if i in (1, 4):
+            assert e.instances[-1] is windows[0] and len(windows) == 1
+            assert windows[0].box == pytest.approx(more[i].instances[-1].box)
+            assert windows[0].score == pytest.approx(more[i].instances[-1].score, abs=1e-5)
+        else:
+            assert windows == []
 
 
 def test_episodes_start_from_given_windows():
