@@ -74,7 +74,7 @@ class AnswerOptions:
     """Localize's options about the answer's confidence and format (the route's query parameters)."""
 
     min_confidence: float | None = None
-    rerank: Rerank = "auto"
+    rerank: Rerank = "templates"
     format: str = "json"
     image_ids: str | None = None
     category_id: int = 1

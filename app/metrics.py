@@ -71,9 +71,10 @@ class Metrics:
             "qloc_episode_compiles_total", "Bundles whose one-image greedy episode this process compiled "
             "(QLOC_COMPILE_EPISODE), by outcome: compiled, or failed (served eager)", ["outcome"], registry=own)
         self.second_looks = Counter(
-            "qloc_localize_second_looks_total", "Localize answers looked at again by rerank=auto (their confidence "
-            "below half the set's threshold: the several-instances search run on the image), by outcome: reranked "
-            "(a candidate reaching the threshold answered instead) or kept", ["outcome"], registry=own)
+            "qloc_localize_second_looks_total", "Localize answers looked at again by rerank=templates (the default) "
+            "or auto (their confidence below half the set's threshold: the several-instances search, and with "
+            "templates template matching, run on the image), by outcome: reranked (a candidate reaching the "
+            "threshold answered instead) or kept", ["outcome"], registry=own)
         self.registry.register(JobCollector(session_factory))
 
     def episode_compiled(self, outcome: str) -> None:

@@ -13,10 +13,10 @@ from app.jobstates import JobState
 Box = Annotated[list[float], Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in uploaded pixels")]
 
 Rerank = Literal["auto", "templates", "true", "false"]
-"""localize's ``rerank``: ``true`` answers with the likeliest candidate; ``auto`` (the default) does so only where the
-agent's answer is clearly unlikely (its confidence below half the set's threshold) and a candidate is likely (at or
-above it): a second look, on grayscale bundles' sets (their confidence is the NCC with the exemplars: evidence of its
-own, not the agent's embedding); ``templates``: ``auto`` with template matching's window as one more candidate of
+"""localize's ``rerank``: ``true`` answers with the likeliest candidate; ``auto`` does so only where the agent's answer
+is clearly unlikely (its confidence below half the set's threshold) and a candidate is likely (at or above it): a
+second look, on grayscale bundles' sets (their confidence is the NCC with the exemplars: evidence of its own, not the
+agent's embedding); ``templates`` (the default): ``auto`` with template matching's window as one more candidate of
 the second look (taken only if its confidence reaches ``app.calibration.TEMPLATE_BAR``); ``false``: the agent's
 answer."""
 
@@ -108,9 +108,10 @@ class LocalizationResult(BaseModel):
         "confidence >= the set's threshold (and >= min_confidence when given); the box is returned either way. "
         "true when there is no calibration (as before calibrations existed)"))
     reranked: bool | None = Field(None, description=(
-        "true: `box` is not the agent's own answer but the likeliest of the several-instances candidates, chosen "
-        "by `rerank` (with `rerank=auto`: the agent's answer was below half the set's threshold and this candidate "
-        "reaches it). Absent otherwise"))
+        "true: `box` is not the agent's own answer but the likeliest of the several-instances candidates (with "
+        "`rerank=templates`, the default, or template matching's window), chosen by `rerank` (with `templates` and "
+        "`auto`: the agent's answer was below half the set's threshold and this candidate reaches it, the window "
+        "0.8). Absent otherwise"))
     trajectory: list[Box] | None = Field(None, description="Boxes from the whole image to the final one")
     instances: list[InstanceResult] | None = Field(None, description=(
         "With `max_instances`: up to that many objects in the image, best (lowest score) first, none overlapping "

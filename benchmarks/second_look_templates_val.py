@@ -86,10 +86,18 @@ def target_rows(loaded, target: str, seed: int, split: str = "val") -> dict:
         chosen[take] = torch.tensor(candidates)[best.indices[take]]
         return chosen
 
+    def take_window(bar: float) -> torch.Tensor:
+        """The served second look, then the template box over whatever it chose, wherever the box reaches ``bar``
+        and is likelier than the choice (doubtful or not)."""
+        chosen = second_look(list(range(1, k + 2)), bar)
+        window = (conf[:, k + 1] >= bar) & (conf[:, k + 1] > conf[torch.arange(n), chosen])
+        return torch.where(window, torch.full_like(chosen, k + 1), chosen)
+
     rules = {"agent": torch.zeros(n, dtype=torch.long), "second look (served)": second_look(list(range(1, k + 1))),
              "second look + template box": second_look(list(range(1, k + 2))),
              **{f"second look + template box reaching {bar}": second_look(list(range(1, k + 2)), bar)
                 for bar in BARS},
+             **{f"template box over any answer, likelier and reaching {bar}": take_window(bar) for bar in BARS},
              "template box": torch.full((n,), k + 1, dtype=torch.long)}
     out: dict = {"target": target, "images": present, "absent": n - present}
     rows = torch.arange(n)

@@ -10,9 +10,10 @@ through HTTP against a running service (``./scripts/run``: the embedded default,
 4. localize the same test images with ``checkpoint=active``: CorLoc after (= before when nothing was activated);
 5. template matching (``models.experiments.baselines``, no learning) on the same images, for reference;
 6. with ``--rerank``, the same images on the active checkpoint by the other ways of answering than the server's
-   default (``rerank=auto``: a second look at doubtful answers): ``rerank=false`` (the agent's answer),
-   ``rerank=true`` (the likeliest of the several-instances candidates by the calibration) and ``rerank=templates``,
-   the starting policy's with ``rerank=false`` and ``rerank=templates`` too, plus ``misses``: the test images the
+   default (``rerank=templates``: a second look at doubtful answers), and each named: ``rerank=false`` (the agent's
+   answer), ``rerank=true`` (the likeliest of the several-instances candidates by the calibration),
+   ``rerank=templates`` and ``rerank=auto`` (the default before), the starting policy's with ``rerank=false``,
+   ``templates`` and ``auto`` too, plus ``misses``: the test images the
    server's answer misses, with their IoU and template matching's.
 
 ``--split val`` localizes validation images (the training fonts) instead of test images: for choices.
@@ -59,15 +60,16 @@ def localized(qloc: QlocClient, set_id, pngs: list, checkpoint: str, per_request
 
 
 def reranked(qloc: QlocClient, set_id, pngs: list, per_request: int = 64) -> dict[str, torch.Tensor]:
-    """The active checkpoint's answers for ``pngs`` by the other ways of answering than the server's default
-    (``rerank=auto``): ``rerank=false`` (the agent's answer), ``rerank=true`` (the likeliest candidate) and
-    ``rerank=templates`` (``auto`` with template matching's window one more candidate)."""
-    out: dict[str, list] = {"agent": [], "rerank": [], "templates": []}
+    """The active checkpoint's answers for ``pngs`` by each way of answering, named: ``rerank=false`` (the agent's
+    answer), ``rerank=true`` (the likeliest candidate), ``rerank=templates`` (the default since 2026-11-29: ``auto``
+    with template matching's window one more candidate) and ``rerank=auto``."""
+    out: dict[str, list] = {"agent": [], "rerank": [], "templates": [], "auto": []}
     for i in range(0, len(pngs), per_request):
         chunk = pngs[i:i + per_request]
         out["agent"] += [r.box for r in qloc.localize(set_id, chunk, rerank=False).results]
         out["rerank"] += [r.box for r in qloc.localize(set_id, chunk, rerank=True).results]
         out["templates"] += [r.box for r in qloc.localize(set_id, chunk, rerank="templates").results]
+        out["auto"] += [r.box for r in qloc.localize(set_id, chunk, rerank="auto").results]
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in out.items()}
 
 
@@ -86,6 +88,7 @@ def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, 
     before = corloc(localized(qloc, s.id, pngs, "base"), test.boxes)
     before_agent = corloc(localized(qloc, s.id, pngs, "base", rerank=False), test.boxes) if rerank else None
     before_templates = corloc(localized(qloc, s.id, pngs, "base", rerank="templates"), test.boxes) if rerank else None
+    before_auto = corloc(localized(qloc, s.id, pngs, "base", rerank="auto"), test.boxes) if rerank else None
     job = qloc.create_adaptation(s.id, [(f"unl-{i}.png", to_png(t)) for i, t in enumerate(unl.images)])
     job = qloc.wait(job, progress=False, poll=2.0)
     answered = localized(qloc, s.id, pngs, "active")
@@ -98,7 +101,8 @@ def run_target(qloc: QlocClient, bundle, char: str, background: str, seed: int, 
         by = reranked(qloc, s.id, pngs)
         iou, iou_t = paired_iou(answered, test.boxes), paired_iou(templates, test.boxes)
         extra = {"corloc_before_agent": round(before_agent, 1),  # type: ignore[arg-type]
-                 "corloc_before_templates": round(before_templates, 1)} | {  # type: ignore[arg-type]
+                 "corloc_before_templates": round(before_templates, 1),  # type: ignore[arg-type]
+                 "corloc_before_auto": round(before_auto, 1)} | {  # type: ignore[arg-type]
                  f"corloc_{k}": round(corloc(b, test.boxes), 1) for k, b in by.items()} | {
                  "misses": [{"image": i, "iou": round(float(iou[i]), 2), "iou_template": round(float(iou_t[i]), 2),
                              "true": [round(v) for v in test.boxes[i].tolist()],

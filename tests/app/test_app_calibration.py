@@ -153,10 +153,11 @@ def ncc_fitted_set(client, settings, crops: int, centre: float, slope: float) ->
 
 @pytest.mark.parametrize("crops", [1, 3])
 def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settings, crops):
-    """The default ``rerank=auto``, on a set whose confidence is the NCC fit (3 crops, the grayscale test bundle):
-    an answer below half the set's threshold is replaced by the likeliest candidate when that one reaches the
-    threshold (and says so: ``reranked``); every other answer is the agent's own (``rerank=false``), whatever
-    ``min_confidence``. A set whose confidence is not the NCC fit (1 crop: the score's) keeps the agent's answers."""
+    """``rerank=auto`` (the default's second look without template matching's window), on a set whose confidence
+    is the NCC fit (3 crops, the grayscale test bundle): an answer below half the set's threshold is replaced by the
+    likeliest candidate when that one reaches the threshold (and says so: ``reranked``); every other answer is the
+    agent's own (``rerank=false``), whatever ``min_confidence``. A set whose confidence is not the NCC fit (1 crop:
+    the score's) keeps the agent's answers."""
     n = 8
 
     def answers(sid: str) -> tuple[list, list, list]:
@@ -181,13 +182,13 @@ def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settin
 
     engine = client.app.state.inference.batcher.stats
     before, calls = looks(), engine.items
-    auto = localize(client, sid, n=n)
+    auto = localize(client, sid, "?rerank=auto", n=n)
     after = looks()
     assert engine.items - calls == 1  # the engine took the second look in the same forward pass
     explicit = localize(client, sid, "?rerank=auto&min_confidence=0.99", n=n)
-    with_instances = localize(client, sid, "?max_instances=4", n=n)  # the candidates at hand: no second call
+    with_instances = localize(client, sid, "?rerank=auto&max_instances=4", n=n)  # the candidates at hand: no 2nd call
     calls = engine.items
-    two = localize(client, sid, "?max_instances=2", n=n)  # the route's second call, on the doubtful images only
+    two = localize(client, sid, "?rerank=auto&max_instances=2", n=n)  # the route's second call, the doubtful only
     doubtful = sum(a["confidence"] < cut / 2 for a in agent) if crops > 1 else 0
     assert engine.items - calls == 1 + (doubtful > 0)
     switched = kept = 0
@@ -318,7 +319,8 @@ def test_rerank_templates_adds_template_matchings_window_to_the_second_look(clie
     sid = ncc_fitted_set(client, settings, 3, centre, slope)
     agent, candidates, _ = state(sid)
     chosen = localize(client, sid, "?rerank=templates", n=n)
-    auto = localize(client, sid, n=n)
+    auto = localize(client, sid, "?rerank=auto", n=n)
+    assert localize(client, sid, n=n) == chosen  # the default
     two = localize(client, sid, "?rerank=templates&max_instances=2", n=n)
     four = localize(client, sid, "?rerank=templates&max_instances=4", n=n)
     switched = 0
