@@ -42,6 +42,28 @@ def test_ncc_matches_the_slow_reference(channels):
     assert float(fast[1, 0, 0]) == 0.0 and float(fast[1, 0, 1]) == 0.0
 
 
+def test_several_templates_of_one_size_score_each_as_alone_and_a_duplicate_crop_changes_nothing():
+    """``ncc_maps``: one pass for templates of one size, each channel the slow reference (a flat template among
+    them scores 0 on its own channel only); ``template_matching`` over them answers as with the crop once."""
+    from models.core.matching import ncc_maps
+
+    g = torch.Generator().manual_seed(3)
+    images = torch.rand(2, 1, 12, 10, generator=g, dtype=torch.float64)
+    templates = torch.rand(3, 1, 4, 3, generator=g, dtype=torch.float64)
+    templates[1] = 0.6  # flat
+    maps = ncc_maps(images, templates)
+    assert maps.shape == (2, 3, 9, 8) and torch.equal(maps[:, 1], torch.zeros(2, 9, 8, dtype=torch.float64))
+    for e in (0, 2):
+        for n, y, x in [(0, 0, 0), (1, 8, 7), (0, 4, 5), (1, 2, 1)]:
+            assert float(maps[n, e, y, x]) == pytest.approx(slow_ncc(images[n], templates[e], x, y), abs=1e-9)
+    # the same crop twice: every score ties, and the first crop's smallest scale with its best position wins
+    crop = images[0, :, 2:8, 3:7].clone()
+    boxes, scores = template_matching(images, [crop, crop.clone()], scales=(1.0, 0.8), return_scores=True)
+    one, best = template_matching(images, [crop], scales=(0.8, 1.0), return_scores=True)
+    assert torch.equal(boxes, one) and torch.equal(scores, best)
+    assert boxes[0].tolist() == [3.0, 2.0, 7.0, 8.0] and float(scores[0]) == pytest.approx(1.0, abs=1e-9)
+
+
 def test_ncc_is_one_where_the_template_was_cut_and_ignores_brightness_and_contrast():
     g = torch.Generator().manual_seed(0)
     image = torch.rand(1, 1, 20, 20, generator=g, dtype=torch.float64)
