@@ -165,3 +165,30 @@ def test_a_sets_templates_keep_their_crops_and_match_them_at_each_images_scale()
     del old["crops"]
     before = Templates.from_dict(old)
     assert before.crops is None and before.match(images, torch.ones(2, 2)).isnan().all()
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_best_windows_of_templates_of_many_sizes_equal_each_ncc_map(channels, monkeypatch):
+    """``best_windows`` (every template at once, by FFT and one integral image, in chunks of images) gives each
+    template's best score and window as ``ncc_map`` alone, for templates of several sizes, a flat one among them
+    and images with flat regions."""
+    import models.core.matching as matching
+
+    monkeypatch.setattr(matching, "MAX_CHUNK_ELEMENTS", 3 * 4 * 21 * 19)  # 3 of the 5 images a chunk
+    g = torch.Generator().manual_seed(10 + channels)
+    images = torch.rand(5, channels, 21, 19, generator=g)
+    images[1, :, :9, :8] = 0.5  # a flat corner
+    templates = [torch.rand(channels, h, w, generator=g) for h, w in ((4, 3), (7, 9), (21, 2))]
+    templates.append(torch.full((channels, 5, 5), 0.3))  # flat: scores 0 everywhere
+    tops, boxes = matching.best_windows(images, templates)
+    assert tops.shape == (5, 4) and boxes.shape == (5, 4, 4)
+    for k, t in enumerate(templates):
+        score = ncc_map(images, t).flatten(1)
+        top, idx = score.max(dim=1)
+        assert tops[:, k].tolist() == pytest.approx(top.tolist(), abs=1e-5)
+        h, w = t.shape[-2:]
+        x, y = idx % (19 - w + 1), idx // (19 - w + 1)
+        if k < 3:  # random templates: one best window
+            assert boxes[:, k].tolist() == torch.stack([x, y, x + w, y + h], 1).float().tolist()
+        else:
+            assert tops[:, k].tolist() == [0.0] * 5
