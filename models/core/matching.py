@@ -1,5 +1,6 @@
 """Template matching: the window of an image most like an exemplar crop, by normalized cross-correlation at a few
-scales (OpenCV's ``TM_CCOEFF_NORMED``, with torch ``conv2d``). The baseline the benchmarks compare with
+scales (OpenCV's ``TM_CCOEFF_NORMED``, with torch: ``conv2d`` per size, or one FFT product for a set's templates of
+many sizes, ``best_windows``). The baseline the benchmarks compare with
 (``models.experiments.baselines`` re-exports it), and the window ``rerank=templates`` adds to the second look's
 candidates (``models.core.templates.Templates.match``). Pure tensor math, no model.
 """
