@@ -239,18 +239,18 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     look = rerank in ("auto", "templates") and run.max_instances < RERANK_CANDIDATES
     rule: Rerank = "auto" if rerank == "templates" else rerank  # templates: auto's rule, one more candidate
     windows = rerank == "templates" and fit is not None and fit.templates is not None and bool(fit.templates.crops)
+    decoded_scales = [im.scale for im in images]
     call = LocalizeCall(
         bundle=es.bundle, bundle_sha256=es.bundle_sha256, prototype_dim=es.prototype_dim, prototype=es.prototype,
         checkpoint=None if ckpt.kind == "base" else CheckpointRef(ckpt.id, ckpt.blob or "", ckpt.sha256),
-        images=[im.image for im in images], decoded_scales=[im.scale for im in images], trajectory=trajectory,
+        images=[im.image for im in images], decoded_scales=decoded_scales, trajectory=trajectory,
         samples=n_samples, nearest=nearest,
         max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
         templates=fit.templates if fit is not None and ncc else None,
         second_look=second_look(fit, es.threshold, RERANK_CANDIDATES, templates=rerank == "templates")
         if fit is not None and look else None,
         # every image's candidates asked for at once: template matching's window among them (the route matches)
-        extra_boxes=matched_windows(fit.templates, [im.image for im in images],  # type: ignore[union-attr]
-                                    [im.scale for im in images])
+        extra_boxes=matched_windows(fit.templates, [im.image for im in images], decoded_scales)  # type: ignore[union-attr]
         if windows and run.max_instances >= RERANK_CANDIDATES else None)
 
     def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
@@ -284,7 +284,7 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
             doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
             verdicts = []
             if doubt:
-                again_images, again_scales = [call.images[i] for i in doubt], [images[i].scale for i in doubt]
+                again_images, again_scales = [call.images[i] for i in doubt], [decoded_scales[i] for i in doubt]
                 again, verdicts = answered(replace(
                     call, images=again_images, decoded_scales=again_scales, max_instances=RERANK_CANDIDATES,
                     extra_boxes=matched_windows(fit.templates, again_images, again_scales)  # type: ignore[union-attr]

@@ -51,13 +51,23 @@ def ncc_maps(images01: Tensor, templates: Tensor, min_std: float = 1e-3) -> Tens
     return score.masked_fill(flat, 0.0).clamp(-1.0, 1.0)
 
 
+def integral_images(images01: Tensor) -> Tensor:
+    """``images01 [N, C, H, W]`` -> the integral images of the pixels and of their squares, ``[N, 2C, H + 1, W + 1]``
+    float64 (a zero first row and column): any window's sums in four lookups (``box_sums``), whatever its size."""
+    both = torch.cat([images01, images01.square()], dim=1).double()
+    return F.pad(both.cumsum(-1).cumsum(-2), (1, 0, 1, 0))
+
+
+def box_sums(integral: Tensor, h: int, w: int) -> Tensor:
+    """The sums over every ``h x w`` window of integral images ``[..., H + 1, W + 1]`` -> ``[..., H - h + 1,
+    W - w + 1]``."""
+    return integral[..., h:, w:] - integral[..., :-h, w:] - integral[..., h:, :-w] + integral[..., :-h, :-w]
+
+
 def window_sums(images01: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
     """The sums of the pixels and of their squares over every ``h x w`` window of ``images01 [N, C, H, W]`` ->
-    two ``[N, C, H - h + 1, W - w + 1]``, from integral images (cumulative sums in float64: four lookups a window,
-    whatever its size)."""
-    both = torch.cat([images01, images01.square()], dim=1).double()
-    ii = F.pad(both.cumsum(-1).cumsum(-2), (1, 0, 1, 0))  # [N, 2C, H + 1, W + 1]
-    sums = (ii[..., h:, w:] - ii[..., :-h, w:] - ii[..., h:, :-w] + ii[..., :-h, :-w]).to(images01.dtype)
+    two ``[N, C, H - h + 1, W - w + 1]`` (``integral_images``, ``box_sums``)."""
+    sums = box_sums(integral_images(images01), h, w).to(images01.dtype)
     c = images01.shape[1]
     return sums[:, :c], sums[:, c:]
 
@@ -88,7 +98,7 @@ def best_windows(images01: Tensor, templates: list[Tensor], min_std: float = 1e-
     The same numbers as ``ncc_map`` (to float64 rounding), at a fraction of its cost for a set's templates of many
     sizes: the dot products of every template at every position from one FFT product (each template zero-padded to
     the image: a circular cross-correlation, exact on the valid positions), the window sums from one integral image
-    read at each template's size (``window_sums``); invalid positions masked. In chunks of images
+    read at each template's size (``integral_images``, ``box_sums``); invalid positions masked. In chunks of images
     (``MAX_CHUNK_ELEMENTS``)."""
     n, c, hh, ww = images01.shape
     e = len(templates)
@@ -112,10 +122,10 @@ def best_windows(images01: Tensor, templates: list[Tensor], min_std: float = 1e-
     for at in range(0, n, step):  # chunks of images, for memory: each chunk one vectorized pass
         img = images01[at:at + step].double()
         num = torch.fft.irfft2((torch.fft.rfft2(img)[:, None] * spectrum[None]).sum(dim=2), s=(hh, ww))  # [n, E, H, W]
-        ii = F.pad(torch.cat([img, img.square()], dim=1).cumsum(-1).cumsum(-2), (1, 0, 1, 0))  # [n, 2C, H+1, W+1]
+        ii = integral_images(img)  # [n, 2C, H + 1, W + 1]
         var = num.new_zeros(num.shape)  # [n, E, H, W]: each window's sum of squared deviations (0 off the valid)
         for k, (h, w) in enumerate(zip(hs.tolist(), ws.tolist(), strict=True)):  # per template: four slices
-            sums = ii[..., h:, w:] - ii[..., :-h, w:] - ii[..., h:, :-w] + ii[..., :-h, :-w]  # [n, 2C, H', W']
+            sums = box_sums(ii, h, w)  # [n, 2C, H', W']
             var[:, k, :hh - h + 1, :ww - w + 1] = (sums[:, c:] - sums[:, :c].square() / (h * w)).sum(dim=1)
         var = var.clamp(min=0)
         flat = (var < c * count[:, None, None] * min_std ** 2) | flat_t[:, None, None]
