@@ -10,6 +10,12 @@ default), so a lone caller waits for nothing but its own work; while a batch run
 for the next one. ``window_s > 0`` holds the first item of an idle engine back that long for company
 (Triton's ``max_queue_delay``): larger batches, at that much more latency.
 
+A caller may also say an item is on its way before it can submit it (``expect``: a request whose images are
+still being read and decoded). While any is, an idle engine holds its batch back for them, up to ``gather_s``
+after the oldest waiting item: under load the engine then runs the requests in flight as one batch rather than
+starting on the first and leaving the rest for the next; a lone caller, with nothing else on its way, still
+runs at once.
+
 The waiting room is bounded: ``max_queue`` in size (images, for localization) submitted and not yet taken
 by the engine. ``submit`` raises ``QueueFull`` at once when an item would overflow it, rather than let
 waits grow without bound; an item larger than the bound is still taken when nothing waits.
@@ -63,6 +69,31 @@ class BatcherStats:
     """Size of the largest batch run."""
 
 
+class Expected:
+    """An item on its way to a ``Batcher`` (``Batcher.expect``): ``submit(..., expected=)`` or ``done`` ends it
+    (once; a context manager ends it on exit)."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self._batcher, self.pending = batcher, True
+
+    def done(self) -> None:
+        if self.pending:
+            with self._batcher._cond:
+                self._arrived()
+
+    def _arrived(self) -> None:  # under the batcher's lock
+        if self.pending:
+            self.pending = False
+            self._batcher._coming -= 1
+            self._batcher._cond.notify_all()
+
+    def __enter__(self) -> Expected:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
+
 class Batcher(Generic[T, R]):
     """Runs items submitted from many threads as batches of equal keys, on one engine thread.
 
@@ -72,10 +103,12 @@ class Batcher(Generic[T, R]):
 
     def __init__(self, run: Callable[[Hashable, list[T]], Sequence[R | BaseException]], *, window_s: float = 0.0,
                  max_batch: int = 64, max_queue: int = 256, name: str = "qloc-batcher",
-                 observe: Callable[[int, list[float]], None] | None = None):
-        if window_s < 0 or max_batch < 1 or max_queue < 1:
-            raise ValueError("window_s must be >= 0, max_batch and max_queue >= 1")
+                 observe: Callable[[int, list[float]], None] | None = None, gather_s: float = 0.0):
+        if window_s < 0 or gather_s < 0 or max_batch < 1 or max_queue < 1:
+            raise ValueError("window_s and gather_s must be >= 0, max_batch and max_queue >= 1")
         self._run, self.window_s, self.max_batch, self.max_queue = run, window_s, max_batch, max_queue
+        self.gather_s = gather_s
+        self._coming = 0
         self.name = name
         self.observe = observe
         """Told of each batch as it starts, on the engine thread: its size and each item's wait in seconds."""
@@ -91,12 +124,27 @@ class Batcher(Generic[T, R]):
         """Total size of the items submitted and not yet taken by the engine."""
         return self._waiting_size
 
-    def submit(self, key: Hashable, item: T, size: int = 1) -> Future[R]:
-        """Queue ``item`` (of ``size``, e.g. its images) to run with others of ``key`` -> its ``Future``.
+    @property
+    def coming(self) -> int:
+        """Items said to be on their way (``expect``) and not yet submitted."""
+        return self._coming
+
+    def expect(self) -> Expected:
+        """Say an item is on its way (submitted soon, e.g. once its images are decoded) -> its ``Expected``, to
+        pass to ``submit`` or end with ``done`` (or as a context manager) if it never comes."""
+        with self._cond:
+            self._coming += 1
+        return Expected(self)
+
+    def submit(self, key: Hashable, item: T, size: int = 1, *, expected: Expected | None = None) -> Future[R]:
+        """Queue ``item`` (of ``size``, e.g. its images) to run with others of ``key`` -> its ``Future``; the item
+        ``expected`` announced has arrived (even when refused).
 
         Raises ``QueueFull`` when the waiting room cannot take it, ``BatcherClosed`` after ``close``."""
         w: _Waiting[T, R] = _Waiting(key, item, max(1, size))
         with self._cond:
+            if expected is not None:
+                expected._arrived()
             if self._closed:
                 raise BatcherClosed(f"{self.name} is closed")
             if self._waiting and self._waiting_size + w.size > self.max_queue:
@@ -133,6 +181,15 @@ class Batcher(Generic[T, R]):
             deadline = self._waiting[0].enqueued + self.window_s
             key = self._waiting[0].key
             while not self._closed and sum(w.size for w in self._waiting if w.key == key) < self.max_batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        if self.gather_s > 0 and self._coming > 0 and not self._closed:  # others on their way: wait for them
+            deadline = self._waiting[0].enqueued + self.gather_s
+            key = self._waiting[0].key
+            while (not self._closed and self._coming > 0
+                   and sum(w.size for w in self._waiting if w.key == key) < self.max_batch):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     """Milliseconds an idle engine holds a localize call back so that others run with it as one batch. 0:
     it starts at once (a lone client waits for nothing); calls that arrive while a batch runs are gathered
     into the next one anyway (continuous batching)."""
+    batch_gather_ms: float = Field(20.0, ge=0, le=1000)
+    """Milliseconds at most an idle engine holds a localize call back while other localize requests of this
+    process are on their way to it (their sets being read, their images decoded), so that they run as one batch.
+    A lone client has nothing else on its way and waits for nothing. 0: never held back for them."""
     batch_max_images: int = Field(64, ge=1, le=4096)
     """Most images the engine runs in one forward pass (a single larger call still runs whole)."""
     inference_queue_images: int = Field(256, ge=1)

@@ -111,7 +111,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.inference = BatchedInference(
         app.state.bundles, app.state.store, default_nearest=settings.localize_nearest,
         window_s=settings.batch_window_ms / 1000, max_batch_images=settings.batch_max_images,
-        max_queue_images=settings.inference_queue_images, observe=app.state.metrics.engine_batch_began)
+        max_queue_images=settings.inference_queue_images, observe=app.state.metrics.engine_batch_began,
+        gather_s=settings.batch_gather_ms / 1000)
     app.state.remote = None  # QLOC_INFERENCE=workers: the model runs on the localize queue's workers
     if settings.inference == "workers":
         app.state.inference = app.state.remote = WorkerInference(settings, app.state.queue.celery)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Protocol
@@ -25,7 +27,7 @@ from fastapi import status
 from PIL import Image
 from torch import Tensor
 
-from app.batching import Batcher, BatcherClosed, QueueFull
+from app.batching import Batcher, BatcherClosed, Expected, QueueFull
 from app.engine_ncc import NccFeatures, SecondLook, doubtful_answers, read_ncc, template_windows
 from app.images import Box
 from app.inference import (
@@ -116,6 +118,13 @@ class InferenceRefused(Exception):  # noqa: N818 -- an answer for the client, no
 
 class InferenceBackend(Protocol):
     def localize(self, call: LocalizeCall) -> LocalizeAnswer: ...
+
+
+def on_its_way(inference: InferenceBackend) -> AbstractContextManager[object]:
+    """Around a request's work before its first ``localize`` (reading its set, decoding its images): a batching
+    backend then holds an idle engine back for it while others run (``BatchedInference.expect``)."""
+    expect = getattr(inference, "expect", None)
+    return expect() if expect is not None else nullcontext()
 
 
 def resolve_bundle(bundles: BundleRegistry, name: str, *, sha256: str | None, prototype_dim: int | None
@@ -322,12 +331,25 @@ class BatchedInference(LocalInference):
 
     def __init__(self, bundles: BundleRegistry, store: BlobStore, *, default_nearest: bool | None = None,
                  window_s: float = 0.0, max_batch_images: int = 64, max_queue_images: int = 256,
-                 retry_after_s: int = 1, observe: Callable[[int, list[float]], None] | None = None):
+                 retry_after_s: int = 1, observe: Callable[[int, list[float]], None] | None = None,
+                 gather_s: float = 0.0):
         super().__init__(bundles, store, default_nearest=default_nearest)
         self.retry_after_s = retry_after_s
         self.batcher: Batcher[Prepared, LocalizeAnswer] = Batcher(
             self.run_batch, window_s=window_s, max_batch=max_batch_images, max_queue=max_queue_images,
-            name="qloc-localize", observe=observe)
+            name="qloc-localize", observe=observe, gather_s=gather_s)
+        self._expected = threading.local()
+
+    @contextmanager
+    def expect(self) -> Iterator[Expected]:
+        """This thread's request is on its way to the engine (``Batcher.expect``) until its first ``localize``
+        submits it, or the block ends."""
+        with self.batcher.expect() as expected:
+            self._expected.pending = expected
+            try:
+                yield expected
+            finally:
+                self._expected.pending = None
 
     def run_batch(self, key: Hashable, calls: list[Prepared]) -> list[LocalizeAnswer]:
         """What the engine thread runs for one batch (a subclass may wrap it)."""
@@ -336,7 +358,8 @@ class BatchedInference(LocalInference):
     def localize(self, call: LocalizeCall) -> LocalizeAnswer:
         key, prepared = self.prepare(call)
         try:
-            future = self.batcher.submit(key, prepared, size=prepared.batch.shape[0])
+            future = self.batcher.submit(key, prepared, size=prepared.batch.shape[0],
+                                         expected=getattr(self._expected, "pending", None))
         except QueueFull as e:
             raise InferenceRefused(
                 status.HTTP_503_SERVICE_UNAVAILABLE,

@@ -38,7 +38,7 @@ from app.routes.pool import add_to_pool
 from app.routes.pool import limits as pool_limits
 from app.routes.uploads import read_images
 from app.schemas import CocoResults, InstanceResult, LabelStudioTask, LocalizationResult, LocalizeResponse, Rerank
-from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeAnswer, LocalizeCall
+from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeAnswer, LocalizeCall, on_its_way
 from app.storage import BlobStore
 from app.tables import Checkpoint, ExemplarSet
 
@@ -207,6 +207,15 @@ def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, infe
     ``turns`` (``QLOC_ROUTE_THREADS``) bounds how many threads run its reads and verdicts at once: Python runs
     one thread at a time, and many threads handing its lock to one another cost more CPU than the work. Decoding,
     the model and the pool's writes take no turn (they mostly wait, or release the lock)."""
+    with on_its_way(inference):  # a batching engine holds an idle batch back for this request until it submits
+        return _localize_files(session, set_id, settings, inference, caller, metrics, store, files, run, opts,
+                               bundles=bundles, local=local, turns=turns)
+
+
+def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend,  # noqa: PLR0913
+                    caller: Caller, metrics: Metrics, store: BlobStore, files: list[UploadFile], run: RunOptions,
+                    opts: AnswerOptions, *, bundles: BundleRegistry | None = None, local: bool = True,
+                    turns: threading.BoundedSemaphore | None = None) -> Localized:
     checkpoint, trajectory, samples, nearest, keep = run.checkpoint, run.trajectory, run.samples, run.nearest, run.keep
     turn = turns if turns is not None else nullcontext()
     with turn:

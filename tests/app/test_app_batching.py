@@ -149,6 +149,37 @@ def test_a_window_holds_an_idle_engines_first_call_until_the_batch_is_full():
     b.close()
 
 
+def test_an_idle_engine_holds_its_batch_for_calls_on_their_way_and_a_lone_call_runs_at_once():
+    run = HeldEngine(hold_first=False)
+    b = Batcher(run, gather_s=60.0, max_batch=8)
+    assert b.submit("k", 0).result(30) == "k:0"  # nothing on its way: at once, whatever gather_s
+    on_its_way = b.expect()
+    first = b.submit("k", 1)
+    time.sleep(0.05)  # the engine is idle and awake: without the expectation it would take call 1 now
+    assert b.waiting == 1 and b.coming == 1
+    second = b.submit("k", 2, expected=on_its_way)  # it arrives: the engine goes, both in one batch
+    assert (first.result(30), second.result(30)) == ("k:1", "k:2")
+    assert b.coming == 0 and [items for _, items in run.batches] == [[0], [1, 2]]
+    with b.expect():  # one that never comes (its request failed): its end lets the engine go
+        third = b.submit("k", 3)
+        time.sleep(0.05)
+        assert b.waiting == 1
+    assert third.result(30) == "k:3" and b.coming == 0
+    b.close()
+
+
+def test_calls_on_their_way_hold_the_batch_no_longer_than_gather_s_after_the_oldest():
+    run = HeldEngine(hold_first=False)
+    b = Batcher(run, gather_s=0.05)
+    on_its_way = b.expect()  # never submitted
+    f = b.submit("k", 1)
+    assert f.result(30) == "k:1" and b.coming == 1  # ran after gather_s, not after 30 s
+    on_its_way.done()
+    on_its_way.done()  # once
+    assert b.coming == 0
+    b.close()
+
+
 def test_each_batch_is_observed_as_it_begins_and_a_failing_observer_stops_nothing():
     seen = []
 
@@ -172,6 +203,8 @@ def test_settings_are_checked():
         Batcher(lambda k, i: i, max_batch=0)
     with pytest.raises(ValueError):
         Batcher(lambda k, i: i, window_s=-1)
+    with pytest.raises(ValueError):
+        Batcher(lambda k, i: i, gather_s=-1)
 
 
 # --- BatchedInference
@@ -310,6 +343,36 @@ def test_a_full_inference_queue_answers_503_with_retry_after_at_once(held_api):
     assert held.batch_calls == [1, 2]  # the two waiting requests ran as one forward
     r = c.post(url, files=files(png_bytes(seed=4), png_bytes(seed=5)))  # drained: taken again
     assert r.status_code == 200
+
+
+def test_a_request_is_on_its_way_to_the_engine_until_it_submits_and_a_refused_one_leaves_nothing(held_api,
+                                                                                                 monkeypatch):
+    from app.routes import localize
+
+    c, held = held_api
+    seen = []
+    real_read = localize.read_images
+
+    def read_images(*args, **kwargs):  # decoding: the request has not reached the engine yet
+        seen.append(held.batcher.coming)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(localize, "read_images", read_images)
+    set_id = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(c.post, url, files=files(png_bytes(seed=1)))
+        assert held.started.wait(30)
+        assert seen == [1] and held.batcher.coming == 0  # submitted: it waits for its answer, no longer on its way
+        assert c.post(f"/v1/exemplar-sets/{'0' * 32}/localize", files=files(png_bytes())).status_code == 404
+        assert c.post(url, files=[("files", ("x.png", b"not an image", "image/png"))]).status_code == 400
+        queued = pool.submit(c.post, url, files=files(png_bytes(seed=2), png_bytes(seed=3)))
+        wait_until(lambda: held.batcher.waiting == 2, "the second request to queue")
+        assert c.post(url, files=files(png_bytes(seed=4), png_bytes(seed=5))).status_code == 503  # refused: full
+        assert held.batcher.coming == 0
+        held.release.set()
+        assert [f.result(60).status_code for f in (running, queued)] == [200, 200]
+    assert held.batcher.coming == 0 and seen == [1, 1, 1, 1]
 
 
 def test_the_app_batches_by_default_and_stops_its_engine_on_shutdown(settings):
