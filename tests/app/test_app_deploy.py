@@ -7,11 +7,13 @@ checked to be the modes of ``scripts/run``, which the run command itself is test
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 from service_fixtures import (
@@ -122,6 +124,55 @@ def test_run_command_serves_api_and_worker_and_stops_both(tmp_path, bundle_dir):
     assert Path(settings.database_url.removeprefix("sqlite:///")).exists()
 
 
+def listeners(root: int, port: int) -> dict[int, set[str]]:
+    """The processes from ``root`` down listening on TCP ``port`` -> the sockets each listens with (their inodes:
+    one socket inherited by several processes is one inode)."""
+    out: dict[int, set[str]] = {}
+    top = psutil.Process(root)
+    for p in [top, *top.children(recursive=True)]:
+        try:
+            conns = p.net_connections("tcp")
+        except psutil.NoSuchProcess:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
+                out.setdefault(p.pid, set()).add(os.readlink(f"/proc/{p.pid}/fd/{c.fd}"))
+    return out
+
+
+def test_a_port_in_use_stops_the_api_at_once_whatever_its_processes(tmp_path, bundle_dir):
+    """Each API process binds its own socket (``app.serve``); the supervisor binds the address first, so a port
+    another program holds fails at once with uvicorn's startup-failure status, not a loop of processes restarted."""
+    settings = make_test_settings(tmp_path, bundle_dir)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {**os.environ, **settings_env(settings), "QLOC_PORT": str(taken.getsockname()[1]), "QLOC_BOOTSTRAP": "0",
+               "QLOC_API_WORKERS": "2", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+        r = subprocess.run([str(REPO / "scripts/run"), "api"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 3 and "Address already in use" in r.stderr, r.stderr
+
+
+def test_each_api_process_gets_a_socket_of_its_own_bound_to_the_address_and_not_yet_listening():
+    import pickle
+
+    from app.serve import OwnSocket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock = pickle.loads(pickle.dumps(OwnSocket(socket.AF_INET, ("127.0.0.1", port))))  # as in the process
+    try:
+        assert sock.getsockname() == ("127.0.0.1", port)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0  # listens once its app has started
+        with socket.socket() as client:
+            assert client.connect_ex(("127.0.0.1", port)) != 0  # nothing listens: refused, not queued
+    finally:
+        sock.close()
+
+
 def test_several_api_processes_serve_and_metrics_add_up_over_them(tmp_path, bundle_dir):
     """``QLOC_API_WORKERS=2``: two uvicorn processes serve; every scrape, whichever process answers it, counts
     the requests of both (prometheus_client's multiprocess mode); a stale metrics folder is emptied first."""
@@ -143,8 +194,14 @@ def test_several_api_processes_serve_and_metrics_add_up_over_them(tmp_path, bund
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "api.log").read_text()
             time.sleep(0.3)
         assert not (shared / "histogram_1.db").exists() and len(pids) == 2  # one file per process, stale one gone
+        deadline = time.monotonic() + 60
+        while len(listening := listeners(proc.pid, port)) < 2:  # each listens once its app has started
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "api.log").read_text()
+            time.sleep(0.3)
+        # a socket of its own each (app/serve.py); the supervisor does not listen
+        assert set(listening) == {int(p) for p in pids} and len(set().union(*listening.values())) == 2, listening
         n = 30
-        for _ in range(n):  # a connection each: the two processes share the listening socket
+        for _ in range(n):  # a connection each: the kernel spreads them over the two processes' sockets
             deadline = time.monotonic() + 60
             while True:
                 try:
