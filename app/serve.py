@@ -6,7 +6,9 @@ the others idle (2 cores, 4 clients: 64-68 req/s in such rounds against 94-104 w
 Here, on Linux, each process binds its own socket to the address with ``SO_REUSEPORT`` and the kernel spreads new
 connections over the processes that listen. A process listens only once its app has started (its bundle loaded), and
 a process the supervisor restarts binds its own again. The supervisor binds the address first, without listening:
-a port in use fails at once, as with uvicorn's own socket, and port 0 is resolved once for every process.
+a port in use fails at once, as with uvicorn's own socket, and port 0 is resolved once for every process. An API
+process ends with its supervisor (SIGTERM on the supervisor's death): none outlives a killed API to answer beside
+the next one.
 
 Everything else is uvicorn's command line and supervisor as they are (``uvicorn.main.main``).
 """
@@ -14,6 +16,8 @@ Everything else is uvicorn's command line and supervisor as they are (``uvicorn.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import sys
 
@@ -36,16 +40,35 @@ def reuse_port_socket(family: int, address: tuple) -> socket.socket:
     return sock
 
 
+def _die_with(supervisor: int) -> None:
+    """In an API process: be sent SIGTERM when the supervisor ``supervisor`` dies (Linux's parent-death signal), and
+    exit now if it already has. Processes that outlived a killed supervisor would otherwise go on answering on the
+    port beside a new API's (their sockets, like its, allow the port to be shared)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != supervisor:
+        raise SystemExit("the API's supervisor is gone")
+
+
+def process_socket(family: int, address: tuple, supervisor: int) -> socket.socket:
+    """In an API process: its own socket on the address (``reuse_port_socket``), the process tied to its
+    supervisor's life (``_die_with``)."""
+    _die_with(supervisor)
+    return reuse_port_socket(family, address)
+
+
 class OwnSocket:
     """What uvicorn's supervisor hands each API process it starts: pickled into the process (``spawn``), it is
-    unpickled there as a socket of its own on the address (``reuse_port_socket``), which uvicorn's server starts
+    unpickled there as a socket of its own on the address (``process_socket``), which uvicorn's server starts
     listening on once the app has started."""
 
     def __init__(self, family: int, address: tuple) -> None:
-        self.family, self.address = family, address
+        self.family, self.address, self.supervisor = family, address, os.getpid()
 
     def __reduce__(self) -> tuple:
-        return reuse_port_socket, (self.family, self.address)
+        return process_socket, (self.family, self.address, self.supervisor)
 
 
 def bind_own_sockets(config: uvicorn.config.Config) -> socket.socket:

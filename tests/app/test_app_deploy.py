@@ -4,6 +4,7 @@ No Docker engine runs here: the compose file is parsed and checked, and the imag
 checked to be the modes of ``scripts/run``, which the run command itself is tested with.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -155,14 +156,14 @@ def test_a_port_in_use_stops_the_api_at_once_whatever_its_processes(tmp_path, bu
 
 
 def test_each_api_process_gets_a_socket_of_its_own_bound_to_the_address_and_not_yet_listening():
-    import pickle
-
-    from app.serve import OwnSocket
+    from app.serve import OwnSocket, process_socket, reuse_port_socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    sock = pickle.loads(pickle.dumps(OwnSocket(socket.AF_INET, ("127.0.0.1", port))))  # as in the process
+    own = OwnSocket(socket.AF_INET, ("127.0.0.1", port))  # what the supervisor pickles into each process
+    assert own.__reduce__() == (process_socket, (socket.AF_INET, ("127.0.0.1", port), os.getpid()))
+    sock = reuse_port_socket(socket.AF_INET, ("127.0.0.1", port))  # what it becomes there
     try:
         assert sock.getsockname() == ("127.0.0.1", port)
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
@@ -218,8 +219,16 @@ def test_several_api_processes_serve_and_metrics_add_up_over_them(tmp_path, bund
             assert [float(v) for v in line.findall(r.text)] == [n], r.text
             assert "qloc_jobs{" in r.text  # the job gauges, read from SQL, once
         assert "GET /healthz" not in (tmp_path / "api.log").read_text()  # no access log by default (QLOC_ACCESS_LOG)
+        processes = [psutil.Process(pid) for pid in listening]
+        os.kill(proc.pid, signal.SIGKILL)  # the supervisor killed: its processes end with it, the port is free
+        gone, alive = psutil.wait_procs(processes, timeout=60)
+        assert not alive, (tmp_path / "api.log").read_text()
+        with socket.socket() as again:  # refused while any socket listens on it (TIME_WAIT aside)
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            again.bind(("127.0.0.1", port))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
