@@ -171,29 +171,27 @@ class Batcher(Generic[T, R]):
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
+    def _hold(self, for_s: float, still: Callable[[], bool]) -> None:
+        """Under the lock: wait while ``still()``, until the oldest item's batch is full, at most ``for_s`` after it
+        was submitted (or the batcher closes)."""
+        deadline = self._waiting[0].enqueued + for_s
+        key = self._waiting[0].key
+        while not self._closed and still() and sum(w.size for w in self._waiting if w.key == key) < self.max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
     def _take(self) -> tuple[Hashable, list[_Waiting[T, R]]] | None:
         """Under the lock: the next batch (the oldest item's key), or None when closed and drained."""
         while not self._waiting:
             if self._closed:
                 return None
             self._cond.wait()
-        if self.window_s > 0 and not self._closed:  # hold the first item back for company, until full
-            deadline = self._waiting[0].enqueued + self.window_s
-            key = self._waiting[0].key
-            while not self._closed and sum(w.size for w in self._waiting if w.key == key) < self.max_batch:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-        if self.gather_s > 0 and self._coming > 0 and not self._closed:  # others on their way: wait for them
-            deadline = self._waiting[0].enqueued + self.gather_s
-            key = self._waiting[0].key
-            while (not self._closed and self._coming > 0
-                   and sum(w.size for w in self._waiting if w.key == key) < self.max_batch):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+        if self.window_s > 0:  # hold the first item back for company, until full
+            self._hold(self.window_s, lambda: True)
+        if self.gather_s > 0:  # others on their way: wait for them
+            self._hold(self.gather_s, lambda: self._coming > 0)
         key = self._waiting[0].key
         batch: list[_Waiting[T, R]] = []
         size, keep = 0, deque()

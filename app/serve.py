@@ -71,6 +71,9 @@ class OwnSocket:
         return process_socket, (self.family, self.address, self.supervisor)
 
 
+_uvicorn_bind_socket = uvicorn.config.Config.bind_socket
+
+
 def bind_own_sockets(config: uvicorn.config.Config) -> socket.socket:
     """``Config.bind_socket`` for a TCP host and port: the address reserved here, an ``OwnSocket`` for the
     processes (uvicorn passes it to each as it would its one socket); a Unix socket or ``--fd``: uvicorn's own."""
@@ -87,9 +90,6 @@ def bind_own_sockets(config: uvicorn.config.Config) -> socket.socket:
     log.info("Uvicorn running on %s://%s:%d, one listening socket per process (Press CTRL+C to quit)",
              "https" if config.is_ssl else "http", config.host, port)
     return OwnSocket(family, (host, port))  # type: ignore[return-value]
-
-
-_uvicorn_bind_socket = uvicorn.config.Config.bind_socket
 
 
 def main() -> None:
