@@ -145,6 +145,17 @@ def parse_boxes(raw: str, images: list[DecodedImage]) -> list[Box]:
     return out
 
 
+def check_crops(images: list[DecodedImage], field: str) -> list[Box | None]:
+    """Crops (files without ``boxes``, ``negative_files``) must be as large as a box: at least ``MIN_BOX_SIDE``
+    pixels on each side, else 422 naming the file. -> one ``None`` (no box) per crop."""
+    for i, im in enumerate(images):
+        if im.width < MIN_BOX_SIDE or im.height < MIN_BOX_SIDE:
+            raise unprocessable(f"{field}: file {i + 1} of {len(images)} ({im.filename or 'upload'!r}) is "
+                                 f"{im.width}x{im.height} pixels; a crop needs at least {MIN_BOX_SIDE:g} pixels on "
+                                 "each side (or send the whole image with its box in `boxes`)")
+    return [None] * len(images)
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
     **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, an unknown bundle, or boxes that are not one valid box "
                                   "inside each file"),
@@ -154,7 +165,8 @@ def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep, remote: RemoteDep,
     files: Annotated[list[UploadFile], File(description=(
-        "1..64 PNG/JPEG/WebP crops of the object sought; with `boxes`, whole images that show it"))],
+        "1..64 PNG/JPEG/WebP crops of the object sought (at least 2 pixels on each side); with `boxes`, whole images "
+        "that show it"))],
     name: Annotated[str | None, Form(max_length=200)] = None,
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
@@ -167,8 +179,9 @@ def create_exemplar_set(
     their boxes as the set's labeled examples. Everything is checked before anything is written."""
     check_text(name, "name")
     images = read_images(files, settings)
-    labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else [None] * len(images)
+    labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else check_crops(images, "files")
     negative_images = read_images(negative_files, settings, keep_data=False) if negative_files else []
+    check_crops(negative_images, "negative_files")
     if negative_images and remote is not None:
         raise unprocessable("negative_files need the model in the API (QLOC_INFERENCE=local): with "
                              "QLOC_INFERENCE=workers the answers' nearness to them cannot be measured")

@@ -242,3 +242,22 @@ def test_the_spec_describes_boxes_and_num_labeled(client):
     assert "labeled examples" in props["boxes"]["description"]
     public = spec["components"]["schemas"]["ExemplarSetPublic"]
     assert "num_labeled" in public["required"] and public["properties"]["num_labeled"]["type"] == "integer"
+
+
+@pytest.mark.parametrize(("field", "size"), [("files", (1, 1)), ("files", (1, 40)), ("files", (40, 1)),
+                                             ("negative_files", (1, 30))])
+def test_crops_under_two_pixels_are_422_naming_the_file_and_nothing_is_written(client, settings, field, size):
+    create(client, [png_bytes(28, 28)])
+    before = snapshot(settings)
+    good, tiny = png_bytes(28, 28, seed=3), png_bytes(*size, seed=4, square=False)
+    parts = [("files", ("good.png", good, "image/png"))]
+    parts += [(field, ("tiny.png", tiny, "image/png"))] if field == "files" else [
+        ("negative_files", ("ok.png", good, "image/png")), (field, ("tiny.png", tiny, "image/png"))]
+    r = client.post(URL, files=parts)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert f"{field}: file 2 of 2 ('tiny.png')" in detail and f"{size[0]}x{size[1]} pixels" in detail, detail
+    assert "at least 2 pixels" in detail
+    assert snapshot(settings) == before
+    # 2 x 2 is the smallest crop, as it is the smallest box
+    assert client.post(URL, files=[("files", ("two.png", png_bytes(2, 2, square=False), "image/png"))]).status_code == 201
