@@ -260,4 +260,5 @@ def test_crops_under_two_pixels_are_422_naming_the_file_and_nothing_is_written(c
     assert "at least 2 pixels" in detail
     assert snapshot(settings) == before
     # 2 x 2 is the smallest crop, as it is the smallest box
-    assert client.post(URL, files=[("files", ("two.png", png_bytes(2, 2, square=False), "image/png"))]).status_code == 201
+    smallest = [("files", ("two.png", png_bytes(2, 2, square=False), "image/png"))]
+    assert client.post(URL, files=smallest).status_code == 201
