@@ -1,0 +1,91 @@
+"""`found` when the object is simply absent: the same images with the object removed (issue 13; validation only).
+
+`benchmarks/not_found.py` makes the images without the query hold *another digit* (look-alikes: the hard
+reading of "half the test images without the query object"). This is the literal reading: each validation image
+of the query digit (the val part of MNIST's train file; the test file is not read) and the same image with the
+digit removed -- its box set to the background it was pasted on (0 on patch and clutter, whose patches and
+fragments never overlap the digit; fresh noise of the same law on gaussian). The set is made as the service makes
+a new one (5 exemplar crops, `calibrate_policy`: the NCC fit grayscale sets serve, threshold 0.5), the answers
+are the agent's greedy ones (the bundle's `nearest`). Printed per bundle, query and background: precision and
+recall of `found` over the two halves (an answer on an image without the digit is wrong; one with it is right at
+IoU >= 0.5), the share of empty images called found, and the best ``min(precision, recall)`` of any threshold.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/found_absent_val.py     # ~4 min
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.bundle import load_bundle  # noqa: E402
+from models.calibration import answers, calibrate_policy  # noqa: E402
+from models.core.boxes import paired_iou  # noqa: E402
+from models.data.types import exemplar_crops  # noqa: E402
+from models.experiments.cmnist import cmnist  # noqa: E402
+from models.inference import Localizer  # noqa: E402
+
+BACKGROUNDS = ("patch", "clutter", "gaussian")
+N = 200
+
+
+def removed(images: Tensor, boxes: Tensor, background: str) -> Tensor:
+    """``images [n, 1, 84, 84]`` with each one's digit box set to its background (one image at a time: data)."""
+    out, gen = images.clone(), torch.Generator().manual_seed(1)
+    for i, (x1, y1, x2, y2) in enumerate(boxes.round().long().tolist()):
+        if background == "gaussian":  # models.data.cmnist: N(0, 0.12) on black, clipped to [0, 1]
+            out[i, :, y1:y2, x1:x2] = (torch.randn(1, y2 - y1, x2 - x1, generator=gen) * 0.12).clamp(0, 1)
+        else:
+            out[i, :, y1:y2, x1:x2] = 0
+    return out
+
+
+def best_min_pr(conf_pos: Tensor, right: Tensor, conf_neg: Tensor) -> float:
+    """The best ``min(precision, recall)`` of any threshold (found on the first half counts only where right)."""
+    out = 0.0
+    for t in torch.cat([conf_pos, conf_neg]).unique():
+        found = conf_pos >= t
+        tp = int((found & right).sum())
+        called = int(found.sum()) + int((conf_neg >= t).sum())
+        out = max(out, min(tp / max(1, called), tp / max(1, int(right.sum()))))
+    return round(out, 3)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for name in ("mnist-digit4", "mnist-general"):
+        loc = Localizer(load_bundle(ROOT / "bundles" / f"{name}.pt"), "cpu")
+        agent, nearest = loc.agent(), loc.default_nearest
+        for q in (4, 2, 7, 9):
+            crops = exemplar_crops(cmnist(q, "train", 5, "patch", 1000))
+            proto = loc.prototype(crops)
+            cal = calibrate_policy(loc, proto, crops, nearest=nearest, n=128, seed=0)
+            assert cal.templates is not None
+            row: dict = {"bundle": name, "query": q, "new_to_bundle": name == "mnist-digit4" and q != 4}
+            for bg in BACKGROUNDS:
+                pos = cmnist(q, "val", N, bg, 0)
+                empty = removed(pos.images, pos.boxes, bg)
+                bp, sp = answers(loc, agent, proto, pos.images, nearest=nearest)
+                be, se = answers(loc, agent, proto, empty, nearest=nearest)
+                right = paired_iou(bp, pos.boxes) >= 0.5
+                cp = cal.confidence(sp, ncc=cal.templates.ncc(pos.images, bp[:, None])[0][:, 0]).float()
+                ce = cal.confidence(se, ncc=cal.templates.ncc(empty, be[:, None])[0][:, 0]).float()
+                fp, fe = cp >= cal.threshold, ce >= cal.threshold
+                tp = int((fp & right).sum())
+                row[bg] = {"corloc": round(float(right.float().mean()) * 100, 1),
+                           "precision": round(tp / max(1, int(fp.sum()) + int(fe.sum())), 3),
+                           "recall": round(tp / max(1, int(right.sum())), 3),
+                           "found_on_empty": round(float(fe.float().mean()), 3),
+                           "best_min_pr": best_min_pr(cp, right, ce)}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
