@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import torch
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -22,6 +22,7 @@ from app.metrics import Metrics, RequestMetricsMiddleware
 from app.queue import JobQueue
 from app.remote import WorkerInference
 from app.routes import adaptations, bundles, checkpoints, exemplar_sets, health, labelstudio, localize, pool
+from app.routes.strict import UNKNOWN_PARAMETER, known_parameters
 from app.serving import BatchedInference
 from app.storage import BlobStore
 from models.allocator import tune_malloc
@@ -118,7 +119,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.inference = app.state.remote = WorkerInference(settings, app.state.queue.celery)
     app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost: sees 413s
-    for module in (exemplar_sets, localize, pool, adaptations, checkpoints, bundles, health, labelstudio):
+    for module in (exemplar_sets, localize, pool, adaptations, checkpoints, bundles):  # the v1 API: strict
+        app.include_router(module.router, dependencies=[Depends(known_parameters)], responses=UNKNOWN_PARAMETER)
+    for module in (health, labelstudio):  # probes, and Label Studio's protocol: what they do not take is ignored
         app.include_router(module.router)
     web.install(app)  # the page at / and the API docs, offline
     return app

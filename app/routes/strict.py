@@ -1,0 +1,63 @@
+"""Query parameters and form fields a route does not take are refused, not ignored.
+
+FastAPI drops what a route does not declare, so a misspelt ``?max_instance=4`` would answer with one box and no
+word why, and ``-F lr=0.01`` would run a job at the default rate. ``known_parameters`` (a dependency of the v1
+routers, ``app.main``) answers 422 naming the unknown names and listing the ones the route takes. Form fields are
+checked on routes that take a form (a form sent to one that takes none is not read). Label Studio's routes (its
+own protocol, whose callers add what they like) and the health probes are left as they are."""
+
+from __future__ import annotations
+
+from fastapi import HTTPException, Request, status
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
+
+from app.routes.errors import invalid
+
+UNKNOWN_PARAMETER = {422: invalid("Invalid fields or parameters, or one the route does not take (named in the "
+                                  "message, with the ones it takes)")}
+FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def _names(dependant: Dependant) -> tuple[set[str], set[str]]:
+    """The query parameters and body fields of ``dependant`` and of its sub-dependencies, by their aliases."""
+    query, body = {p.alias for p in dependant.query_params}, {p.alias for p in dependant.body_params}
+    for sub in dependant.dependencies:
+        q, b = _names(sub)
+        query |= q
+        body |= b
+    return query, body
+
+
+def _declared(route: APIRoute) -> tuple[frozenset[str], frozenset[str]]:
+    """The route's query parameters and body (form) fields, by the names a client sends; worked out on its first
+    request and kept on the route (an ``APIRoute`` is not hashable, so no cache keyed by it)."""
+    known = route.__dict__.get("_qloc_parameters")
+    if known is None:
+        query, body = _names(route.dependant)
+        known = route.__dict__["_qloc_parameters"] = (frozenset(query), frozenset(body))
+    return known
+
+
+def _refuse(kind: str, unknown: list[str], known: frozenset[str], route: APIRoute, method: str) -> HTTPException:
+    names = ", ".join(repr(n) for n in unknown)
+    takes = ", ".join(sorted(known)) if known else "none"
+    plural = "s" if len(unknown) > 1 else ""
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                         f"unknown {kind}{plural} {names}: {method} {route.path} takes {kind}s: {takes}")
+
+
+async def known_parameters(request: Request) -> None:
+    """422 if the request has a query parameter, or a form field, that its route does not declare."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    query, body = _declared(route)
+    unknown = sorted(set(request.query_params) - query)
+    if unknown:
+        raise _refuse("query parameter", unknown, query, route, request.method)
+    if body and request.headers.get("content-type", "").lower().startswith(FORMS):
+        form = await request.form()  # parsed already by FastAPI (it closes its files): the same object, cached
+        unknown = sorted(set(form) - body)
+        if unknown:
+            raise _refuse("form field", unknown, body, route, request.method)
