@@ -65,7 +65,8 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
                         409: error("Idempotency-Key reused with another request, or the set's bundle file was "
                                    "replaced since the set was made"),
                         422: invalid("Invalid fields, no image to adapt on (no file, and an empty pool), files "
-                                     "with source=pool, or more iterations than the server allows"),
+                                     "with source=pool, more iterations than the server allows, or a field the "
+                                     "route does not take"),
                         503: error("The job queue is unreachable, or the set's bundle cannot be loaded (with "
                                    "QLOC_INFERENCE=workers: or no localize worker answered the bundle check in "
                                    "time)")})

@@ -158,7 +158,7 @@ def check_crops(images: list[DecodedImage], field: str) -> list[Box | None]:
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
     **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, an unknown bundle, or boxes that are not one valid box "
-                                  "inside each file"),
+                                  "inside each file, or a field the route does not take"),
     503: error("The default bundle is unavailable, or the bundle cannot be loaded; with QLOC_INFERENCE=workers, also: "
                "no localize worker answered within QLOC_LOCALIZE_TIMEOUT seconds (with `Retry-After`)")})
 def create_exemplar_set(

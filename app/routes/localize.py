@@ -72,7 +72,7 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active:
     **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
     409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set; "
                "or, with keep=true, the set's image pool has no room for the images (nothing computed or stored)"),
-    422: invalid("Invalid fields, or no file"),
+    422: invalid("Invalid fields, no file, or a parameter or field the route does not take"),
     503: error("The set's bundle or checkpoint cannot be loaded; or the model is busy: more images than "
                "QLOC_INFERENCE_QUEUE_IMAGES would wait for it, answered at once with `Retry-After` (retry then); "
                "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "

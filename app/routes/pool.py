@@ -64,7 +64,8 @@ def state(session: Session, settings: Settings, set_id: uuid.UUID) -> dict[str, 
 
 
 @router.post("/{set_id}/images", status_code=status.HTTP_201_CREATED, response_model=PoolImagesAdded, responses={
-    **UPLOAD_ERRORS, 404: error("Unknown exemplar set"), 409: FULL, 422: invalid("Invalid fields, or no file")})
+    **UPLOAD_ERRORS, 404: error("Unknown exemplar set"), 409: FULL,
+    422: invalid("Invalid fields, no file, or a field the route does not take")})
 def add_pool_images(
     set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(description=(
