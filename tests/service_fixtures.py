@@ -252,6 +252,11 @@ def stored_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 
+def snapshot(settings: Settings) -> tuple[dict[str, int], list[str]]:
+    """What a refused request must leave as it was: the rows of every table and the stored files."""
+    return row_counts(settings.database_url), stored_files(settings.storage_dir)
+
+
 # --- live processes
 
 

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 from PIL import Image
-from service_fixtures import files, make_test_settings, migrate, png_bytes, row_counts, stored_files
+from service_fixtures import files, make_test_settings, migrate, png_bytes, snapshot
 
 
 def bomb_png(width: int = 20_000, height: int = 20_000) -> bytes:
@@ -84,10 +84,6 @@ def exemplar_set(client):
     r = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28)))
     assert r.status_code == 201
     return r.json()
-
-
-def snapshot(settings):
-    return row_counts(settings.database_url), stored_files(settings.storage_dir)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 from PIL import Image
-from service_fixtures import api, db_settings, files, jpeg_bytes, png_bytes, row_counts, stored_files  # noqa: F401
+from service_fixtures import api, db_settings, files, jpeg_bytes, png_bytes, snapshot, stored_files  # noqa: F401
 from sqlalchemy import inspect, select
 from sqlalchemy.exc import IntegrityError
 
@@ -185,10 +185,6 @@ BAD = {
     "degenerate_height": ([FIRST, [0, 3, 50, 4]], [*FILE2, "50x1 pixels", "at least 2 pixels"]),
 }
 TWO = [png_bytes(40, 30, seed=1), png_bytes(50, 60, "RGB", seed=2)]
-
-
-def snapshot(settings):
-    return row_counts(settings.database_url), stored_files(settings.storage_dir)
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -14,7 +14,7 @@ from service_fixtures import (
     make_test_settings,
     migrate,
     png_bytes,
-    row_counts,
+    snapshot,
     stored_files,
 )
 from sqlalchemy import select
@@ -53,10 +53,6 @@ def new_set(api):
 
 def named(*names, seed=0):
     return [("files", (name, png_bytes(84, 84, seed=seed + i), "image/png")) for i, name in enumerate(names)]
-
-
-def snapshot(settings):
-    return row_counts(settings.database_url), stored_files(settings.storage_dir)
 
 
 def pool_rows(settings, set_id):

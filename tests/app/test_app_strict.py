@@ -2,13 +2,9 @@
 silently ignored; nothing is computed or written. Label Studio's routes and the health probes still ignore them."""
 
 import pytest
-from service_fixtures import files, png_bytes, register_set, row_counts, stored_files
+from service_fixtures import files, png_bytes, register_set, row_counts, snapshot
 
 URL = "/v1/exemplar-sets"
-
-
-def snapshot(settings):
-    return row_counts(settings.database_url), stored_files(settings.storage_dir)
 
 
 def test_a_misspelt_query_parameter_is_422_naming_it_and_the_ones_the_route_takes(client):
