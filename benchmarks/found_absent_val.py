@@ -24,6 +24,9 @@ from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from found_verifier_val import best_min_pr  # noqa: E402
 
 from models.bundle import load_bundle  # noqa: E402
 from models.calibration import answers, calibrate_policy  # noqa: E402
@@ -45,17 +48,6 @@ def removed(images: Tensor, boxes: Tensor, background: str) -> Tensor:
         else:
             out[i, :, y1:y2, x1:x2] = 0
     return out
-
-
-def best_min_pr(conf_pos: Tensor, right: Tensor, conf_neg: Tensor) -> float:
-    """The best ``min(precision, recall)`` of any threshold (found on the first half counts only where right)."""
-    out = 0.0
-    for t in torch.cat([conf_pos, conf_neg]).unique():
-        found = conf_pos >= t
-        tp = int((found & right).sum())
-        called = int(found.sum()) + int((conf_neg >= t).sum())
-        out = max(out, min(tp / max(1, called), tp / max(1, int(right.sum()))))
-    return round(out, 3)
 
 
 def main() -> None:
@@ -83,7 +75,8 @@ def main() -> None:
                            "precision": round(tp / max(1, int(fp.sum()) + int(fe.sum())), 3),
                            "recall": round(tp / max(1, int(right.sum())), 3),
                            "found_on_empty": round(float(fe.float().mean()), 3),
-                           "best_min_pr": best_min_pr(cp, right, ce)}
+                           # wrong answers on the query's images count as negatives, as empty images do
+                           "best_min_pr": round(best_min_pr(cp[right], torch.cat([cp[~right], ce])), 3)}
             print(json.dumps(row), flush=True)
 
 
