@@ -11,6 +11,7 @@ recall of `found` over the two halves (an answer on an image without the digit i
 IoU >= 0.5), the share of empty images called found, and the best ``min(precision, recall)`` of any threshold.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/found_absent_val.py     # ~4 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/found_absent_val.py --thresholds 0.5 0.4 0.3 0.2   # + other digits
 """
 
 from __future__ import annotations
@@ -50,7 +51,30 @@ def removed(images: Tensor, boxes: Tensor, background: str) -> Tensor:
     return out
 
 
+def at_thresholds(loc: Localizer, agent, proto: Tensor, cal, q: int, cp: Tensor, right: Tensor, ce: Tensor,
+                  thresholds: list[float], nearest: bool) -> dict:
+    """Patch only: per threshold, the recall and the precision of `found` against empty images and against images
+    of the other digits (22 val images of each: `not_found.py`'s look-alike reading, on validation images)."""
+    others = torch.cat([cmnist(d, "val", 22, "patch", 0).images for d in range(10) if d != q])
+    bo, so = answers(loc, agent, proto, others, nearest=nearest)
+    co = cal.confidence(so, ncc=cal.templates.ncc(others, bo[:, None])[0][:, 0]).float()
+    out = {}
+    for t in thresholds:
+        found = cp >= t
+        tp = int((found & right).sum())
+        out[str(t)] = {"recall": round(tp / max(1, int(right.sum())), 3),
+                       "precision_vs_empty": round(tp / max(1, int(found.sum()) + int((ce >= t).sum())), 3),
+                       "precision_vs_other_digits": round(tp / max(1, int(found.sum()) + int((co >= t).sum())), 3)}
+    return out
+
+
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--thresholds", type=float, nargs="*", default=[],
+                   help="also, on patch: recall and precision against empty images and other digits at these")
+    a = p.parse_args()
     torch.set_num_threads(1)
     for name in ("mnist-digit4", "mnist-general"):
         loc = Localizer(load_bundle(ROOT / "bundles" / f"{name}.pt"), "cpu")
@@ -77,6 +101,9 @@ def main() -> None:
                            "found_on_empty": round(float(fe.float().mean()), 3),
                            # wrong answers on the query's images count as negatives, as empty images do
                            "best_min_pr": round(best_min_pr(cp[right], torch.cat([cp[~right], ce])), 3)}
+                if bg == "patch" and a.thresholds:
+                    row["patch_thresholds"] = at_thresholds(loc, agent, proto, cal, q, cp, right, ce, a.thresholds,
+                                                            nearest)
             print(json.dumps(row), flush=True)
 
 
