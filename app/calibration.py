@@ -37,6 +37,7 @@ from models.calibration import Calibration, calibrate_policy, score_boxes
 from models.core.templates import Templates
 from models.data.types import LabeledImages
 from models.inference import pil_to_tensor, preprocess, resize_batch
+from models.verifier import KindVerifier
 
 RERANK_CANDIDATES = 4
 """``rerank`` chooses among at least this many candidates per image (``max_instances``)."""
@@ -88,9 +89,11 @@ class NewSetCalibration:
 
 def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image.Image],
                       labeled: list[tuple[Image.Image, tuple[float, float, float, float]]],
-                      negative_crops: list[Image.Image], *, threshold: float, seed: int = 0) -> NewSetCalibration:
+                      negative_crops: list[Image.Image], *, threshold: float, seed: int = 0,
+                      verifier: KindVerifier | None = None) -> NewSetCalibration:
     """The calibration of the bundle's base policy for a new set (greedy answers, the bundle's ``nearest``), and
-    the negatives' embeddings. ``labeled``: (whole image as decoded, the box in its pixels)."""
+    the negatives' embeddings. ``labeled``: (whole image as decoded, the box in its pixels). ``verifier``: the
+    bundle's known-kinds verifier (``models.verifier``): a set of a kind it knows gets its check."""
     loc = loaded.localizer
     spec = loc.spec
     tensors = [pil_to_tensor(c, spec.channels, spec.fill) for c in crops]
@@ -103,7 +106,7 @@ def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image
         examples = LabeledImages(batch, torch.tensor([b for _, b in labeled], dtype=torch.float32) / k)
     cal = calibrate_policy(loc, prototype, tensors, nearest=loc.default_nearest, n=CALIBRATION_SAMPLES, seed=seed,
                            labeled=examples, negative_crops=neg_tensors or None, negative_embeddings=negatives,
-                           threshold=threshold)
+                           threshold=threshold, verifier=verifier)
     return NewSetCalibration(cal.to_dict(), None if negatives is None else negatives_to_bytes(negatives),
                              0 if negatives is None else len(negatives))
 
@@ -157,7 +160,8 @@ def decoded(calibration: dict, key: Hashable | None) -> Calibration:
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
           negatives: bytes | None, rerank: Rerank = "false", calibration_key: Hashable | None = None,
-          ncc: NccFeatures | None = None, template_bar: float | None = None) -> list[Judged]:
+          ncc: NccFeatures | None = None, template_bar: float | None = None,
+          verifier: KindVerifier | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
@@ -170,7 +174,8 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     ``auto`` only where the answer is ``doubtful`` and the instance reaches ``threshold`` (``min_confidence`` plays
     no part: it decides ``found``, not the box). A template-matching window among the instances
     (``Instance.template``, ``rerank=templates``) is a candidate only if it reaches ``template_bar`` too, and is
-    never listed among the answer's instances."""
+    never listed among the answer's instances. ``verifier``: the set's bundle's known-kinds verifier; where the
+    calibration's kind check was made with it, its probabilities are the confidences (``_confidences``)."""
     if not results:
         return []
     counts = [len(r.instances or ()) for r in results]
@@ -180,7 +185,7 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         boxes, scores = answer_rows(results)
         with torch.inference_mode():  # no autograd bookkeeping (torchvision's RoIAlign has a Python layer for it)
             conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
-                                prototype=prototype, negatives=negatives, ncc=ncc)
+                                prototype=prototype, negatives=negatives, ncc=ncc, verifier=verifier)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
 
@@ -211,11 +216,17 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
 
 def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor, *,
                  loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None,
-                 ncc: NccFeatures | None = None) -> Tensor:
+                 ncc: NccFeatures | None = None, verifier: KindVerifier | None = None) -> Tensor:
     """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> calibrated ``P(correct)``
-    ``[n, K]`` by the richest fit the set allows: the NCC fit (a calibration with templates: no model needed),
-    else the negatives' fit (local mode, a set with negatives: the boxes embedded, one backbone pass per image),
-    else the score's."""
+    ``[n, K]``: the kind check's (a set of a kind ``verifier`` knows: the boxes read on the images resized as the
+    templates were fit, one small CNN pass), else by the richest fit the set allows: the NCC fit (a calibration
+    with templates: no model needed), else the negatives' fit (local mode, a set with negatives: the boxes
+    embedded, one backbone pass per image), else the score's."""
+    if cal.kind_applies(verifier):
+        t = cal.templates
+        batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)  # type: ignore[union-attr]
+        k = torch.cat([scales, scales], dim=1)[:, None]
+        return cal.kind_confidence(verifier, batch, boxes / k)  # type: ignore[return-value]
     if cal.templates is not None and cal.ncc is not None:
         pos, neg = ncc if ncc is not None else _read_ncc(cal.templates, images, boxes)
         k = scores.shape[1]  # the engine's rows may be padded further (its batch's most instances)

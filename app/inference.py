@@ -35,6 +35,7 @@ from app.storage import BlobStore
 from app.tables import ExemplarSet
 from models.bundle import Bundle, Reward, bundle_from_bytes, checkpoint_from_bytes, policy_from_bytes
 from models.inference import Localizer, resolve_device
+from models.verifier import KindVerifier, load_verifier, verifier_path
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class BundleRegistry:
         self._loaded: dict[str, LoadedBundle] = {}
         self._lock = threading.Lock()
         self._policies: LoadingLRU[dict[str, Tensor]] = LoadingLRU(policy_cache_size)
+        self._verifiers: dict[str, tuple[_StatKey | None, KindVerifier | None]] = {}
 
     def names(self) -> list[str]:
         """Bundles available in the bundle directory."""
@@ -152,6 +154,29 @@ class BundleRegistry:
         if fresh and self.on_load is not None:
             self.on_load(loaded)
         return loaded
+
+    def verifier(self, name: str) -> KindVerifier | None:
+        """The known-kinds verifier installed beside bundle ``name`` (``<name>.verifier``, ``models.verifier``),
+        loaded on first use and again once its file changed; ``None``: there is none, or it cannot be read (logged:
+        the sets' calibrated fits are served instead). It needs no model: the API reads it in every mode."""
+        if not BUNDLE_NAME.match(name):
+            return None
+        path = verifier_path(self.bundle_dir / f"{name}.pt")
+        try:
+            key: _StatKey | None = _stat_key(path.stat())
+        except OSError:
+            key = None
+        cached = self._verifiers.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        verifier = None
+        if key is not None:
+            try:
+                verifier = load_verifier(path)
+            except (OSError, ValueError, RuntimeError, KeyError) as e:  # a broken file: ValueError
+                log.warning("verifier %s not read (%s): sets of bundle %s keep their calibrated fits", path, e, name)
+        self._verifiers[name] = (key, verifier)
+        return verifier
 
     def is_loaded(self, name: str) -> bool:
         return name in self._loaded

@@ -70,6 +70,12 @@ class ExemplarSetPublic(BaseModel):
     calibrated: bool = Field(False, description=(
         "Whether the set has a calibration of its base policy, which gives answers their `confidence`: made "
         "with the set in QLOC_INFERENCE=local mode; false for sets made before, or by an API without a model"))
+    kind: str | None = Field(None, description=(
+        "The kind of object the bundle's known-kinds verifier matched the set's crops to (`mnist-general`: a digit, "
+        "'0'-'9'), or null: not a kind it was trained on, or a bundle without one. With a kind, an answer's "
+        "`confidence` is the verifier's probability that its box is the set's kind rather than another kind it "
+        "knows, the background or a negative exemplar, so `found` tells the query digit from other digits; without, "
+        "the set's calibrated fit decides"))
     bundle: str
     bundle_sha256: str | None = Field(description=(
         "sha256 of the bundle file that made the set's prototype. Once another file is installed under the "

@@ -125,6 +125,11 @@ class ExemplarSet(Base):
         """Whether the set has a calibration of its base policy (``calibration`` not NULL)."""
         return self.calibration is not None
 
+    @property
+    def kind(self) -> str | None:
+        """The known kind the bundle's verifier matched the set to (``models.verifier``), or None."""
+        return ((self.calibration or {}).get("kind") or {}).get("kind")
+
 
 EXEMPLAR_BOX_CHECK = (
     "(box_x1 IS NULL AND box_y1 IS NULL AND box_x2 IS NULL AND box_y2 IS NULL) OR "

@@ -37,6 +37,7 @@ from models.data.probes import paste_probes
 from models.data.types import LabeledImages
 from models.inference import Localizer, normalize
 from models.nets.agent import Agent
+from models.verifier import KindCheck, KindVerifier
 
 FEATURES = ("log_score", "log_ratio")
 """The features a fit may use, in this order: ``log d_p`` and ``log d_p - log min_j d_n,j``."""
@@ -168,6 +169,22 @@ class Calibration:
     ncc: PlattFit | None = None
     ncc_negatives: PlattFit | None = None
     templates: Templates | None = None
+    kind: KindCheck | None = None
+    """A set of a kind the bundle's verifier knows (``models.verifier``, format version 3): where that verifier is
+    at hand, its probability that the box is the set's kind is the confidence, in place of the fits'."""
+
+    def kind_applies(self, verifier: KindVerifier | None) -> bool:
+        """Whether ``verifier`` is the one this calibration's ``kind`` check was made with (and there is one)."""
+        return (self.kind is not None and verifier is not None and verifier.sha256 == self.kind.verifier
+                and self.templates is not None)
+
+    @torch.no_grad()
+    def kind_confidence(self, verifier: KindVerifier | None, images01: Tensor, boxes: Tensor) -> Tensor | None:
+        """Boxes ``[n, K, 4]`` (input pixels of ``images01 [n, C, S, S]``) -> the kind check's ``P`` ``[n, K]``
+        (float64), or ``None`` where it does not apply (``kind_applies``)."""
+        if not self.kind_applies(verifier):
+            return None
+        return self.kind.probability(verifier.embed_boxes(images01, boxes))  # type: ignore[union-attr]
 
     def confidence(self, scores: Tensor, negative_distances: Tensor | None = None, *, ncc: Tensor | None = None,
                    ncc_negatives: Tensor | None = None) -> Tensor:
@@ -183,10 +200,14 @@ class Calibration:
 
     @torch.no_grad()
     def box_confidence(self, images01: Tensor, boxes: Tensor, scores: Tensor,
-                       negative_distances: Tensor | None = None) -> Tensor:
+                       negative_distances: Tensor | None = None, verifier: KindVerifier | None = None) -> Tensor:
         """Boxes ``[n, K, 4]`` (pixels of ``images01 [n, C, S, S]``, the bundle's input) with their scores
-        ``[n, K]`` -> ``P(correct)`` ``[n, K]`` (float64), the NCC features read from the images when the
-        calibration has templates (``confidence``)."""
+        ``[n, K]`` -> ``P(correct)`` ``[n, K]`` (float64): the kind check's where ``verifier`` is its own
+        (``kind_confidence``), else the NCC features read from the images when the calibration has templates
+        (``confidence``)."""
+        kind = self.kind_confidence(verifier, images01, boxes)
+        if kind is not None:
+            return kind
         if self.templates is None or self.ncc is None:
             nd = None if negative_distances is None else negative_distances.flatten()
             return self.confidence(scores.flatten(), nd).view(scores.shape)
@@ -202,6 +223,8 @@ class Calibration:
             d.update(version=2, ncc=None if self.ncc is None else asdict(self.ncc),
                      ncc_negatives=None if self.ncc_negatives is None else asdict(self.ncc_negatives),
                      templates=None if self.templates is None else self.templates.to_dict())
+        if self.kind is not None:
+            d.update(version=3, kind=self.kind.to_dict())
         return d
 
     @classmethod
@@ -211,7 +234,8 @@ class Calibration:
 
         return cls(PlattFit(**d["score"]), fit("negatives"), float(d.get("threshold", 0.5)),
                    dict(d.get("stats") or {}), fit("ncc"), fit("ncc_negatives"),
-                   Templates.from_dict(d["templates"]) if d.get("templates") else None)
+                   Templates.from_dict(d["templates"]) if d.get("templates") else None,
+                   KindCheck.from_dict(d["kind"]) if d.get("kind") else None)
 
 
 def fit_calibration(pos: Tensor, pos_hit: Tensor, neg: Tensor, *, pos_neg: Tensor | None = None,
@@ -370,7 +394,8 @@ def calibrate_policy(localizer: Localizer, prototype: Tensor, crops: list[Tensor
                      labeled: LabeledImages | None = None, backgrounds01: Tensor | None = None,
                      positives: LabeledImages | None = None, negative_crops: list[Tensor] | None = None,
                      negative_embeddings: Tensor | None = None, threshold: float = DEFAULT_THRESHOLD,
-                     ncc: bool | None = None, negative_templates: Tensor | None = None) -> Calibration:
+                     ncc: bool | None = None, negative_templates: Tensor | None = None,
+                     verifier: KindVerifier | None = None) -> Calibration:
     """The calibration of one policy (``agent_state``; ``None``: the bundle's) of a set, from what the set has.
 
     Backgrounds: ``n`` synthesized ones (``synthetic_backgrounds``), plus ``backgrounds01`` where the caller has
@@ -380,6 +405,8 @@ def calibrate_policy(localizer: Localizer, prototype: Tensor, crops: list[Tensor
     ``NCC_FOR_GRAY``) and at least 2 crops, also the NCC fits and
     the templates they need (``Templates``: the crops, and the ``negative_crops`` -- or, where the crops are
     gone, ``negative_templates [J, C, s, s]`` kept from an earlier calibration, ``stored_negative_templates``).
+    With ``verifier`` (the bundle's, ``models.verifier``) and the NCC fits, also the set's kind check where the set
+    is of a kind it knows (``KindVerifier.check``: the crops and the ``negative_crops``).
     Seeded: the same inputs give the same calibration (the NCC parts draw no random numbers: the other fits
     are those made without them)."""
     gen = torch.Generator().manual_seed(seed)
@@ -407,8 +434,20 @@ def calibrate_policy(localizer: Localizer, prototype: Tensor, crops: list[Tensor
             samples.shapes = paste_probes(shapes, bgs, n // 2, object_side=spec.exemplar_size, scale=PROBE_SCALE,
                                           generator=torch.Generator().manual_seed(seed + 1)).images
     agent = localizer.agent(agent_state)
-    return calibrate(localizer, agent, prototype, samples, nearest=nearest, negative_embeddings=negative_embeddings,
-                     threshold=threshold, templates=templates)
+    cal = calibrate(localizer, agent, prototype, samples, nearest=nearest, negative_embeddings=negative_embeddings,
+                    threshold=threshold, templates=templates)
+    if verifier is not None and cal.templates is not None:
+        cal.kind = verifier.check(crops, negative_crops)
+        if cal.kind is not None:
+            cal.stats.update(kind=cal.kind.kind, known=cal.kind.known)
+    return cal
+
+
+def stored_kind(calibration: dict[str, Any] | None) -> KindCheck | None:
+    """The kind check kept in a stored calibration dict (None: none), for a refresh: it depends on the set's crops
+    and negative exemplars only, not on the policy."""
+    d = (calibration or {}).get("kind")
+    return KindCheck.from_dict(d) if d else None
 
 
 def stored_negative_templates(calibration: dict[str, Any] | None) -> Tensor | None:

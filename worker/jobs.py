@@ -31,7 +31,7 @@ from app.storage import checkpoint_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
 from models.bundle import Bundle, Reward, policy_to_bytes
-from models.calibration import answers, calibrate_policy, stored_negative_templates
+from models.calibration import answers, calibrate_policy, stored_kind, stored_negative_templates
 from models.data.probes import erase_boxes
 from models.guard import Guard, GuardConfig
 from models.inference import Localizer, preprocess
@@ -337,6 +337,8 @@ def _job_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) -> di
                                    seed=run.job.seed, backgrounds01=backgrounds, positives=setup.guard.probes,
                                    negative_embeddings=negatives, threshold=es.threshold,
                                    negative_templates=stored_negative_templates(es.calibration))
+            if cal.templates is not None:  # the set's kind check (``models.verifier``) holds for every policy
+                cal.kind = stored_kind(es.calibration)
             out[cid] = {**cal.to_dict(), "iteration": iteration}
     except Exception:
         log.exception("job %s: calibration refresh failed; its checkpoints use the set's calibration", run.job_id)

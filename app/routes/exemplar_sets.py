@@ -195,7 +195,7 @@ def create_exemplar_set(
         made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(prototype), int(prototype.numel()))
         examples = [(im.image, im.box_to_decoded(box)) for im, box in zip(images, labels, strict=True) if box]
         calibrated = calibrate_new_set(loaded, prototype, crops, examples, [im.image for im in negative_images],
-                                       threshold=threshold)
+                                       threshold=threshold, verifier=bundles.verifier(loaded.name))
     else:
         calibrated = None  # no model here: answers get a confidence once an adaptation job calibrates a checkpoint
         try:

@@ -262,6 +262,8 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         extra_boxes=matched_windows(fit.templates, [im.image for im in images], decoded_scales)  # type: ignore[union-attr]
         if windows and run.max_instances >= RERANK_CANDIDATES else None)
 
+    kind_verifier = bundles.verifier(es.bundle) if bundles is not None and fit is not None and fit.kind else None
+
     def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
         try:
             answer = inference.localize(call)
@@ -275,7 +277,8 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
                            loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
                            negatives=es.negatives if use_negatives else None, rerank=rerank_now,
                            calibration_key=calibration_key, ncc=answer.ncc,
-                           template_bar=TEMPLATE_BAR if rerank == "templates" else None)
+                           template_bar=TEMPLATE_BAR if rerank == "templates" else None,
+                           verifier=kind_verifier)
         return answer, judged
 
     answer, judged = answered(call)

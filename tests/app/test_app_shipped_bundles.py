@@ -182,3 +182,42 @@ def test_cmnist_bundles_localize_through_the_api(shipped_client, bundle, digit):
         boxes += [x["box"] for x in r.json()["results"]]
     corloc = float((paired_iou(torch.tensor(boxes), test.boxes) >= 0.5).float().mean() * 100)
     assert corloc >= 85.0  # the shipped bundles score 96-99.5 on such images (BENCHMARKS.md)
+
+
+def test_a_digit_set_on_the_default_bundle_is_found_on_its_digit_and_not_on_others(shipped_client):
+    """The default bundle's known-kinds verifier (``bundles/mnist-general.verifier``): a set of 4s is matched to the
+    kind '4', and ``found`` then tells 4s from other digits (the calibrated NCC fit alone called about a third of
+    other digits found); a set of glyphs, a kind it never saw, keeps the fit (``kind`` null)."""
+    import torch
+
+    from models.data.glyphs import glyphs
+    from models.data.types import exemplar_crops
+    from models.experiments.cmnist import cmnist
+
+    def png(t):
+        return _png((t[0].numpy() * 255).round().astype(np.uint8))
+
+    def new_set(ex):
+        r = shipped_client.post("/v1/exemplar-sets", files=[("files", (f"{i}.png", png(c), "image/png"))
+                                                             for i, c in enumerate(exemplar_crops(ex))])
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    es = new_set(cmnist(4, "train", 5, seed=1000))
+    assert es["kind"] == "4" and es["calibrated"]
+    assert shipped_client.get(f"/v1/exemplar-sets/{es['id']}").json()["kind"] == "4"
+    fours = cmnist(4, "test", 16, seed=0)
+    others = [cmnist(d, "test", 2, seed=0).images for d in (0, 1, 2, 3, 5, 6, 7, 9)]
+    url = f"/v1/exemplar-sets/{es['id']}/localize"
+    answers = []
+    for batch in (fours.images[:8], fours.images[8:], torch.cat(others[:4]), torch.cat(others[4:])):
+        uploads = [("files", (f"{i}.png", png(im), "image/png")) for i, im in enumerate(batch)]
+        r = shipped_client.post(url, files=uploads)
+        assert r.status_code == 200, r.text
+        answers += r.json()["results"]
+    right = paired_iou(torch.tensor([a["box"] for a in answers[:16]]), fours.boxes) >= 0.5
+    found = torch.tensor([a["found"] for a in answers])
+    assert all(0.0 <= a["confidence"] <= 1.0 and a["found"] == (a["confidence"] >= 0.5) for a in answers)
+    assert int((found[:16] & right).sum()) >= 14
+    assert int(found[16:].sum()) <= 1  # of 16 other digits
+    assert new_set(glyphs("K", "train", 5, seed=1000))["kind"] is None

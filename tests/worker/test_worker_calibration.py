@@ -1,11 +1,18 @@
 """An adaptation job refreshes the calibration of the checkpoints it may serve, and localize uses it."""
 
+import io
 import uuid
 
+import pytest
+import torch
+from PIL import Image
 from service_fixtures import files, png_bytes
 from sqlalchemy import select
 
-from app.tables import Checkpoint
+from app.inference import BundleRegistry
+from app.tables import Checkpoint, ExemplarSet
+from models.inference import pil_to_tensor
+from models.verifier import KindCheck, KindVerifier
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
@@ -33,5 +40,45 @@ def test_job_calibrates_its_last_checkpoint_and_localize_serves_it(client, setti
         assert all(c.calibration is None for c in ckpts[:-1])  # neither activated nor last: the set's is used
         r = client.post(f"/v1/exemplar-sets/{es['id']}/localize", files=files(png_bytes(seed=1)))
         assert r.json()["checkpoint_id"] == str(last.id) and 0 <= r.json()["results"][0]["confidence"] <= 1
+    finally:
+        ctx.engine.dispose()
+
+
+def test_a_sets_kind_check_is_served_and_carried_into_a_jobs_calibration(client, settings, monkeypatch):
+    """A verifier that knows the set's crops (their kind 'square'): the set is matched to it, localize serves the
+    check's confidence, and the job's refreshed calibration keeps the check (it does not depend on the policy)."""
+
+
+
+    crops = [pil_to_tensor(Image.open(io.BytesIO(png_bytes(28, 28, seed=k))), 1, (0.0,)) for k in (9, 10)]
+    torch.manual_seed(0)
+    v = KindVerifier(1, ["square", "background"])
+    proto, _, _ = v.nearest_kind(crops)
+    v.kinds.copy_(torch.stack([proto, -proto]))
+    v.sha256 = "test verifier"
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    ctx = WorkerContext.create(settings)
+    try:
+        # two crops: the check needs the NCC fits, which need another exemplar to leave one out
+        es = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=k) for k in (9, 10)])).json()
+        assert es["kind"] == "square"
+        with ctx.session_factory() as s:
+            check = s.get_one(ExemplarSet, uuid.UUID(es["id"])).calibration["kind"]
+        assert check["verifier"] == "test verifier" and check["known"] >= 0.99
+        r = client.post(f"/v1/exemplar-sets/{es['id']}/localize", params={"rerank": "false"},
+                        files=files(png_bytes(seed=1)))
+        res = r.json()["results"][0]
+        image = pil_to_tensor(Image.open(io.BytesIO(png_bytes(seed=1))), 1, (0.0,))[None]  # 84 x 84: the input size
+        expected = KindCheck.from_dict(check).probability(v.embed_boxes(image, torch.tensor([[res["box"]]])))
+        assert res["confidence"] == pytest.approx(float(expected), abs=1e-6)
+        assert res["found"] == (res["confidence"] >= 0.5)
+        r = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "3", "activate": "true"},
+                        files=files(*[png_bytes(84, 84, seed=i) for i in range(4)]))
+        assert r.status_code == 202, r.text
+        assert run_adaptation_job(ctx, uuid.UUID(r.json()["id"]), worker="test") == "succeeded"
+        with ctx.session_factory() as s:
+            last = s.scalars(select(Checkpoint).where(Checkpoint.job_id == uuid.UUID(r.json()["id"]))
+                             .order_by(Checkpoint.iteration.desc())).first()
+        assert last.calibration is not None and last.calibration["kind"] == check
     finally:
         ctx.engine.dispose()
