@@ -14,7 +14,12 @@ reads `mnist-general`'s greedy answers on validation images (the val part of MNI
 Printed per set: ``known`` and the matched kind, whether the check applies, and precision (vs others, vs empty) /
 recall of `found` by the served confidence (the check's where it applies) and by the NCC fit alone.
 
+``--negatives``: instead, the choice of ``NEGATIVE_BAR`` -- queries with 5 crops each of their two look-alike digits
+as negative exemplars (`not_found.py`'s), `found` against other digits with the check made without negatives, with
+every negative as a prototype, and leaving out those within each bar of another known kind.
+
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/found_kinds_val.py [--verifier FILE]   # ~6 min
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/found_kinds_val.py --negatives          # ~1 min
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,7 +46,7 @@ from models.data.glyphs import glyphs  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402
 from models.inference import Localizer  # noqa: E402
-from models.verifier import KNOWN_BAR, load_verifier  # noqa: E402
+from models.verifier import KNOWN_BAR, load_verifier, resize_crops  # noqa: E402
 
 GLYPHS = ["A", "K", "e", "?", "R", "W", "g", "#", "O", "o", "S", "s", "Z", "z", "l", "I", "b", "q", "B", "G", "D",
           "Q", "T", "L", "U", "C", "J", "Y", "&", "%"]
@@ -85,15 +91,50 @@ def served(loc: Localizer, verifier, make, kind, others, bg: str, draw: int, ful
     return row
 
 
+LOOKALIKES = {4: (7, 9), 7: (1, 9), 2: (3, 7), 9: (4, 7), 1: (7, 4), 3: (5, 8), 5: (3, 6), 8: (3, 0)}
+
+
+@torch.no_grad()
+def negatives(loc: Localizer, verifier, q: int, bars=(0.92, 0.8, 0.7)) -> dict:
+    crops = exemplar_crops(cmnist(q, "train", 5, "patch", 1000))
+    negs = [c for d in LOOKALIKES[q] for c in exemplar_crops(cmnist(d, "train", 5, "patch", 2000))]
+    base = verifier.check(crops)
+    e = verifier.embed(resize_crops(negs))
+    sims = e @ verifier.kinds[:-1].T
+    other = sims.argmax(1) != verifier.names.index(base.kind)
+    checks = {"none": base, "all": replace(base, others=base.others + e.tolist())}
+    checks |= {f"bar {b}": replace(base, others=base.others + e[~((sims.max(1).values >= b) & other)].tolist())
+               for b in bars}
+    proto, agent = loc.prototype(crops), loc.agent()
+    pos = cmnist(q, "val", 200, "patch", 0)
+    oth = torch.cat([cmnist(d, "val", 22, "patch", 0).images for d in range(10) if d != q])
+    bp, _ = answers(loc, agent, proto, pos.images, nearest=loc.default_nearest)
+    bo, _ = answers(loc, agent, proto, oth, nearest=loc.default_nearest)
+    right = paired_iou(bp, pos.boxes) >= 0.5
+    ep, eo = verifier.embed_boxes(pos.images, bp[:, None])[:, 0], verifier.embed_boxes(oth, bo[:, None])[:, 0]
+    row: dict = {"query": q, "negatives": list(LOOKALIKES[q])}
+    for name, c in checks.items():
+        fp, fo = c.probability(ep) >= 0.5, c.probability(eo) >= 0.5
+        tp = int((fp & right).sum())
+        row[name] = {"precision": round(tp / max(1, int(fp.sum()) + int(fo.sum())), 3),
+                     "recall": round(tp / max(1, int(right.sum())), 3)}
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", default=str(ROOT / "bundles" / "mnist-general.verifier"))
     p.add_argument("--draws", type=int, default=3, help="exemplar draws per digit and background for known alone")
+    p.add_argument("--negatives", action="store_true", help="the choice of NEGATIVE_BAR instead")
     a = p.parse_args()
     torch.set_num_threads(2)
     verifier = load_verifier(a.verifier)
     loc = Localizer(load_bundle(ROOT / "bundles" / "mnist-general.pt"), "cpu")
     print(json.dumps({"known_bar": KNOWN_BAR, "verifier": verifier.sha256}), flush=True)
+    if a.negatives:
+        for q in LOOKALIKES:
+            print(json.dumps(negatives(loc, verifier, q)), flush=True)
+        return
     for d in range(10):
         for bg in ("patch", "clutter"):
             print(json.dumps(served(loc, verifier, digit, d, [o for o in range(10) if o != d], bg, 1000, True)),

@@ -23,7 +23,7 @@ RANKS = {
     "backbones": 1, "data": 1,
     "nets": 2, "presets": 2,
     "bundle": 3, "rollout": 3, "compiled": 3, "instances": 3, "refine": 3,
-    "inference": 4,
+    "inference": 4, "verifier": 4,
     "features": 5, "policy": 5, "calibration": 5,
     "evaluate": 6, "adapt": 6, "guard": 6,
     "train": 7, "repair": 7,

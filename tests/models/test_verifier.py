@@ -13,11 +13,13 @@ from models.data.types import exemplar_crops
 from models.experiments.cmnist import cmnist
 from models.verifier import (
     KNOWN_BAR,
+    NEGATIVE_BAR,
     KindCheck,
     KindVerifier,
     background_boxes,
     load_verifier,
     read_boxes,
+    resize_crops,
     save_verifier,
     train_verifier,
     verifier_path,
@@ -103,7 +105,16 @@ def test_the_shipped_verifier_knows_digits_and_not_glyphs(shipped):
     four = v.check(exemplar_crops(cmnist(4, "train", 5, seed=1000)))
     assert four is not None and four.kind == "4" and four.known >= KNOWN_BAR and four.verifier == v.sha256
     assert len(four.others) == 10  # nine other digits and the background
-    assert v.check(exemplar_crops(glyphs("K", "train", 5, seed=1000))) is None
+    k_crops = exemplar_crops(glyphs("K", "train", 5, seed=1000))
+    assert v.check(k_crops) is None
+    # negative exemplars: a crop of another known kind is represented by its prototype already; one of a kind the
+    # verifier never saw (K: cosine <= 0.6 with any digit) becomes a prototype of its own (NEGATIVE_BAR)
+    nines = exemplar_crops(cmnist(9, "train", 3, seed=2000))
+    nine_sims = v.embed(resize_crops(nines)) @ v.kinds[:-1].T
+    represented = int(((nine_sims.max(1).values >= NEGATIVE_BAR) & (nine_sims.argmax(1) != 4)).sum())
+    assert represented >= 2
+    with_negs = v.check(exemplar_crops(cmnist(4, "train", 5, seed=1000)), nines + k_crops[:2])
+    assert len(with_negs.others) == 10 + (3 - represented) + 2
 
 
 def test_with_the_check_a_set_of_fours_is_found_on_fours_and_not_on_other_digits(shipped):
