@@ -161,7 +161,7 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
           negatives: bytes | None, rerank: Rerank = "false", calibration_key: Hashable | None = None,
           ncc: NccFeatures | None = None, template_bar: float | None = None,
-          verifier: KindVerifier | None = None) -> list[Judged]:
+          verifier: KindVerifier | None = None, kind: Tensor | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
     ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
@@ -175,7 +175,8 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     no part: it decides ``found``, not the box). A template-matching window among the instances
     (``Instance.template``, ``rerank=templates``) is a candidate only if it reaches ``template_bar`` too, and is
     never listed among the answer's instances. ``verifier``: the set's bundle's known-kinds verifier; where the
-    calibration's kind check was made with it, its probabilities are the confidences (``_confidences``)."""
+    calibration's kind check was made with it, its probabilities are the confidences (``_confidences``; ``kind``:
+    those the engine read with its batch, ``LocalizeAnswer.kind``)."""
     if not results:
         return []
     counts = [len(r.instances or ()) for r in results]
@@ -185,7 +186,7 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         boxes, scores = answer_rows(results)
         with torch.inference_mode():  # no autograd bookkeeping (torchvision's RoIAlign has a Python layer for it)
             conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
-                                prototype=prototype, negatives=negatives, ncc=ncc, verifier=verifier)
+                                prototype=prototype, negatives=negatives, ncc=ncc, verifier=verifier, kind=kind)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
 
@@ -216,12 +217,15 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
 
 def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor, *,
                  loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None,
-                 ncc: NccFeatures | None = None, verifier: KindVerifier | None = None) -> Tensor:
+                 ncc: NccFeatures | None = None, verifier: KindVerifier | None = None,
+                 kind: Tensor | None = None) -> Tensor:
     """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> calibrated ``P(correct)``
-    ``[n, K]``: the kind check's (a set of a kind ``verifier`` knows: the boxes read on the images resized as the
-    templates were fit, one small CNN pass), else by the richest fit the set allows: the NCC fit (a calibration
-    with templates: no model needed), else the negatives' fit (local mode, a set with negatives: the boxes
-    embedded, one backbone pass per image), else the score's."""
+    ``[n, K]``: the kind check's (a set of a kind ``verifier`` knows: ``kind`` as the engine read it, else the
+    boxes read here on the images resized as the templates were fit, one small CNN pass), else by the richest fit
+    the set allows: the NCC fit (a calibration with templates: no model needed), else the negatives' fit (local
+    mode, a set with negatives: the boxes embedded, one backbone pass per image), else the score's."""
+    if kind is not None and cal.kind is not None:  # read by the engine (its rows may be padded further)
+        return kind[:, :scores.shape[1]]
     if cal.kind_applies(verifier):
         t = cal.templates
         batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)  # type: ignore[union-attr]

@@ -1,8 +1,10 @@
 """What the local engine reads beside the model, on the batch it ran: each answer's NCC features with its set's
-templates (``read_ncc``; the route's verdict then reads nothing itself), and ``rerank=auto``'s second look
-(``SecondLook``: which answers are doubtful, ``doubtful_answers``; with ``rerank=templates``, template matching's
-window on them, ``template_windows``), grouped by set of templates across the calls of a batch (concurrent requests
-on one set: one read). ``app.serving.run_prepared`` calls them; ``answer_rows`` is also the verdict's layout.
+templates (``read_ncc``; the route's verdict then reads nothing itself), the known-kinds check's probabilities of
+a set that has one (``read_kinds``: one pass of the bundle's verifier over every such call's boxes), and
+``rerank=auto``'s second look (``SecondLook``: which answers are doubtful, ``doubtful_answers``; with
+``rerank=templates``, template matching's window on them, ``template_windows``), grouped by set of templates across
+the calls of a batch (concurrent requests on one set: one read). ``app.serving.run_prepared`` calls them;
+``answer_rows`` is also the verdict's layout.
 """
 
 from __future__ import annotations
@@ -147,3 +149,23 @@ def _with_instances(templates: Templates, images01: Tensor, boxes: Tensor, resul
         if neg is not None and q is not None:
             neg[more, 1:] = q
     return pos, neg
+
+
+def read_kinds(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
+               results: list[Localization]) -> list[Tensor | None]:
+    """Each call's ``kind`` check's probabilities ``[n, 1 + K]`` on its answers' rows of boxes (``answer_rows``;
+    ``None`` without a check): one verifier pass per verifier over the rows of every call that has one (concurrent
+    requests on sets of one bundle: one small CNN pass), on the batch the model read."""
+    out: list[Tensor | None] = [None] * len(calls)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(calls):
+        if c.kind is not None and counts[i]:
+            groups.setdefault(id(c.kind[0]), []).append(i)
+    for members in groups.values():
+        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+        boxes, _ = answer_rows([results[r] for r in rows])
+        k = scales[rows].repeat(1, 2)[:, None].to(boxes)  # image pixels -> input
+        emb = calls[members[0]].kind[0].embed_boxes(batch[rows].cpu(), boxes / k)  # type: ignore[index]
+        for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
+            out[i] = calls[i].kind[1].probability(emb[at:at + counts[i]])  # type: ignore[index]
+    return out

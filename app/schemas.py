@@ -109,7 +109,9 @@ class LocalizationResult(BaseModel):
     confidence: float | None = Field(None, ge=0, le=1, description=(
         "Calibrated probability that the box is on the object (IoU >= 0.5), in [0, 1], higher is better: the "
         "calibration of the checkpoint served (or the set's). With negative exemplars, it also weighs how near "
-        "the box is to the look-alikes. null when neither the checkpoint nor the set has a calibration"))
+        "the box is to the look-alikes. For a set with a `kind` (the bundle's known-kinds verifier), the verifier's "
+        "probability that the box is the set's kind rather than another kind it knows, the background or a "
+        "negative exemplar. null when neither the checkpoint nor the set has a calibration"))
     found: bool = Field(True, description=(
         "confidence >= the set's threshold (and >= min_confidence when given); the box is returned either way. "
         "true when there is no calibration (as before calibrations existed)"))

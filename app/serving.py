@@ -28,7 +28,7 @@ from PIL import Image
 from torch import Tensor
 
 from app.batching import Batcher, BatcherClosed, Expected, QueueFull
-from app.engine_ncc import NccFeatures, SecondLook, doubtful_answers, read_ncc, template_windows
+from app.engine_ncc import NccFeatures, SecondLook, doubtful_answers, read_kinds, read_ncc, template_windows
 from app.images import Box
 from app.inference import (
     BundleMismatch,
@@ -45,6 +45,7 @@ from models.bundle import PolicyMismatch, Reward
 from models.core.templates import Templates
 from models.inference import Localization, Localizer, preprocess
 from models.nets.agent import Agent
+from models.verifier import KindCheck, KindVerifier
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class LocalizeCall:
     """Per image, (full / decoded) along x and y (``DecodedImage.scale``: an upload larger than
     ``QLOC_DECODE_MAX_SIDE`` is decoded downscaled), where the backend matches the templates (``second_look``): the
     set's crops, cut from full images, are matched at their size in the decoded pixels. ``None``: 1.0."""
+    kind: KindCheck | None = field(default=None, repr=False, compare=False)
+    """The set's known-kinds check (``models.verifier``), where its confidence is the check's: the local backends
+    read it on every answer's row of boxes with the forward pass (``LocalizeAnswer.kind``), batched across the
+    calls of a batch, where they read the ``templates``; elsewhere the route reads it."""
     extra_boxes: list[Box | None] | None = field(default=None, repr=False, compare=False)
     """With ``max_instances > 1``: per image, one more candidate to score (in its pixels; ``None``: none), added
     last to its instances as ``Instance.template`` (``rerank=templates``' window, found by the route where the
@@ -106,6 +111,9 @@ class LocalizeAnswer:
     looked: bool = False
     """The engine took the call's ``second_look``: the results with ``instances`` are those of the doubtful answers,
     and only theirs."""
+    kind: Tensor | None = None
+    """The call's ``kind`` check's probabilities on every answer's row of boxes ``[n, 1 + K]`` (``None``: not read
+    here)."""
 
 
 class InferenceRefused(Exception):  # noqa: N818 -- an answer for the client, not a crash
@@ -229,8 +237,13 @@ class LocalInference:
             extra = torch.tensor([list(b) if b is not None else [math.nan] * 4 for b in call.extra_boxes],
                                  dtype=torch.float32).view(-1, 4) / scales.repeat(1, 2)  # input pixels
         match_scales = scales if call.decoded_scales is None else scales * torch.tensor(call.decoded_scales).view(-1, 2)
+        kind = None
+        if call.kind is not None and same_input:
+            verifier = self.bundles.verifier(call.bundle)
+            if verifier is not None and verifier.sha256 == call.kind.verifier:
+                kind = (verifier, call.kind)
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
-                            nearest, call.max_instances, t if same_input else None, look, extra, match_scales)
+                            nearest, call.max_instances, t if same_input else None, look, extra, match_scales, kind)
         # A best-of-N search draws one random stream over its call's images: it runs alone (object() is unique).
         key = (loaded.sha256, None if call.checkpoint is None else call.checkpoint.id, nearest,
                object() if call.samples > 0 else 0, call.max_instances)
@@ -266,6 +279,8 @@ class Prepared:
     match_scales: Tensor | None = None
     """``[n, 2]``: (full w_i / S, full h_i / S), the scales template matching sizes the crops by (``scales`` times
     ``LocalizeCall.decoded_scales``); ``None``: ``scales``."""
+    kind: tuple[KindVerifier, KindCheck] | None = None
+    """``LocalizeCall.kind`` with the bundle's verifier it was made with, where ``batch`` is what it reads."""
 
 
 def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
@@ -310,12 +325,14 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
                                              look_again_instances=max((lk.candidates for lk in looks), default=1),
                                              look_again_extra=look_again_extra, extra_boxes=extra_boxes)
     features = read_ncc(calls, starts, counts, batch, scales, results, answer_ncc)
+    kinds = read_kinds(calls, starts, counts, batch, scales, results)
     answers = []
-    for c, at, n, f in zip(calls, starts, counts, features, strict=True):  # per call: slicing the batch's answers
+    for c, at, n, f, kd in zip(calls, starts, counts, features, kinds, strict=True):  # per call: its answers
         mine = results[at:at + n]
         if not c.trajectory and mine and mine[0].trajectory is not None:
             mine = [Localization(r.box, r.score, None, r.instances) for r in mine]
-        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine, f, c.second_look is not None))
+        answers.append(LocalizeAnswer(mine, c.nearest, c.localizer.bundle.refine, ncc=f,
+                                      looked=c.second_look is not None, kind=kd))
     return answers
 
 

@@ -12,7 +12,7 @@ verifier never saw) against the other glyphs given.
 
     git worktree add -f /tmp/qloc-before <rev>
     .venv/bin/python benchmarks/found_kinds_api.py --tree before=/tmp/qloc-before --tree after=. \\
-        [--digits 0 1 ... 9] [--glyphs K A ? W]          # ~2 min per tree
+        [--digits 0 1 ... 9] [--glyphs K A ? W] [--rerank false]     # ~3 min per tree
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def draw(kind: str, split: str, n: int, seed: int):
     return cmnist(int(kind), split, n, "patch", seed) if kind.isdigit() else glyphs(kind, split, n, "patch", seed)
 
 
-def query(http, kind: str, others: list[str]) -> dict:
+def query(http, kind: str, others: list[str], params: dict) -> dict:
     crops = exemplar_crops(draw(kind, "train", 5, 1000))
     r = http.post("/v1/exemplar-sets", files=multipart([to_png(c) for c in crops]))
     r.raise_for_status()
@@ -56,7 +56,7 @@ def query(http, kind: str, others: list[str]) -> dict:
     for name, images in blocks.items():
         out = []
         for i in range(0, len(images), BATCH):
-            r = http.post(f"/v1/exemplar-sets/{es['id']}/localize",
+            r = http.post(f"/v1/exemplar-sets/{es['id']}/localize", params=params,
                           files=multipart([to_png(x) for x in images[i:i + BATCH]]))
             r.raise_for_status()
             out += r.json()["results"]
@@ -80,7 +80,9 @@ def main() -> None:
     p.add_argument("--tree", action="append", required=True, help="NAME=PATH of a checkout")
     p.add_argument("--digits", nargs="*", default=[str(d) for d in range(10)])
     p.add_argument("--glyphs", nargs="*", default=["K", "A", "?", "W"])
+    p.add_argument("--rerank", help="localize's rerank (default: the server's)")
     a = p.parse_args()
+    params = {"rerank": a.rerank} if a.rerank else {}
     torch.set_num_threads(1)
     for spec in a.tree:
         name, path = spec.split("=", 1)
@@ -89,11 +91,11 @@ def main() -> None:
             server.wait_ready()
             with client(server.url, None) as http:
                 for d in a.digits:
-                    row = query(http, d, [o for o in map(str, range(10)) if o != d])
-                    print(json.dumps({"tree": name, **row}), flush=True)
+                    row = query(http, d, [o for o in map(str, range(10)) if o != d], params)
+                    print(json.dumps({"tree": name, **params, **row}), flush=True)
                 for g in a.glyphs:
-                    row = query(http, g, [o for o in a.glyphs if o != g])
-                    print(json.dumps({"tree": name, **row}), flush=True)
+                    row = query(http, g, [o for o in a.glyphs if o != g], params)
+                    print(json.dumps({"tree": name, **params, **row}), flush=True)
         finally:
             server.stop()
 

@@ -21,6 +21,7 @@ import hashlib
 import io
 import os
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 from torchvision.ops import roi_align
 
 from models.bundle import atomic_write
@@ -88,11 +90,14 @@ class KindCheck:
     """The sha256 of the verifier file it was made with."""
     temperature: float = TEMPERATURE
 
+    @cached_property
+    def _prototypes(self) -> Tensor:
+        return torch.tensor([self.prototype, *self.others], dtype=torch.float64)  # made once per decoded check
+
     def probability(self, embeddings: Tensor) -> Tensor:
         """Unit embeddings ``[..., D]`` -> ``P(the set's kind)`` ``[...]`` (float64): the softmax over the cosines
         with the set's prototype and the others."""
-        protos = torch.tensor([self.prototype, *self.others], dtype=torch.float64)
-        return torch.softmax(self.temperature * embeddings.double() @ protos.T, dim=-1)[..., 0]
+        return torch.softmax(self.temperature * embeddings.double() @ self._prototypes.T, dim=-1)[..., 0]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,11 +116,31 @@ class KindVerifier(nn.Module):
         self.net = encoder(channels, dim)
         self.register_buffer("kinds", torch.zeros(len(names), dim))
         self.sha256: str | None = None
+        self._served: tuple[nn.Module, ...] = ()
+        """``freeze``'s copy of ``net`` for answers (in a tuple: not a submodule, not in the state dict), batch norms
+        folded into the convolutions (the same embeddings to float rounding, ~1.5x faster on the CPU); empty:
+        ``net`` answers."""
+
+    def freeze(self) -> KindVerifier:
+        """Eval mode, and answer with a copy of ``net`` with each batch norm folded into its convolution:
+        ``torch.nn.utils.fusion.fuse_conv_bn_eval``) -> this verifier. ``load_verifier`` freezes what it loads."""
+        self.eval()
+        layers, out = list(self.net), []
+        while layers:
+            m = layers.pop(0)
+            if isinstance(m, nn.Conv2d) and layers and isinstance(layers[0], nn.BatchNorm2d):
+                m = fuse_conv_bn_eval(m, layers.pop(0))
+            out.append(m)
+        self._served = (nn.Sequential(*out).eval(),)
+        return self
 
     @torch.no_grad()
     def embed(self, x: Tensor) -> Tensor:
         """``[m, C, SIDE, SIDE]`` -> unit embeddings ``[m, D]``."""
-        return F.normalize(self.net(x.float()), dim=-1) if len(x) else x.new_zeros(0, self.kinds.shape[1])
+        if not len(x):
+            return x.new_zeros(0, self.kinds.shape[1])
+        net = self._served[0] if self._served else self.net
+        return F.normalize(net(x.float()), dim=-1)
 
     @torch.no_grad()
     def embed_boxes(self, images01: Tensor, boxes: Tensor) -> Tensor:
@@ -167,7 +192,7 @@ def save_verifier(path: str | os.PathLike, verifier: KindVerifier, provenance: d
 
 
 def load_verifier(path: str | os.PathLike) -> KindVerifier:
-    """A verifier file -> the verifier (eval mode, CPU, ``sha256`` of the bytes read)."""
+    """A verifier file -> the verifier (frozen for answers: ``freeze``; CPU; ``sha256`` of the bytes read)."""
     data = Path(path).read_bytes()
     try:
         d = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -178,7 +203,7 @@ def load_verifier(path: str | os.PathLike) -> KindVerifier:
     v = KindVerifier(int(d["channels"]), list(d["names"]), int(d["state"]["kinds"].shape[1]))
     v.load_state_dict(d["state"])
     v.sha256 = hashlib.sha256(data).hexdigest()
-    return v.eval()
+    return v.freeze()
 
 
 # --- training (cMNIST: ``qloc train-verifier``)

@@ -256,6 +256,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         samples=n_samples, nearest=nearest,
         max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
         templates=fit.templates if fit is not None and ncc else None,
+        kind=fit.kind if fit is not None and ncc else None,
         second_look=second_look(fit, es.threshold, RERANK_CANDIDATES, templates=rerank == "templates")
         if fit is not None and look else None,
         # every image's candidates asked for at once: template matching's window among them (the route matches)
@@ -278,7 +279,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
                            negatives=es.negatives if use_negatives else None, rerank=rerank_now,
                            calibration_key=calibration_key, ncc=answer.ncc,
                            template_bar=TEMPLATE_BAR if rerank == "templates" else None,
-                           verifier=kind_verifier)
+                           verifier=kind_verifier, kind=answer.kind)
         return answer, judged
 
     answer, judged = answered(call)

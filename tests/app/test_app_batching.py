@@ -619,3 +619,57 @@ def test_second_looks_of_concurrent_calls_are_taken_in_one_forward_for_the_doubt
             if e.instances is not None:
                 assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances],
                                                                             abs=1e-9)
+
+
+def test_the_engine_reads_each_sets_kind_check_with_the_batch_as_the_verdict_would(backends, settings, monkeypatch):
+    """Calls carrying a known-kinds check (``models.verifier``) get its probabilities from the engine, one verifier
+    pass over every such call's boxes; the verdict on them equals the one that reads them itself. A check made with
+    another verifier file is left to the route (which then serves the calibrated fit)."""
+    import dataclasses
+
+    import torch
+
+    from app.calibration import judge
+    from app.inference import BundleRegistry
+    from models.calibration import Calibration, PlattFit
+    from models.core.templates import Templates
+    from models.verifier import KindCheck, KindVerifier
+
+    bundles, local, held = backends
+    loaded = bundles.get(settings.default_bundle)
+    spec = loaded.localizer.spec
+    torch.manual_seed(0)
+    v = KindVerifier(1, ["a", "b", "background"]).freeze()
+    v.sha256 = "engine test"
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    g = torch.Generator().manual_seed(0)
+    t = Templates((torch.rand(3, 1, 16, 16, generator=g) * 255).round() / 255, None, spec.size, spec.channels,
+                  tuple(spec.fill))
+
+    def check(seed: int, sha: str = "engine test") -> KindCheck:
+        r = torch.nn.functional.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)), dim=-1)
+        return KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, sha)
+
+    checks = [check(1), check(2), check(3, "another file")]
+    calls = [make_call(loaded, 1, n=2, templates=t, kind=checks[0], max_instances=3),
+             make_call(loaded, 2, n=1, templates=t, kind=checks[1], max_instances=3),
+             make_call(loaded, 3, n=1, templates=t, kind=checks[2], max_instances=3),
+             make_call(loaded, 4, n=1, templates=t, max_instances=3)]
+    answers = queued_behind_a_held_batch(held, loaded, calls)
+    assert held.batch_calls == [1, len(calls)]
+    assert answers[2].kind is None and answers[3].kind is None
+    for call, answer in zip(calls[:2], answers[:2], strict=True):
+        assert answer.kind.shape[0] == len(call.images)
+        calibration = Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {},
+                                  PlattFit(["ncc"], [0.0], [1.0], [2.0], 0.1), None, call.templates, call.kind)
+        options = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=call.prototype, negatives=None,
+                       rerank="false", ncc=answer.ncc)
+        engine = judge(answer.results, call.images, calibration.to_dict(), **options, kind=answer.kind, verifier=v)
+        read_here = judge(answer.results, call.images, calibration.to_dict(), **options, verifier=v)
+        fit_only = judge(answer.results, call.images, calibration.to_dict(), **options)  # no verifier: the fit
+        assert [j.confidence for j in engine] == pytest.approx([j.confidence for j in read_here], abs=1e-9)
+        assert [j.confidence for j in engine] != pytest.approx([j.confidence for j in fit_only], abs=1e-6)
+        for e, h in zip(engine, read_here, strict=True):
+            assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances], abs=1e-9)
+    other = dataclasses.replace(calls[2], kind=None)
+    assert local.localize(other).kind is None

@@ -68,8 +68,9 @@ def test_a_tiny_verifier_trains_saves_loads_and_checks(tmp_path):
     back = load_verifier(path)
     assert back.sha256 == sha and back.names == v.names and torch.equal(back.kinds, v.kinds)
     crops = exemplar_crops(parts["4"])[:5]
-    assert torch.allclose(back.embed(read_boxes(parts["4"].images[:2], parts["4"].boxes[:2, None])),
-                          v.embed(read_boxes(parts["4"].images[:2], parts["4"].boxes[:2, None])))
+    x = read_boxes(parts["4"].images[:2], parts["4"].boxes[:2, None])
+    assert torch.allclose(back.embed(x), v.embed(x), atol=1e-5)  # loaded: batch norms folded (``freeze``)
+    assert set(back.state_dict()) == set(v.state_dict())  # the folded copy is not saved
     assert back.check([c.repeat(3, 1, 1) for c in crops]) is None  # not its channels
     (tmp_path / "bad.verifier").write_bytes(b"not a verifier")
     with pytest.raises(ValueError, match="not a qloc verifier"):
