@@ -54,12 +54,17 @@ SUFFIX = ".verifier"
 FORMAT = "qloc-verifier"
 
 
-def encoder(channels: int = 1, dim: int = 64) -> nn.Sequential:
+WIDTHS = (32, 64, 64)
+"""The three convolutions' channels (a verifier file records its own)."""
+
+
+def encoder(channels: int = 1, dim: int = 64, widths: tuple[int, ...] = WIDTHS) -> nn.Sequential:
     def block(i: int, o: int) -> list[nn.Module]:
         return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2)]
 
-    return nn.Sequential(*block(channels, 32), *block(32, 64), *block(64, 64), nn.Flatten(),
-                         nn.Linear(64 * (SIDE // 8) ** 2, dim))
+    a, b, c = widths
+    return nn.Sequential(*block(channels, a), *block(a, b), *block(b, c), nn.Flatten(),
+                         nn.Linear(c * (SIDE // 8) ** 2, dim))
 
 
 def read_boxes(images01: Tensor, boxes: Tensor) -> Tensor:
@@ -110,10 +115,10 @@ class KindCheck:
 class KindVerifier(nn.Module):
     """The encoder and the prototypes of the kinds it was trained on (``names``; the last is ``BACKGROUND``)."""
 
-    def __init__(self, channels: int, names: list[str], dim: int = 64):
+    def __init__(self, channels: int, names: list[str], dim: int = 64, widths: tuple[int, ...] = WIDTHS):
         super().__init__()
-        self.channels, self.names = channels, list(names)
-        self.net = encoder(channels, dim)
+        self.channels, self.names, self.widths = channels, list(names), tuple(widths)
+        self.net = encoder(channels, dim, self.widths)
         self.register_buffer("kinds", torch.zeros(len(names), dim))
         self.sha256: str | None = None
         self._served: tuple[nn.Module, ...] = ()
@@ -187,6 +192,7 @@ def save_verifier(path: str | os.PathLike, verifier: KindVerifier, provenance: d
     """Write ``verifier`` (plain types) atomically -> the file's sha256."""
     buf = io.BytesIO()
     torch.save({"format": FORMAT, "format_version": 1, "channels": verifier.channels, "names": verifier.names,
+                "widths": list(verifier.widths),
                 "state": {k: v.cpu() for k, v in verifier.state_dict().items()}, "provenance": provenance}, buf)
     return atomic_write(path, buf.getvalue())
 
@@ -200,7 +206,8 @@ def load_verifier(path: str | os.PathLike) -> KindVerifier:
         raise ValueError(f"{path} is not a qloc verifier file ({type(e).__name__})") from e
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path} is not a qloc verifier file")
-    v = KindVerifier(int(d["channels"]), list(d["names"]), int(d["state"]["kinds"].shape[1]))
+    v = KindVerifier(int(d["channels"]), list(d["names"]), int(d["state"]["kinds"].shape[1]),
+                     tuple(d.get("widths", WIDTHS)))
     v.load_state_dict(d["state"])
     v.sha256 = hashlib.sha256(data).hexdigest()
     return v.freeze()
@@ -248,8 +255,8 @@ def augment(x: Tensor, gen: torch.Generator) -> Tensor:
     return F.grid_sample(x, F.affine_grid(th, list(x.shape), align_corners=False), align_corners=False)
 
 
-def train_verifier(images: dict[str, Tensor], boxes: dict[str, Tensor], iterations: int = 2000, seed: int = 0
-                   ) -> KindVerifier:
+def train_verifier(images: dict[str, Tensor], boxes: dict[str, Tensor], iterations: int = 2000, seed: int = 0,
+                   widths: tuple[int, ...] = WIDTHS) -> KindVerifier:
     """Train on each kind's images ``[n, C, S, S]`` in [0, 1] and object boxes ``[n, 4]`` (input pixels): episodes
     of ``WAY`` classes among the kinds and the background (boxes beside the objects), ``SHOTS`` jittered boxes
     each for the prototypes, ``QUERIES`` to classify (cross-entropy on ``TEMPERATURE`` x cosine). Then each kind's
@@ -264,7 +271,7 @@ def train_verifier(images: dict[str, Tensor], boxes: dict[str, Tensor], iteratio
     pools = {k: (images[k], boxes[k]) for k in names} | {BACKGROUND: (all_images, bg_boxes)}
     classes = [*names, BACKGROUND]
     channels = all_images.shape[1]
-    v = KindVerifier(channels, classes)
+    v = KindVerifier(channels, classes, widths=widths)
     opt = torch.optim.Adam(v.net.parameters(), 1e-3)
     v.net.train()
     way = min(WAY, len(classes))

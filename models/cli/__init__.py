@@ -33,7 +33,7 @@ from models.inference import Localizer, resolve_device
 from models.plots import search_paths, training_curves
 from models.train.agent import train_agent
 from models.train.embedding import train_embedding
-from models.verifier import save_verifier, train_verifier, verifier_path
+from models.verifier import WIDTHS, save_verifier, train_verifier, verifier_path
 
 
 def _seed_all(seed: int) -> None:
@@ -129,10 +129,11 @@ def cmd_train_verifier(a: argparse.Namespace) -> dict:
         images[str(d)] = torch.cat([p.images for p in parts])
         boxes[str(d)] = torch.cat([p.boxes for p in parts])
     t0 = time.perf_counter()
-    v = train_verifier(images, boxes, a.iterations, a.seed)
+    v = train_verifier(images, boxes, a.iterations, a.seed, tuple(a.widths))
     seconds = round(time.perf_counter() - t0, 1)
     out = Path(a.out) if a.out else verifier_path(a.bundle)
     sha = save_verifier(out, v, {"digits": a.digits, "per": a.per, "iterations": a.iterations, "seed": a.seed,
+                                 "widths": a.widths,
                                  "command": " ".join(sys.argv), "train_seconds": seconds})
     return {"out": str(out), "sha256": sha, "kinds": v.names, "train_seconds": seconds}
 
@@ -354,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--per", type=int, default=150, help="train images per digit and background")
     sp.add_argument("--iterations", type=int, default=2000)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--widths", type=int, nargs=3, default=list(WIDTHS), metavar="C",
+                    help="the three convolutions' channels (default and the shipped one: 32 64 64)")
     sp.add_argument("--out", help="another path than <bundle>.verifier")
     sp.set_defaults(func=cmd_train_verifier)
 
