@@ -12,7 +12,7 @@ verifier never saw) against the other glyphs given.
 
     git worktree add -f /tmp/qloc-before <rev>
     .venv/bin/python benchmarks/found_kinds_api.py --tree before=/tmp/qloc-before --tree after=. \\
-        [--digits 0 1 ... 9] [--glyphs K A ? W] [--rerank false]     # ~3 min per tree
+        [--digits 0 1 ... 9] [--glyphs K A ? W] [--rerank false] [--split val]     # ~3 min per tree
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def draw(kind: str, split: str, n: int, seed: int):
     return cmnist(int(kind), split, n, "patch", seed) if kind.isdigit() else glyphs(kind, split, n, "patch", seed)
 
 
-def query(http, kind: str, others: list[str], params: dict) -> dict:
+def query(http, kind: str, others: list[str], params: dict, split: str = "test", raw: list | None = None) -> dict:
     crops = exemplar_crops(draw(kind, "train", 5, 1000))
     r = http.post("/v1/exemplar-sets", files=multipart([to_png(c) for c in crops]))
     r.raise_for_status()
     es = r.json()
-    pos = draw(kind, "test", N_POS, 0)
-    blocks = {"with": pos.images, "others": torch.cat([draw(o, "test", PER_OTHER, 0).images for o in others]),
+    pos = draw(kind, split, N_POS, 0)
+    blocks = {"with": pos.images, "others": torch.cat([draw(o, split, PER_OTHER, 0).images for o in others]),
               "empty": removed(pos.images, pos.boxes, "patch")}
     results = {}
     for name, images in blocks.items():
@@ -63,6 +63,10 @@ def query(http, kind: str, others: list[str], params: dict) -> dict:
         results[name] = out
     http.delete(f"/v1/exemplar-sets/{es['id']}").raise_for_status()
     right = paired_iou(torch.tensor([a["box"] for a in results["with"]]), pos.boxes) >= 0.5
+    if raw is not None:  # every answer, for replaying rules offline
+        raw += [{"query": kind, "block": k, "confidence": a["confidence"], "reranked": bool(a.get("reranked")),
+                 "right": bool(right[i]) if k == "with" else False}
+                for k, v in results.items() for i, a in enumerate(v)]
     found = {k: torch.tensor([bool(a["found"]) for a in v]) for k, v in results.items()}
     tp = int((found["with"] & right).sum())
     called = int(found["with"].sum())
@@ -81,8 +85,11 @@ def main() -> None:
     p.add_argument("--digits", nargs="*", default=[str(d) for d in range(10)])
     p.add_argument("--glyphs", nargs="*", default=["K", "A", "?", "W"])
     p.add_argument("--rerank", help="localize's rerank (default: the server's)")
+    p.add_argument("--split", default="test", choices=("test", "val"), help="the images' split (val: for choices)")
+    p.add_argument("--raw", help="also write every answer (query, block, confidence, reranked, right) as JSON lines")
     a = p.parse_args()
     params = {"rerank": a.rerank} if a.rerank else {}
+    raw: list | None = [] if a.raw else None
     torch.set_num_threads(1)
     for spec in a.tree:
         name, path = spec.split("=", 1)
@@ -91,13 +98,15 @@ def main() -> None:
             server.wait_ready()
             with client(server.url, None) as http:
                 for d in a.digits:
-                    row = query(http, d, [o for o in map(str, range(10)) if o != d], params)
-                    print(json.dumps({"tree": name, **params, **row}), flush=True)
+                    row = query(http, d, [o for o in map(str, range(10)) if o != d], params, a.split, raw)
+                    print(json.dumps({"tree": name, "split": a.split, **params, **row}), flush=True)
                 for g in a.glyphs:
-                    row = query(http, g, [o for o in a.glyphs if o != g], params)
-                    print(json.dumps({"tree": name, **params, **row}), flush=True)
+                    row = query(http, g, [o for o in a.glyphs if o != g], params, a.split, raw)
+                    print(json.dumps({"tree": name, "split": a.split, **params, **row}), flush=True)
         finally:
             server.stop()
+    if a.raw and raw is not None:
+        Path(a.raw).write_text("".join(json.dumps(r) + "\n" for r in raw))
 
 
 if __name__ == "__main__":
