@@ -11,7 +11,7 @@ from service_fixtures import files, png_bytes, row_counts
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
-from app.calibration import judge
+from app.calibration import SECOND_LOOK_FOUND, judge
 from app.lru import LoadingLRU
 from app.tables import Checkpoint, ExemplarSet
 from models.calibration import Calibration, PlattFit
@@ -197,7 +197,8 @@ def test_rerank_auto_takes_a_second_look_only_at_doubtful_answers(client, settin
         if crops > 1 and a["confidence"] < cut / 2 and best["confidence"] >= cut:
             switched += 1
             assert r["box"] == pytest.approx(best["box"]) and r["confidence"] == pytest.approx(best["confidence"])
-            assert r["reranked"] is True and r["found"]
+            # a second look's answer is found from SECOND_LOOK_FOUND (the best of several reaches 0.5 by chance)
+            assert r["reranked"] is True and r["found"] == (best["confidence"] >= SECOND_LOOK_FOUND)
         else:
             kept += 1
             assert r["box"] == pytest.approx(a["box"]) and r["confidence"] == pytest.approx(a["confidence"])
@@ -237,6 +238,16 @@ def test_judge_reranks_by_the_rule_asked_for(rerank, answer, best, switched):
                 prototype=b"", negatives=None, rerank=rerank, ncc=ncc)
     assert j.box == (boxes[2] if switched else boxes[0]) and j.reranked == switched
     assert j.confidence == pytest.approx(best if switched else answer) and not j.found  # min_confidence 0.99
+    [j] = judge([result], [Image.new("L", (84, 84))], cal, threshold=0.5, min_confidence=None, loaded=None,
+                prototype=b"", negatives=None, rerank=rerank, ncc=ncc)
+    # a candidate auto took is found from SECOND_LOOK_FOUND; rerank=true's from the threshold, as any answer
+    bar = SECOND_LOOK_FOUND if switched and rerank == "auto" else 0.5
+    assert j.found == (j.confidence >= bar)
+    if switched and rerank == "auto":
+        [j] = judge([result], [Image.new("L", (84, 84))], cal, threshold=0.5, min_confidence=None, loaded=None,
+                    prototype=b"", negatives=None, rerank=rerank,
+                    ncc=(torch.tensor([logit[:1] + logit[:2] + [math.log(0.85 / 0.15)]], dtype=torch.float64), None))
+        assert j.reranked and j.found  # 0.85 >= SECOND_LOOK_FOUND
 
     # auto looks among the first 4 candidates only: a fifth (max_instances > 4) leaves the answer as it was
     many = Localization(boxes[0], 1.0, instances=[Instance((float(k), 0.0, k + 5.0, 5.0), 1.0) for k in range(5)])
