@@ -42,7 +42,7 @@ KNOWN_BAR = 0.92
 """A set is of a known kind when its prototype's cosine with that kind's is at least this. Chosen on validation sets
 (``benchmarks/found_kinds_val.py``, the shipped `mnist-general` verifier): 30 glyph kinds the verifier never saw score
 0.42-0.87 ('O' 0.866), digit sets 0.94-0.996 on patch and clutter but down to 0.92 on impulse and gaussian (two of
-150 digit sets lower, 0.84 and 0.90: they keep the fit)."""
+140 digit sets lower, 0.84 and 0.90: they keep the fit)."""
 NEGATIVE_BAR = 0.8
 """A negative exemplar whose crop is within this cosine of another known kind than the set's is left out of the check:
 that kind's prototype stands for it already, and one crop as a prototype of its own only costs recall. Chosen on
