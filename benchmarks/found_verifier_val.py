@@ -30,6 +30,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data.cmnist import _source_indices, load_mnist  # noqa: E402
+from models.verifier import augment  # noqa: E402 -- the shipped verifier's (the same variations)
 
 SHOTS, WAY, QUERIES = 5, 5, 15
 
@@ -45,18 +46,6 @@ def encoder() -> nn.Module:
         return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2)]
 
     return nn.Sequential(*block(1, 32), *block(32, 64), *block(64, 64), nn.Flatten(), nn.Linear(64 * 3 * 3, 64))
-
-
-def augment(x: Tensor, gen: torch.Generator) -> Tensor:
-    """Random rotation (+-0.2 rad), scale (+-15 %), shear and shift: a handwriting's variations."""
-    n = len(x)
-    a, s = (torch.rand(n, generator=gen) - 0.5) * 0.4, 1 + (torch.rand(n, generator=gen) - 0.5) * 0.3
-    th = torch.zeros(n, 2, 3)
-    th[:, 0, 0], th[:, 1, 1] = s * torch.cos(a), s * torch.cos(a)
-    th[:, 0, 1] = -s * torch.sin(a) + (torch.rand(n, generator=gen) - 0.5) * 0.3
-    th[:, 1, 0] = s * torch.sin(a)
-    th[:, :, 2] = (torch.rand(n, 2, generator=gen) - 0.5) * 0.2
-    return F.grid_sample(x, F.affine_grid(th, list(x.shape), align_corners=False), align_corners=False)
 
 
 def train(x: Tensor, y: Tensor, classes: list[int], iterations: int, seed: int) -> nn.Module:
