@@ -30,7 +30,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data.cmnist import _source_indices, load_mnist  # noqa: E402
-from models.verifier import augment  # noqa: E402 -- the shipped verifier's (the same variations)
+from models.verifier import augment, encoder  # noqa: E402 -- the shipped verifier's net and variations
 
 SHOTS, WAY, QUERIES = 5, 5, 15
 
@@ -39,13 +39,6 @@ def split(x: np.ndarray, y: np.ndarray, part: str) -> tuple[Tensor, Tensor]:
     """The MNIST train file's ``part`` ("train" / "val": ``models.data.cmnist``'s fixed split) as [n, 1, 28, 28]."""
     idx = np.sort(np.concatenate([_source_indices(y, d, part, 0.2) for d in range(10)]))
     return torch.tensor(x[idx], dtype=torch.float32)[:, None] / 255, torch.tensor(y[idx]).long()
-
-
-def encoder() -> nn.Module:
-    def block(i: int, o: int) -> list[nn.Module]:
-        return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2)]
-
-    return nn.Sequential(*block(1, 32), *block(32, 64), *block(64, 64), nn.Flatten(), nn.Linear(64 * 3 * 3, 64))
 
 
 def train(x: Tensor, y: Tensor, classes: list[int], iterations: int, seed: int) -> nn.Module:
