@@ -120,12 +120,17 @@ def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image
                              0 if negatives is None else len(negatives))
 
 
+def _on_input(t: Templates, images: list[Image.Image], boxes: Tensor) -> tuple[Tensor, Tensor]:
+    """``images`` resized as the templates were fit (what the local backends read with their batch instead), and
+    boxes ``[n, K, 4]`` in their pixels -> (the batch ``[n, C, S, S]``, the boxes in its pixels)."""
+    batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)
+    return batch, boxes / torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]: image pixels -> input
+
+
 def _read_ncc(t: Templates, images: list[Image.Image], boxes: Tensor) -> NccFeatures:
     """Boxes ``[n, K, 4]`` in the pixels of ``images`` -> their NCC features (``Templates.ncc``), read on the images
-    resized as the templates were fit (what the local backends read with their batch instead)."""
-    batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)
-    k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
-    return t.ncc(batch, boxes / k)
+    resized as the templates were fit (``_on_input``)."""
+    return t.ncc(*_on_input(t, images, boxes))
 
 
 def matched_windows(t: Templates, images: list[Image.Image], decoded_scales: list[tuple[float, float]]
@@ -238,10 +243,7 @@ def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, sco
     if kind is not None and cal.kind is not None:  # read by the engine (its rows may be padded further)
         return kind[:, :scores.shape[1]]
     if cal.kind_applies(verifier):
-        t = cal.templates
-        batch, scales = resize_batch([pil_to_tensor(im, t.channels, t.fill) for im in images], t.size)  # type: ignore[union-attr]
-        k = torch.cat([scales, scales], dim=1)[:, None]
-        return cal.kind_confidence(verifier, batch, boxes / k)  # type: ignore[return-value]
+        return cal.kind_confidence(verifier, *_on_input(cal.templates, images, boxes))  # type: ignore[arg-type, return-value]
     if cal.templates is not None and cal.ncc is not None:
         pos, neg = ncc if ncc is not None else _read_ncc(cal.templates, images, boxes)
         k = scores.shape[1]  # the engine's rows may be padded further (its batch's most instances)

@@ -108,6 +108,15 @@ def _per_call(pos: Tensor, neg: Tensor | None, counts: list[int]) -> list[NccFea
     return [(pos[at:at + n], None if neg is None else neg[at:at + n]) for at, n in zip(starts, counts, strict=False)]
 
 
+def _rows_on_input(members: list[int], starts: list[int], counts: list[int], scales: Tensor,
+                   results: list[Localization]) -> tuple[list[int], Tensor]:
+    """The batch's rows of the calls ``members`` and their answers' rows of boxes (``answer_rows``) in the pixels of
+    the batch's input ``[m, 1 + K, 4]``."""
+    rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+    boxes, _ = answer_rows([results[r] for r in rows])
+    return rows, boxes / scales[rows].repeat(1, 2)[:, None].to(boxes)  # (sx, sy, sx, sy): image pixels -> input
+
+
 def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
              results: list[Localization], answer_ncc: dict[int, NccFeatures] | None = None
              ) -> list[NccFeatures | None]:
@@ -120,15 +129,13 @@ def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch:
     known = answer_ncc or {}
     out: list[NccFeatures | None] = [None] * len(calls)
     for members in _by_templates(calls, [i for i, c in enumerate(calls) if c.templates is not None and counts[i]]):
-        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
-        boxes, _ = answer_rows([results[r] for r in rows])
-        k = scales[rows].repeat(1, 2)[:, None].to(boxes)  # [m, 1, 4] (sx, sy, sx, sy): image pixels -> input
+        rows, boxes = _rows_on_input(members, starts, counts, scales, results)
         templates = calls[members[0]].templates
         if all(i in known for i in members):
-            pos, neg = _with_instances(templates, batch[rows].cpu(), boxes / k, [results[r] for r in rows],  # type: ignore[arg-type]
+            pos, neg = _with_instances(templates, batch[rows].cpu(), boxes, [results[r] for r in rows],  # type: ignore[arg-type]
                                        [known[i] for i in members])
         else:
-            pos, neg = templates.ncc(batch[rows].cpu(), boxes / k)  # type: ignore[union-attr]
+            pos, neg = templates.ncc(batch[rows].cpu(), boxes)  # type: ignore[union-attr]
         for i, f in zip(members, _per_call(pos, neg, [counts[i] for i in members]), strict=True):
             out[i] = f
     return out
@@ -162,10 +169,8 @@ def read_kinds(calls: list[Prepared], starts: list[int], counts: list[int], batc
         if c.kind is not None and counts[i]:
             groups.setdefault(id(c.kind[0]), []).append(i)
     for members in groups.values():
-        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
-        boxes, _ = answer_rows([results[r] for r in rows])
-        k = scales[rows].repeat(1, 2)[:, None].to(boxes)  # image pixels -> input
-        emb = calls[members[0]].kind[0].embed_boxes(batch[rows].cpu(), boxes / k)  # type: ignore[index]
+        rows, boxes = _rows_on_input(members, starts, counts, scales, results)
+        emb = calls[members[0]].kind[0].embed_boxes(batch[rows].cpu(), boxes)  # type: ignore[index]
         for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
             out[i] = calls[i].kind[1].probability(emb[at:at + counts[i]])  # type: ignore[index]
     return out

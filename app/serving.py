@@ -240,7 +240,7 @@ class LocalInference:
         kind = None
         if call.kind is not None and same_input:
             verifier = self.bundles.verifier(call.bundle)
-            if verifier is not None and verifier.sha256 == call.kind.verifier:
+            if call.kind.made_with(verifier):
                 kind = (verifier, call.kind)
         prepared = Prepared(served.localizer, served.agent, batch, scales, prototype, call.trajectory, call.samples,
                             nearest, call.max_instances, t if same_input else None, look, extra, match_scales, kind)

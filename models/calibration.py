@@ -175,8 +175,7 @@ class Calibration:
 
     def kind_applies(self, verifier: KindVerifier | None) -> bool:
         """Whether ``verifier`` is the one this calibration's ``kind`` check was made with (and there is one)."""
-        return (self.kind is not None and verifier is not None and verifier.sha256 == self.kind.verifier
-                and self.templates is not None)
+        return self.kind is not None and self.kind.made_with(verifier) and self.templates is not None
 
     @torch.no_grad()
     def kind_confidence(self, verifier: KindVerifier | None, images01: Tensor, boxes: Tensor) -> Tensor | None:

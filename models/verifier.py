@@ -95,6 +95,10 @@ class KindCheck:
     """The sha256 of the verifier file it was made with."""
     temperature: float = TEMPERATURE
 
+    def made_with(self, verifier: KindVerifier | None) -> bool:
+        """Whether ``verifier`` is the file this check was made with (another one embeds boxes otherwise)."""
+        return verifier is not None and verifier.sha256 == self.verifier
+
     @cached_property
     def _prototypes(self) -> Tensor:
         return torch.tensor([self.prototype, *self.others], dtype=torch.float64)  # made once per decoded check

@@ -263,8 +263,6 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         extra_boxes=matched_windows(fit.templates, [im.image for im in images], decoded_scales)  # type: ignore[union-attr]
         if windows and run.max_instances >= RERANK_CANDIDATES else None)
 
-    kind_verifier = bundles.verifier(es.bundle) if bundles is not None and fit is not None and fit.kind else None
-
     def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
         try:
             answer = inference.localize(call)
@@ -279,7 +277,9 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
                            negatives=es.negatives if use_negatives else None, rerank=rerank_now,
                            calibration_key=calibration_key, ncc=answer.ncc,
                            template_bar=TEMPLATE_BAR if rerank == "templates" else None,
-                           verifier=kind_verifier, kind=answer.kind)
+                           kind=answer.kind,  # read by the engine with its batch; else read here
+                           verifier=bundles.verifier(es.bundle) if answer.kind is None and bundles is not None
+                           and fit is not None and fit.kind is not None else None)
         return answer, judged
 
     answer, judged = answered(call)

@@ -22,6 +22,7 @@ from models.adapt import AdaptConfig, adapt
 from models.allocator import tune_malloc
 from models.bundle import load_bundle, load_policy, new_bundle, save_bundle, save_policy
 from models.cli.photos import add_photo_arguments, photo_reproduce_command, photo_train_command
+from models.cli.verifier import add_verifier_parser
 from models.data import photo_cache_dir
 from models.data.cmnist import BACKGROUNDS
 from models.evaluate import evaluate_corloc, ordacc_all
@@ -33,7 +34,6 @@ from models.inference import Localizer, resolve_device
 from models.plots import search_paths, training_curves
 from models.train.agent import train_agent
 from models.train.embedding import train_embedding
-from models.verifier import WIDTHS, save_verifier, train_verifier, verifier_path
 
 
 def _seed_all(seed: int) -> None:
@@ -118,24 +118,6 @@ def cmd_train_agent(a: argparse.Namespace) -> dict:
     bundle.provenance.setdefault("history", {})["agent"] = res["history"]
     bundle.provenance["agent"] = {k: v for k, v in res.items() if k != "history"} | {"reward": a.reward}
     return _saved(a.out, bundle, {"val/corloc": res["val/corloc"], "best_iteration": res["best_iteration"]})
-
-
-def cmd_train_verifier(a: argparse.Namespace) -> dict:
-    """The known-kinds verifier of a cMNIST bundle (``models.verifier``): box contents of ``--digits`` on the four
-    backgrounds (MNIST's train file, the train part), written beside the bundle as ``<bundle>.verifier``."""
-    images, boxes = {}, {}
-    for d in a.digits:
-        parts = [cmnist(d, "train", a.per, bg, a.seed) for bg in BACKGROUNDS]
-        images[str(d)] = torch.cat([p.images for p in parts])
-        boxes[str(d)] = torch.cat([p.boxes for p in parts])
-    t0 = time.perf_counter()
-    v = train_verifier(images, boxes, a.iterations, a.seed, tuple(a.widths))
-    seconds = round(time.perf_counter() - t0, 1)
-    out = Path(a.out) if a.out else verifier_path(a.bundle)
-    sha = save_verifier(out, v, {"digits": a.digits, "per": a.per, "iterations": a.iterations, "seed": a.seed,
-                                 "widths": a.widths,
-                                 "command": " ".join(sys.argv), "train_seconds": seconds})
-    return {"out": str(out), "sha256": sha, "kinds": v.names, "train_seconds": seconds}
 
 
 def cmd_adapt(a: argparse.Namespace) -> dict:
@@ -349,16 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="bundle file to write")
     sp.set_defaults(func=cmd_train_agent)
 
-    sp = sub.add_parser("train-verifier", help="the known-kinds verifier of a cMNIST bundle (found on known kinds)")
-    sp.add_argument("--bundle", required=True, help="the bundle file it serves (written beside it: <bundle>.verifier)")
-    sp.add_argument("--digits", type=int, nargs="+", choices=range(10), default=list(range(10)))
-    sp.add_argument("--per", type=int, default=150, help="train images per digit and background")
-    sp.add_argument("--iterations", type=int, default=2000)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--widths", type=int, nargs=3, default=list(WIDTHS), metavar="C",
-                    help="the three convolutions' channels (default and the shipped one: 32 64 64)")
-    sp.add_argument("--out", help="another path than <bundle>.verifier")
-    sp.set_defaults(func=cmd_train_verifier)
+    add_verifier_parser(sub)
 
     sp = sub.add_parser("adapt", help="stage 3: test-time adaptation on unlabeled images of a new target")
     common(sp, digit=2)
