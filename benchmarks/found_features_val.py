@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from models.backbones.imagenet import IMAGENET_MEAN, IMAGENET_STD, mobilenet_v2_imagenet  # noqa: E402
 from models.bundle import load_bundle  # noqa: E402
-from models.calibration import answers, fit_platt  # noqa: E402
+from models.calibration import answers  # noqa: E402
 from models.core.boxes import paired_iou  # noqa: E402
+from models.core.platt import fit_platt  # noqa: E402
 from models.core.templates import box_contents, box_ncc, jittered, make_templates, mean_ncc  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402

@@ -25,13 +25,13 @@ sys.path.insert(0, str(ROOT))
 from models.bundle import load_bundle  # noqa: E402
 from models.calibration import (  # noqa: E402
     Calibration,
-    auroc,
     box_distances,
     calibrate_policy,
     pick,
     score_boxes,
 )
 from models.core.boxes import paired_iou  # noqa: E402
+from models.core.platt import auroc  # noqa: E402
 from models.data.cmnist import generate_pair  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402

@@ -48,10 +48,9 @@ from models.calibration import (  # noqa: E402
     answers,
     box_distances,
     calibrate_policy,
-    expected_calibration_error,
-    reliability_bins,
 )
 from models.core.boxes import paired_iou  # noqa: E402
+from models.core.platt import expected_calibration_error, reliability_bins  # noqa: E402
 from models.data.probes import erase_boxes  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.cmnist import cmnist  # noqa: E402

@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.bundle import load_bundle  # noqa: E402
-from models.calibration import answers, auroc, calibrate_policy, expected_calibration_error  # noqa: E402
+from models.calibration import answers, calibrate_policy  # noqa: E402
 from models.core.boxes import paired_iou  # noqa: E402
+from models.core.platt import auroc, expected_calibration_error  # noqa: E402
 from models.data.photos import CLASSES, generate, load_manifest  # noqa: E402
 from models.data.photos import crops as photo_crops  # noqa: E402
 from models.inference import Localizer  # noqa: E402

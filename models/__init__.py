@@ -1,8 +1,8 @@
 """qloc's PyTorch core, split by role. A module imports only modules of its own role or a lower one
 (``tests/models/test_layers.py`` checks it), and never ``app`` or ``worker``:
 
-0. ``config``, ``core`` (boxes, actions, ordinal pairs, REINFORCE, metrics, seeded scopes, template NCC), ``plots``,
-   ``allocator`` (glibc's thresholds for batched activations)
+0. ``config``, ``core`` (boxes, actions, ordinal pairs, REINFORCE, metrics, seeded scopes, template NCC, Platt
+   scaling), ``plots``, ``allocator`` (glibc's thresholds for batched activations)
 1. ``backbones`` (registry, builders, decoders), ``data`` (``LabeledImages``, cMNIST, photos, fetcher)
 2. ``nets`` (RoI embedder, agent), ``presets`` (the cMNIST and photo configs)
 3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search), ``compiled`` (the

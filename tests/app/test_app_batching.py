@@ -498,7 +498,8 @@ def test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_w
     import torch
 
     from app.calibration import judge
-    from models.calibration import Calibration, PlattFit
+    from models.calibration import Calibration
+    from models.core.platt import PlattFit
     from models.core.templates import Templates
 
     bundles, local, held = backends
@@ -556,7 +557,8 @@ def test_second_looks_of_concurrent_calls_are_taken_in_one_forward_for_the_doubt
 
     from app.calibration import RERANK_CANDIDATES, judge
     from app.serving import SecondLook
-    from models.calibration import Calibration, PlattFit
+    from models.calibration import Calibration
+    from models.core.platt import PlattFit
     from models.core.templates import Templates
 
     bundles, local, held = backends
@@ -631,7 +633,8 @@ def test_the_engine_reads_each_sets_kind_check_with_the_batch_as_the_verdict_wou
 
     from app.calibration import judge
     from app.inference import BundleRegistry
-    from models.calibration import Calibration, PlattFit
+    from models.calibration import Calibration
+    from models.core.platt import PlattFit
     from models.core.templates import Templates
     from models.verifier import KindCheck, KindVerifier
 

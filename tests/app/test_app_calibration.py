@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 from app.calibration import SECOND_LOOK_FOUND, judge
 from app.lru import LoadingLRU
 from app.tables import Checkpoint, ExemplarSet
-from models.calibration import Calibration, PlattFit
+from models.calibration import Calibration
+from models.core.platt import PlattFit
 from models.core.templates import Templates
 from models.inference import Instance, Localization
 

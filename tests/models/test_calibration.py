@@ -1,4 +1,5 @@
-"""``models.calibration``: Platt fit, ECE and reliability bins on known distributions; samples; a real fit."""
+"""``models.core.platt`` and ``models.calibration``: Platt fit, ECE and reliability bins on known distributions;
+samples; a real fit."""
 
 import math
 
@@ -8,12 +9,10 @@ import torch
 from models.bundle import new_bundle
 from models.calibration import (
     Calibration,
-    expected_calibration_error,
     features,
     fit_calibration,
-    fit_platt,
-    reliability_bins,
 )
+from models.core.platt import expected_calibration_error, fit_platt, reliability_bins
 from models.data.calibration_samples import make_samples, scrambled_crops, synthetic_backgrounds
 from models.presets import mnist_config
 
@@ -188,7 +187,7 @@ def test_leave_one_out_never_compares_a_pasted_positive_with_its_own_exemplar():
 
 
 def test_old_calibration_dicts_load_and_answer_the_same():
-    from models.calibration import PlattFit
+    from models.core.platt import PlattFit
 
     v1 = {"version": 1, "score": {"features": ["log_score"], "mean": [5.0], "std": [1.0], "weights": [-2.0],
                                   "bias": 0.3},
@@ -209,7 +208,7 @@ def test_old_calibration_dicts_load_and_answer_the_same():
 def test_templates_round_trip_through_json():
     import json
 
-    from models.calibration import PlattFit
+    from models.core.platt import PlattFit
     from models.core.templates import Templates, make_templates
 
     g = torch.Generator().manual_seed(2)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from models.calibration import Calibration, PlattFit, calibrate_policy, stored_kind
+from models.calibration import Calibration, calibrate_policy, stored_kind
 from models.core.boxes import paired_iou
+from models.core.platt import PlattFit
 from models.data.glyphs import glyphs
 from models.data.types import exemplar_crops
 from models.experiments.cmnist import cmnist
