@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -32,6 +33,8 @@ from torch import Tensor, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 from torchvision.ops import roi_align
 
+from models.backbones.onednn import OneDnnConvs
+from models.backbones.onednn import available as onednn_available
 from models.bundle import atomic_write
 
 SIDE = 28
@@ -125,14 +128,16 @@ class KindVerifier(nn.Module):
         self.net = encoder(channels, dim, self.widths)
         self.register_buffer("kinds", torch.zeros(len(names), dim))
         self.sha256: str | None = None
-        self._served: tuple[nn.Module, ...] = ()
+        self._served: tuple[Callable[[Tensor], Tensor], ...] = ()
         """``freeze``'s copy of ``net`` for answers (in a tuple: not a submodule, not in the state dict), batch norms
-        folded into the convolutions (the same embeddings to float rounding, ~1.5x faster on the CPU); empty:
-        ``net`` answers."""
+        folded into the convolutions (the same embeddings to float rounding, ~1.5x faster on the CPU), run on
+        oneDNN's tensors where this torch has it (``OneDnnConvs``); empty: ``net`` answers."""
 
-    def freeze(self) -> KindVerifier:
-        """Eval mode, and answer with a copy of ``net`` with each batch norm folded into its convolution:
-        ``torch.nn.utils.fusion.fuse_conv_bn_eval``) -> this verifier. ``load_verifier`` freezes what it loads."""
+    def freeze(self, onednn: bool | None = None) -> KindVerifier:
+        """Eval mode, and answer with a copy of ``net`` with each batch norm folded into its convolution
+        (``torch.nn.utils.fusion.fuse_conv_bn_eval``), its convolutions run on oneDNN's tensors (``OneDnnConvs``;
+        ``onednn``: ``None`` where ``torch.backends.mkldnn`` is available) -> this verifier. ``load_verifier``
+        freezes what it loads."""
         self.eval()
         layers, out = list(self.net), []
         while layers:
@@ -140,7 +145,10 @@ class KindVerifier(nn.Module):
             if isinstance(m, nn.Conv2d) and layers and isinstance(layers[0], nn.BatchNorm2d):
                 m = fuse_conv_bn_eval(m, layers.pop(0))
             out.append(m)
-        self._served = (nn.Sequential(*out).eval(),)
+        folded = nn.Sequential(*out).eval()
+        if onednn is None:
+            onednn = onednn_available()
+        self._served = (OneDnnConvs(folded) if onednn else folded,)
         return self
 
     @torch.no_grad()

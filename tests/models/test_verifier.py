@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from models.backbones.onednn import OneDnnConvs
+from models.backbones.onednn import available as onednn_available
 from models.calibration import Calibration, calibrate_policy, stored_kind
 from models.core.boxes import paired_iou
 from models.core.platt import PlattFit
@@ -99,6 +101,21 @@ def shipped():
     from models.inference import Localizer
 
     return load_verifier(path), Localizer(load_bundle(SHIPPED / "mnist-general.pt"), "cpu")
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+def test_the_served_encoder_on_onednn_gives_the_nets_embeddings(shipped):
+    v = shipped[0]
+    assert isinstance(v._served[0], OneDnnConvs) and [k for k, _ in v._served[0].steps] == ["conv", "relu", "pool"] * 3
+    folded = load_verifier(SHIPPED / "mnist-general.verifier").freeze(onednn=False)
+    assert isinstance(folded._served[0], torch.nn.Sequential)
+    x = read_boxes(cmnist(7, "val", 9, "clutter", 0).images, cmnist(7, "val", 9, "clutter", 0).boxes[:, None])
+    for n in (1, 2, 9):  # one box, and batches
+        with torch.no_grad():
+            plain = F.normalize(v.net(x[:n]), dim=-1)  # batch norms as trained, eager layers
+        assert torch.allclose(v.embed(x[:n]), plain, atol=1e-5)
+        assert torch.allclose(folded.embed(x[:n]), plain, atol=1e-5)
+    assert v.embed(x[:0]).shape == (0, v.kinds.shape[1])
 
 
 def test_the_shipped_verifier_knows_digits_and_not_glyphs(shipped):
