@@ -3,7 +3,8 @@
 
 0. ``config``, ``core`` (boxes, actions, ordinal pairs, REINFORCE, metrics, seeded scopes, template NCC, Platt
    scaling), ``plots``, ``allocator`` (glibc's thresholds for batched activations)
-1. ``backbones`` (registry, builders, decoders), ``data`` (``LabeledImages``, cMNIST, photos, fetcher)
+1. ``backbones`` (registry, builders, decoders, oneDNN convolution stacks), ``data`` (``LabeledImages``, cMNIST,
+   photos, fetcher)
 2. ``nets`` (RoI embedder, agent), ``presets`` (the cMNIST and photo configs)
 3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search), ``compiled`` (the
    one-image greedy episode compiled ahead), ``instances`` (several objects per image: episodes from coarse

@@ -2,7 +2,7 @@
 
 PyTorch's eager CPU convolutions and max pools convert each small activation to and from oneDNN's blocked layout
 (or take slower kernels) layer by layer; kept in that layout from the first layer to the last, the known-kinds
-verifier's 28 x 28 reads run 1.4x faster for one box and 3-5x for 4-64 boxes (one thread; BENCHMARKS.md, "Known
+verifier's 28 x 28 reads run 1.25x faster for one box and 2-4x for 2-64 boxes (one thread; BENCHMARKS.md, "Known
 kinds"). Public tensor operations only (``Tensor.to_mkldnn``, ``torch.mkldnn_convolution``), not the deprecated
 TorchScript modules of ``torch.utils.mkldnn``; ``available()`` says whether this torch has oneDNN.
 """
