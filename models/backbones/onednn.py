@@ -25,8 +25,8 @@ class OneDnnConvs:
     """A frozen ``nn.Sequential`` whose leading convolutions, ReLUs and max pools run on oneDNN's tensors
     (``Tensor.to_mkldnn``, ``torch.mkldnn_convolution``), the activations kept in its layout from the first
     convolution to the last of them, then the rest of the layers as they are. A copy of the weights as they are
-    now (build another after training them); the same outputs to float rounding. CPU only, for answers (no
-    gradients)."""
+    now (build another after training them); the same outputs to float rounding. For answers: a batch on another
+    device, of another dtype, empty or with gradients on runs through the layers as given."""
 
     def __init__(self, seq: nn.Sequential):
         layers = list(seq)
@@ -43,9 +43,13 @@ class OneDnnConvs:
             else:
                 self.steps.append(("relu", None) if isinstance(m, nn.ReLU) else ("pool", m))
         self.rest = nn.Sequential(*layers).eval()
+        self.dense = seq.eval()
+        """The layers as given: what runs on anything but a non-empty float32 batch on the CPU."""
 
     def __call__(self, x: Tensor) -> Tensor:
-        """``[m, C, H, W]`` float32 on the CPU -> what the sequential gives."""
+        """``[m, C, H, W]`` -> what the sequential gives (through oneDNN for float32 on the CPU)."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not x.numel() or torch.is_grad_enabled():
+            return self.dense(x)
         if self.steps:
             y = x.contiguous().to_mkldnn()
             for kind, arg in self.steps:

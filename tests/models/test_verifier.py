@@ -116,6 +116,14 @@ def test_the_served_encoder_on_onednn_gives_the_nets_embeddings(shipped):
         assert torch.allclose(v.embed(x[:n]), plain, atol=1e-5)
         assert torch.allclose(folded.embed(x[:n]), plain, atol=1e-5)
     assert v.embed(x[:0]).shape == (0, v.kinds.shape[1])
+    convs = v._served[0]
+    with torch.no_grad():
+        ref = convs.dense(x[:2])
+        assert torch.allclose(convs(x[:2]), ref, atol=1e-5)
+        assert torch.allclose(convs(x[:2].contiguous(memory_format=torch.channels_last)), ref, atol=1e-5)
+        assert convs(x[:0]).shape == (0, v.kinds.shape[1])
+    with torch.enable_grad():
+        assert torch.allclose(convs(x[:2]), ref, atol=1e-5)  # gradients on: the layers as given
 
 
 def test_the_shipped_verifier_knows_digits_and_not_glyphs(shipped):
