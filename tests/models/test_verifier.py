@@ -126,6 +126,28 @@ def test_the_served_encoder_on_onednn_gives_the_nets_embeddings(shipped):
         assert torch.allclose(convs(x[:2]), ref, atol=1e-5)  # gradients on: the layers as given
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+def test_the_served_encoder_answers_several_threads_at_once(shipped):
+    import threading
+
+    v = shipped[0]
+    xs = [read_boxes(p.images, p.boxes[:, None]) for p in (cmnist(d, "val", 8, "patch", 0) for d in range(4))]
+    ref = [v.embed(x) for x in xs]
+    wrong: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(25):
+            if not torch.equal(v.embed(xs[i]), ref[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
 def test_the_shipped_verifier_knows_digits_and_not_glyphs(shipped):
     v, _ = shipped
     assert v.names == [*map(str, range(10)), "background"]
