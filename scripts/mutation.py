@@ -43,6 +43,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "inference": ("models/inference.py", MODEL_TESTS),
     "adapt": ("models/adapt.py", MODEL_TESTS),
     "jobs": ("worker/jobs.py", WORKER_TESTS),
+    "platt": ("models/core/platt.py", ["tests/models/test_platt.py", "tests/models/test_calibration.py"]),
+    "verifier": ("models/verifier.py", ["tests/models/test_verifier.py"]),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
