@@ -20,6 +20,8 @@ from models.verifier import (
     KindCheck,
     KindVerifier,
     background_boxes,
+    encoder,
+    jitter,
     load_verifier,
     read_boxes,
     resize_crops,
@@ -193,3 +195,125 @@ def test_with_the_check_a_set_of_fours_is_found_on_fours_and_not_on_other_digits
     assert torch.equal(cal.box_confidence(others[:4], torch.tensor([[[20.0, 20, 48, 48]]] * 4), torch.ones(4, 1),
                                           verifier=other),
                        cal.box_confidence(others[:4], torch.tensor([[[20.0, 20, 48, 48]]] * 4), torch.ones(4, 1)))
+
+
+# --- pinned against the module's surviving mutants (TESTING.md, mutation testing)
+
+
+def test_read_boxes_samples_pixel_centres_and_averages_each_bin():
+    ramp = torch.arange(84.0).repeat(84, 1)[None, None]  # value = x
+    whole = read_boxes(ramp[..., :28, :28], torch.tensor([[[0.0, 0.0, 28.0, 28.0]]]))
+    assert torch.allclose(whole[0, 0], ramp[0, 0, :28, :28], atol=1e-5)  # aligned: bin centres on pixel centres
+    third = read_boxes(ramp ** 2, torch.tensor([[[0.0, 0.0, 84.0, 84.0]]]))  # 3 x 3 samples per bin, averaged
+    x = torch.arange(28.0) * 3 + 1  # each bin's samples at x - 1, x, x + 1
+    assert torch.allclose(third[0, 0, 0], x ** 2 + 2 / 3, atol=1e-2)  # one sample at the centre would give x ** 2
+    two = torch.stack([ramp[0], 2 * ramp[0]])[:, :, :28, :28]  # each image reads its own boxes
+    both = read_boxes(two, torch.tensor([[[0.0, 0.0, 28.0, 28.0]], [[0.0, 0.0, 28.0, 28.0]]]))
+    assert torch.allclose(both[1], 2 * both[0])
+    f64 = read_boxes(two, torch.tensor([[[0.0, 0.0, 28.0, 28.0]], [[0.0, 0.0, 28.0, 28.0]]], dtype=torch.float64))
+    assert f64.dtype == torch.float32 and torch.allclose(f64, both)  # boxes in another dtype: read as the images
+
+
+def test_resize_crops_antialiases_and_keeps_pixel_centres():
+    checker = (torch.arange(84)[:, None] + torch.arange(84)[None]) % 2  # period 2 px: averages to 0.5
+    out = resize_crops([checker[None].float()])
+    assert out.shape == (1, 1, 28, 28) and (out - 0.5).abs().max() < 0.05
+    ramp = torch.arange(28.0).repeat(28, 1)[None]
+    assert torch.allclose(resize_crops([ramp * 2])[0, 0], ramp[0] * 2, atol=1e-5)  # same size: unchanged
+    small = resize_crops([torch.arange(14.0).repeat(14, 1)[None]])[0, 0, 0]
+    assert small[0] == pytest.approx(0.0, abs=1e-5) and small[-1] == pytest.approx(13.0, abs=1e-5)
+    assert small[1] == pytest.approx(0.0 + 0.25, abs=1e-5)  # align_corners=False: half-pixel centres
+
+
+def test_a_verifier_file_records_its_format_widths_and_provenance_and_loads_them(tmp_path):
+    v = KindVerifier(1, ["a", "background"], widths=(8, 16, 16)).eval()
+    assert [m.out_channels for m in v.net if isinstance(m, torch.nn.Conv2d)] == [8, 16, 16]
+    assert v.sha256 is None and v._served == ()
+    sha = save_verifier(tmp_path / "v.verifier", v, {"by": "test"})
+    d = torch.load(tmp_path / "v.verifier", weights_only=True)
+    assert (d["format"], d["format_version"], d["widths"], d["provenance"]) == ("qloc-verifier", 1, [8, 16, 16],
+                                                                                 {"by": "test"})
+    back = load_verifier(tmp_path / "v.verifier")
+    assert back.widths == (8, 16, 16) and back.sha256 == sha
+    x = torch.rand(3, 1, 28, 28)
+    assert torch.allclose(back.embed(x), v.eval().embed(x), atol=1e-5)
+
+
+def test_a_verifier_file_that_is_not_one_is_refused_without_running_its_pickle(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (print, ("a pickle ran",))
+
+    torch.save({"format": "qloc-verifier", "x": Boom()}, tmp_path / "pickle.verifier")
+    with pytest.raises(ValueError, match=r"pickle.verifier is not a qloc verifier file \(UnpicklingError\)"):
+        load_verifier(tmp_path / "pickle.verifier")  # weights only: no code from the file runs
+    torch.save([1, 2], tmp_path / "list.verifier")
+    with pytest.raises(ValueError, match=r"list.verifier is not a qloc verifier file$"):
+        load_verifier(tmp_path / "list.verifier")
+    torch.save({"format": "something else"}, tmp_path / "other.verifier")
+    with pytest.raises(ValueError, match=r"other.verifier is not a qloc verifier file$"):
+        load_verifier(tmp_path / "other.verifier")
+
+
+def test_the_default_encoder_reads_one_channel_into_64_dimensions():
+    assert encoder().eval()(torch.rand(2, 1, 28, 28)).shape == (2, 64)
+
+
+def test_jitter_moves_and_scales_boxes_within_its_amount_and_repeats_with_its_generator():
+    boxes = torch.tensor([[10.0, 20.0, 30.0, 60.0]]).repeat(4000, 1)  # w 20, h 40
+    out = jitter(boxes, torch.Generator().manual_seed(0), amount=0.1)
+    assert torch.equal(out, jitter(boxes, torch.Generator().manual_seed(0), amount=0.1))
+    cx, cy = (out[:, 0] + out[:, 2]) / 2, (out[:, 1] + out[:, 3]) / 2
+    sw, sh = (out[:, 2] - out[:, 0]) / 20, (out[:, 3] - out[:, 1]) / 40
+    assert (cx - 20).abs().max() <= 2.0 + 1e-4 and (cx - 20).abs().max() > 1.9  # up to 0.1 of the width
+    assert (cy - 40).abs().max() <= 4.0 + 1e-4 and (cy - 40).abs().max() > 3.8  # of the height
+    assert torch.allclose(sw, sh) and sw.min() >= 0.9 - 1e-5 and sw.max() <= 1.1 + 1e-5  # one scale, 1 +- 0.1
+    assert sw.min() < 0.91 and sw.max() > 1.09 and (cx < 20).any() and (cx > 20).any()
+    assert abs(float(torch.corrcoef(torch.stack([cx, cy]))[0, 1])) < 0.1  # independent shifts
+    assert abs(float(torch.corrcoef(torch.stack([sw, cy]))[0, 1])) < 0.1  # the scale apart from the shifts
+    default = jitter(boxes[:2000], torch.Generator().manual_seed(1))
+    shift = ((default[:, 0] + default[:, 2]) / 2 - 20).abs().max()
+    assert 2.8 < shift <= 3.0 + 1e-4  # the default amount: 0.15 of the width
+
+
+def test_a_short_training_learns_to_tell_look_alike_digits_apart():
+    parts = {str(d): cmnist(d, "train", 48, seed=0) for d in (4, 9)}
+    images, boxes = {k: p.images for k, p in parts.items()}, {k: p.boxes for k, p in parts.items()}
+    held = [cmnist(d, "val", 60, seed=0) for d in (4, 9)]
+
+    def accuracy(iterations: int) -> float:
+        v = train_verifier(images, boxes, iterations=iterations, seed=0, widths=(8, 16, 16)).freeze()
+        assert v.widths == (8, 16, 16) and v.names == ["4", "9", "background"]
+        e = torch.cat([v.embed(read_boxes(p.images, p.boxes[:, None])) for p in held])
+        return float(((e @ v.kinds[:2].T).argmax(1) == torch.arange(2).repeat_interleave(60)).float().mean())
+
+    untrained, trained = accuracy(0), accuracy(150)  # nearest prototype, held-out 4s and 9s
+    assert untrained < 0.85 and trained >= 0.93  # measured 0.73 and 0.96
+
+
+def test_training_repeats_with_its_seed():
+    parts = {str(d): cmnist(d, "train", 16, seed=0) for d in (1, 4)}
+    args = ({k: p.images for k, p in parts.items()}, {k: p.boxes for k, p in parts.items()})
+    a, b = train_verifier(*args, iterations=2, seed=5), train_verifier(*args, iterations=2, seed=5)
+    assert torch.equal(a.kinds, b.kinds)
+    assert not torch.equal(a.kinds, train_verifier(*args, iterations=2, seed=6).kinds)
+
+
+def test_background_boxes_are_squares_of_the_objects_size_overlapping_it_least_of_their_tries():
+    from torchvision.ops import box_iou
+
+    g = torch.Generator().manual_seed(3)
+    xy, wh = torch.rand(200, 2, generator=g) * 36, 40 + torch.rand(200, 2, generator=g) * 8  # big: most tries overlap
+    b = torch.cat([xy, xy + wh], 1)
+    out = background_boxes(b, 84, torch.Generator().manual_seed(7), tries=16)
+    side = out[:, 2] - out[:, 0]
+    assert torch.allclose(out[:, 3] - out[:, 1], side) and (out >= 0).all() and (out <= 84 + 1e-4).all()
+    ratio = side / wh.mean(1)
+    assert ratio.min() >= 0.8 - 1e-5 and ratio.max() <= 1.4 + 1e-5 and ratio.min() < 0.85 and ratio.max() > 1.3
+    r = torch.Generator().manual_seed(7)  # the same draws, scored by torchvision's IoU
+    s = wh.mean(1, keepdim=True) * (0.8 + 0.6 * torch.rand(200, 16, generator=r))
+    x, y = torch.rand(200, 16, generator=r) * (84 - s), torch.rand(200, 16, generator=r) * (84 - s)
+    cand = torch.stack([x, y, x + s, y + s], -1)
+    iou = torch.stack([box_iou(cand[i], b[i:i + 1])[:, 0] for i in range(200)])
+    assert (iou > 0).all(1).float().mean() > 0.3  # rows where the least overlap is not zero tell IoUs apart
+    assert torch.allclose(out, cand[torch.arange(200), iou.argmin(1)])
