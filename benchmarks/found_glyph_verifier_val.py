@@ -11,7 +11,8 @@ classes, not the unseen-glyph or API suites, not ``found_kinds_val.py``'s) -- on
 of new digits as the service makes them (5 crops of MNIST's train part) and reads ``--bundle``'s greedy answers on
 validation images: 200 of the query, 22 of each other digit ("others") and the same 200 with the digit removed
 ("empty"). Printed per query and background: the open check's precision / recall at 0.5, the NCC fit's (served
-today), and the best ``min(precision, recall)`` of any threshold on the verifier's cosine and on the NCC fit.
+today), and the best ``min(precision, recall)`` of any threshold on the verifier's cosine and on the NCC fit
+(``found_verifier_val.best_min_pr``: right answers against wrong ones and the other images' answers).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/found_glyph_verifier_val.py      # ~5 min (training ~100 s)
 """
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from found_absent_val import removed  # noqa: E402
+from found_verifier_val import best_min_pr  # noqa: E402
 
 from models.bundle import load_bundle  # noqa: E402
 from models.calibration import answers, calibrate_policy  # noqa: E402
@@ -44,16 +46,6 @@ from models.inference import Localizer  # noqa: E402
 from models.verifier import TEMPERATURE, resize_crops, train_verifier  # noqa: E402
 
 CHARS = "acdfhijkmnprtuvwxyEFHMNPVX+=<>*~^/|()[]{}!αβγεζηκμνξρστφχωΓΔΛΞΠΣΨ"
-
-
-def best(pos: torch.Tensor, right: torch.Tensor, neg: torch.Tensor) -> float:
-    """The best ``min(precision, recall)`` of any threshold on a score (higher: found)."""
-    out = 0.0
-    for t in torch.cat([pos, neg]).unique():
-        f = pos >= t
-        tp = int((f & right).sum())
-        out = max(out, min(tp / max(1, int(f.sum()) + int((neg >= t).sum())), tp / len(right)))
-    return round(out, 3)
 
 
 def main() -> None:
@@ -104,7 +96,9 @@ def main() -> None:
                 row[label] = {f"precision vs {k}": round(tp / max(1, int(f.sum()) + int((r[k][i] >= 0.5).sum())), 3)
                               for k in ("others", "empty")} | {"recall": round(tp / len(right), 3)}
             for i, label in ((2, "verifier cosine"), (3, "ncc fit")):
-                row[f"best {label}"] = {k: best(r["pos"][i], right, r[k][i]) for k in ("others", "empty")}
+                pos, wrong = r["pos"][i][right], r["pos"][i][~right]
+                row[f"best {label}"] = {k: round(best_min_pr(pos, torch.cat([wrong, r[k][i]])), 3)
+                                        for k in ("others", "empty")}
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
 
