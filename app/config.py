@@ -80,8 +80,9 @@ class Settings(BaseSettings):
     """Keep batched activations on the heap (``models.allocator``: glibc's thresholds fixed, in the API and worker
     processes): on 2 cores, localization at batch 64 ran 1.42x faster. ``false`` leaves glibc's defaults."""
     compile_episode: bool = True
-    """On the CPU, compile each loaded bundle's one-image greedy episode (``torch.compile``, on a background
-    thread at start): one-image requests then spend ~2 ms in the episode instead of ~5-7 on 2 cores, with the same
+    """On the CPU, compile each loaded bundle's greedy episode (``torch.compile``, on a background thread at
+    start), for one image and for batches of 2-15: one-image requests then spend ~2 ms in the episode instead of
+    ~5-7 on 2 cores, and the engine's batches of concurrent requests 1.5-1.8x less (2-8 images), with the same
     boxes. Compiling needs a C++ compiler (the Docker image has one) and takes tens of seconds, a few from the cache
     in ``<storage_dir>/compile-cache`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it); until then, and where it fails,
     the episode runs eager. On a GPU (``QLOC_DEVICE``), greedy episodes of up to 64 images run as replayed CUDA

@@ -172,14 +172,18 @@ class Localizer:
     def agent(self, agent_state: dict[str, Tensor] | None = None) -> Agent:
         return self.bundle.new_agent(agent_state).to(self.device).eval()
 
-    def compile_episode(self) -> float:
+    def compile_episode(self, batches: bool = True) -> float:
         """Compile the one-image greedy episode for this bundle (``models.compiled``; seconds, blocking; raises
         where it cannot compile) -> seconds it took. Every Localizer of the process then runs its one-image
-        greedy episodes compiled (the same boxes)."""
+        greedy episodes compiled (the same boxes). ``batches``: then also the episode of any batch of two images
+        or more (one more compile: what a server's engine runs for concurrent requests)."""
         s = self.spec.size
         with torch.inference_mode():
-            feats = self.embedder.features(torch.zeros(1, self.spec.channels, s, s, device=self.device))
-        return compiled_steer().warm(self.embedder, self.agent(), feats, self.bundle.config.env, (float(s), float(s)))
+            feats = self.embedder.features(torch.zeros(2 if batches else 1, self.spec.channels, s, s,
+                                                       device=self.device))
+        agent, env, size = self.agent(), self.bundle.config.env, (float(s), float(s))
+        seconds = compiled_steer().warm(self.embedder, agent, feats[:1], env, size)
+        return seconds + (compiled_steer().warm(self.embedder, agent, feats, env, size) if batches else 0.0)
 
     @property
     def default_nearest(self) -> bool:

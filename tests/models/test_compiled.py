@@ -1,6 +1,7 @@
-"""The compiled one-image episode (``models.compiled``): the eager episode's very boxes, and never a compile on a call.
+"""The compiled episodes (``models.compiled``), one image's and a batch's: the eager episode's very boxes, and never a
+compile on a call.
 
-One compile for the module (a tiny bundle: 4 steps, ~10-30 s on 2 cores), then every check against the eager
+Two compiles for the module (a tiny bundle: 4 steps, ~10-30 s each on 2 cores), then every check against the eager
 ``steer`` of the same function.
 """
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from models.bundle import new_bundle
-from models.compiled import CompiledSteer, compiled_steer, warmed_steer
+from models.compiled import BATCHED_MAX, CompiledSteer, compiled_steer, warmed_steer
 from models.config import AgentConfig, EnvConfig, HeadConfig, InputSpec, ModelConfig
 from models.core import actions
 from models.inference import Localizer, preprocess
@@ -91,25 +92,36 @@ def test_a_compiled_episode_moves_the_boxes_the_eager_one_does_for_any_checkpoin
         assert len({a.box for a in fast}) > 1  # the images got different answers: the check can fail
 
 
-def test_other_batches_and_sampled_episodes_run_eager_and_nothing_compiles_on_a_call(warmed):
+def test_batches_of_2_to_15_run_their_own_compiled_code_the_rest_eager_and_nothing_compiles_on_a_call(
+        warmed, monkeypatch):
     loc, compiled, _ = warmed
     g = torch.Generator().manual_seed(2)
-    batch, scales = preprocess([torch.rand(1, 32, 32, generator=g) for _ in range(3)], loc.spec)
-    proto, agent = torch.randn(16, generator=g), loc.agent()
-    before = compiled.calls
-    start = time.perf_counter()
-    three = loc.localize_batch(batch, scales, proto, agent)  # batch 3: never compiled
-    sampled = loc.localize_batch(batch[:1], scales[:1], proto, agent, deterministic=False, seed=3)
-    assert time.perf_counter() - start < 5  # a compile takes ~10 s or more
-    assert compiled.calls == before
-    one = [loc.localize_batch(batch[i:i + 1], scales[i:i + 1], proto, agent)[0] for i in range(3)]
-    assert compiled.calls == before + 3
+    proto = torch.randn(16, generator=g)
+    agent = loc.agent(lively(loc.bundle.agent_state, 1))
     steps = loc.bundle.config.env.steps
-    assert python_moves(lambda: loc.localize_batch(batch[:1], scales[:1], proto, agent)) == 0  # compiled code ran
-    assert python_moves(lambda: loc.localize_batch(batch, scales, proto, agent)) == steps  # eager
-    for a, b in zip(one, three, strict=True):
+    for n, runs_compiled in ((2, True), (3, True), (BATCHED_MAX, True), (BATCHED_MAX + 1, False), (24, False)):
+        batch, scales = preprocess([torch.rand(1, 32 + i % 9, 30, generator=g) for i in range(n)], loc.spec)
+        before = compiled.calls
+        start = time.perf_counter()
+        fast = loc.localize_batch(batch, scales, proto, agent, trajectory=True)
+        assert time.perf_counter() - start < 5  # a compile takes ~10 s or more
+        assert compiled.calls == before + runs_compiled, n
+        moved = python_moves(lambda: loc.localize_batch(batch, scales, proto, agent))  # noqa: B023 -- called here
+        assert moved == (0 if runs_compiled else steps), n  # 0: the compiled code ran, not an eager fallback
+        with monkeypatch.context() as m:
+            m.setattr("models.inference.fast_steer", lambda device: None)  # the eager episode
+            slow = loc.localize_batch(batch, scales, proto, agent, trajectory=True)
+        assert [a.trajectory for a in fast] == [a.trajectory for a in slow], n
+        assert len({a.box for a in fast}) > 1
+    # one image at a time: the one-image code; the same boxes as in a batch
+    batch, scales = preprocess([torch.rand(1, 32, 32, generator=g) for _ in range(3)], loc.spec)
+    together = loc.localize_batch(batch, scales, proto, agent)
+    one = [loc.localize_batch(batch[i:i + 1], scales[i:i + 1], proto, agent)[0] for i in range(3)]
+    for a, b in zip(one, together, strict=True):
         assert a.box == pytest.approx(b.box, abs=1e-4)
-    assert len(sampled) == 1
+    before = compiled.calls
+    sampled = loc.localize_batch(batch[:1], scales[:1], proto, agent, deterministic=False, seed=3)
+    assert compiled.calls == before and len(sampled) == 1  # sampled actions: eager
 
 
 def test_warming_again_compiles_nothing(warmed):
