@@ -175,8 +175,9 @@ class Localizer:
     def compile_episode(self, batches: bool = True) -> float:
         """Compile the one-image greedy episode for this bundle (``models.compiled``; seconds, blocking; raises
         where it cannot compile) -> seconds it took. Every Localizer of the process then runs its one-image
-        greedy episodes compiled (the same boxes). ``batches``: then also the episode of any batch of two images
-        or more (one more compile: what a server's engine runs for concurrent requests)."""
+        greedy episodes compiled (the same boxes). ``batches``: then also the episode of batches of 2 to
+        ``models.compiled.BATCHED_MAX`` images (one more compile: what a server's engine runs for concurrent
+        requests)."""
         s = self.spec.size
         with torch.inference_mode():
             feats = self.embedder.features(torch.zeros(2 if batches else 1, self.spec.channels, s, s,
