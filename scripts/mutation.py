@@ -45,6 +45,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "jobs": ("worker/jobs.py", WORKER_TESTS),
     "platt": ("models/core/platt.py", ["tests/models/test_platt.py", "tests/models/test_calibration.py"]),
     "verifier": ("models/verifier.py", ["tests/models/test_verifier.py"]),
+    "guard": ("models/guard.py", ["tests/models/test_probes_guard.py"]),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 
 from models.bundle import new_bundle
 from models.data.probes import _feathered, erase_boxes, paste_probes
+from models.data.types import LabeledImages
+from models.evaluate import ranking_metrics, training_candidates
+from models.features import features_of
 from models.guard import Guard, GuardConfig
 from models.presets import mnist_config
 
@@ -236,3 +241,186 @@ def test_pick_confirmed_takes_the_best_checkpoint_the_held_out_half_confirms():
     assert g.decide("auto")["activate"] is None  # nothing confirmed: nothing taken
     with pytest.raises(ValueError, match="pick"):
         g.decide("auto", pick="any")
+
+
+# --- the guard's arithmetic and rules, by hand (written against the surviving mutants of models/guard.py)
+
+
+def test_gains_noises_and_summaries_by_hand():
+    """Each half scored on its own probes; the noise is twice the standard error of the paired difference against
+    the start (n - 1 in the variance), in points, at least one probe's worth; CorLoc to 2 decimals, IoU to 4."""
+    base = torch.tensor([1, 1, 0, 0, 1, 0, 1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    ckpt = torch.tensor([1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1], dtype=torch.bool)
+    g = _Scripted({"start": base, "c": ckpt, "same": base}, 12)
+    g.select, g.held = torch.arange(6), torch.arange(6, 12)
+    start = g.start("start")
+    assert start["select"] == {"corloc": 50.0, "mean_iou": 0.5, "n": 6}
+    rec = g.observe(7, "c")
+    assert rec["select"] == {"corloc": 83.33, "mean_iou": 0.8333, "n": 6}  # 5 of 6
+    assert rec["gain"] == 33.33
+    # paired differences [0, 0, 1, 1, -1, 1]: sd (n - 1) = sqrt(2/3), se = sd / sqrt(6) = 1/3
+    assert rec["noise"] == 66.67
+    assert rec["held"] == {"corloc": 66.67, "mean_iou": 0.6667, "n": 6} and rec["held_gain"] == 16.67
+    # held-out differences [0, 1, 0, -1, 0, 1]: its own noise, not the selection half's
+    assert rec["held_noise"] == round(2 * statistics.stdev([0, 1, 0, -1, 0, 1]) / math.sqrt(6) * 100, 2) == 61.46
+    assert g.observe(8, "same")["noise"] == 16.67  # no difference: one probe's worth (1 / 6)
+    g.select = torch.tensor([0, 2])  # differences [0, 1]: se 0.5, twice that 1.0
+    assert g._noise(ckpt) == 100.0
+    g.select = torch.tensor([2])  # one probe: a standard error of 1 (no spread to measure), floor 1 / 1
+    assert g._noise(ckpt) == 200.0
+
+
+def _rec(it: int, corloc: float, gain: float, noise: float, held_gain: float, held_noise: float, iou: float = 0.5,
+         **labeled: float) -> dict:
+    rec = {"iteration": it, "select": {"corloc": corloc, "mean_iou": iou}, "held": {"corloc": 50.0 + held_gain},
+           "gain": gain, "noise": noise, "held_gain": held_gain, "held_noise": held_noise, **labeled}
+    if "labeled_gain" in labeled:
+        rec["labeled"] = {"corloc": 50.0 + labeled["labeled_gain"]}
+    return rec
+
+
+def _decide(checkpoints: list[dict], *args, spearman: float = -0.9, channels: int = 1, labeled: int = 0,
+            **kwargs) -> dict:
+    """``decide`` on checkpoint records given as they are (the best: highest selection CorLoc, then IoU)."""
+    g = _Scripted({}, 10, spearman=spearman, channels=channels, labeled=labeled)
+    g.base = {"select": {"corloc": 50.0}, "held": {"corloc": 50.0}, "labeled": {"corloc": 50.0}}
+    g.checkpoints = checkpoints
+    if checkpoints:
+        i = max(range(len(checkpoints)), key=lambda j: (checkpoints[j]["select"]["corloc"],
+                                                        checkpoints[j]["select"]["mean_iou"]))
+        g._best = (checkpoints[i]["select"]["corloc"], checkpoints[i]["select"]["mean_iou"], i)
+    return g.decide(*args, **kwargs)
+
+
+def test_a_gain_must_exceed_its_noise_on_both_halves():
+    assert _decide([_rec(5, 70.0, 20.0, 10.0, 8.0, 5.0)])["activate"] == 5  # mode defaults to auto
+    assert _decide([_rec(5, 70.0, 10.0, 10.0, 8.0, 5.0)])["verdict"] == "no better"  # equal to the noise: no
+    assert _decide([_rec(5, 70.0, 20.0, 10.0, 5.0, 5.0)])["verdict"] == "no better"
+    d = _decide([_rec(5, 70.0, 20.0, 10.0, 8.0, 5.0)], "auto", pick="best")  # the best is confirmed: taken
+    assert d["verdict"] == "improved" and d["activate"] == 5 and "not activated" not in d["message"]
+    assert d["message"].startswith("probe CorLoc 50.0 -> 70.0 at iteration 5 (noise 10.0)")
+
+
+def test_confirmed_takes_the_best_of_several_that_pass_by_corloc_then_iou():
+    passing = [_rec(1, 60.0, 10.0, 5.0, 6.0, 5.0), _rec(2, 65.0, 15.0, 5.0, 6.0, 5.0, iou=0.4),
+               _rec(3, 65.0, 15.0, 5.0, 6.0, 5.0, iou=0.6), _rec(4, 64.0, 14.0, 5.0, 6.0, 5.0)]
+    lucky = _rec(9, 90.0, 40.0, 5.0, 0.0, 5.0)  # the best on the selection half, not confirmed
+    assert _decide([*passing, lucky], "auto", pick="best")["activate"] is None
+    d = _decide([*passing, lucky])
+    assert d["activate"] == 3 and d["validation"]["best"]["iteration"] == 3
+
+
+def test_the_verdicts_boundaries_and_what_each_mode_activates():
+    flat = _rec(5, 50.0, 0.0, 10.0, 0.0, 5.0)
+    assert _decide([flat], spearman=-0.3)["verdict"] == "no better"  # faithfulness 0.3 = the bar: reliable
+    d = _decide([flat], spearman=-0.29)
+    assert d["verdict"] == "reward unreliable" and d["message"].endswith(
+        "objects, and no checkpoint beat the starting policy")
+    assert _decide([_rec(5, 40.0, -10.0, 10.0, 0.0, 5.0)])["verdict"] == "no better"  # down by the noise only
+    d = _decide([_rec(5, 40.0, -10.5, 10.0, 0.0, 5.0)])
+    assert d["verdict"] == "worse" and d["message"].endswith("; the starting policy is better")
+    d = _decide([flat])
+    assert d["message"] == "no checkpoint beat the starting policy on the probes by more than their noise"
+    assert _decide([], "true")["activate"] is None and _decide([], "auto")["verdict"] == "no better"
+    assert _decide([flat, _rec(6, 45.0, -5.0, 10.0, 0.0, 5.0)], "true")["activate"] == 6  # the last, forced
+    with pytest.raises(ValueError, match="activate must be one of"):
+        _decide([flat], "always")
+    g = _Scripted({"start": _hits(10, 0.5, 1)}, 10)
+    g.start("start")
+    v = g.decide()["validation"]
+    assert v["faithfulness"] is g.faithfulness and v["base"] is g.base and v["checkpoints"] is g.checkpoints
+
+
+def test_labeled_examples_rules_at_their_boundaries():
+    def rec(labeled_gain: float, labeled_noise: float = 20.0) -> dict:
+        return _rec(5, 70.0, 20.0, 10.0, 8.0, 5.0, labeled_gain=labeled_gain, labeled_noise=labeled_noise)
+
+    assert _decide([rec(25.0)], channels=3, labeled=1)["activate"] == 5  # one labeled example is enough to count
+    d = _decide([rec(20.0)], channels=3, labeled=1)  # equal to its noise: not beyond it
+    assert d["activate"] is None and d["message"].startswith("probe CorLoc 50.0 -> 70.0")
+    assert "; not activated: pasted probes alone do not predict real photos for this bundle, and the set's labeled " \
+           "examples do not confirm it by more than their noise (20.0) (CorLoc 50.0 -> " in d["message"]
+    assert d["message"].endswith("more labeled examples make a smaller gain count); activate a checkpoint yourself "
+                                 "to use it")
+    assert _decide([rec(0.0)], channels=3, labeled=1, labeled_rule="agree")["activate"] == 5  # as many right
+    d = _decide([rec(-0.5)], channels=3, labeled=1, labeled_rule="agree")
+    assert d["activate"] is None and "do not confirm it (CorLoc" in d["message"]
+    d = _decide([rec(25.0)], channels=3)  # no labeled examples
+    assert d["message"].endswith("the set has no labeled examples to confirm it on (create the set from whole "
+                                 "images with `boxes`); activate a checkpoint yourself to use it")
+
+
+def test_the_best_so_far_keeps_the_first_of_equals_and_falling_counts_only_beyond_the_noise():
+    base = torch.tensor([1, 1, 0, 0], dtype=torch.bool)
+    up = torch.tensor([1, 1, 1, 0], dtype=torch.bool)
+    g = _Scripted({"start": base, "up": up, "base": base, "down": torch.zeros(4, dtype=torch.bool)}, 4,
+                  GuardConfig(patience=1))
+    g.select, g.held = torch.arange(4), torch.arange(4)
+    g.start("start")
+    g.observe(1, "up")
+    g.observe(2, "up")
+    assert g.best["iteration"] == 1  # equal to the best: the earlier stays
+    rec = g.observe(3, "base")  # 50 against the best's 75: down by exactly its noise (25, one probe's worth)
+    assert rec["noise"] == 25.0 and not g.should_stop
+    g.observe(4, "down")
+    assert g.should_stop  # below by more than the noise
+    g2 = _Scripted(g.hits, 4, GuardConfig(patience=2))
+    g2.select, g2.held = torch.arange(4), torch.arange(4)
+    g2.start("start")
+    for it, name in enumerate(["up", "down", "base", "down", "up", "down"]):  # never two falls in a row
+        g2.observe(it, name)
+        assert not g2.should_stop, it
+    g2.observe(9, "down")
+    assert g2.should_stop
+
+
+@pytest.fixture(scope="module")
+def tiny_guard_parts():
+    bundle = new_bundle("tiny", mnist_config(), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.rand(6, 1, 84, 84, generator=gen) * 0.2
+    probes = paste_probes([torch.ones(1, 20, 14)], images, 10, object_side=28, generator=gen)
+    return bundle, probes
+
+
+def test_the_probes_split_once_by_the_jobs_generator_into_halves_of_the_configured_size(tiny_guard_parts):
+    bundle, probes = tiny_guard_parts
+    proto = torch.zeros(bundle.prototype_dim)
+    for fraction, k in ((0.5, 5), (0.95, 9), (0.01, 1), (0.3, 3)):
+        g = Guard(bundle, proto, probes, torch.Generator().manual_seed(7), GuardConfig(select_fraction=fraction),
+                  counts={"synthetic": 10})
+        perm = torch.randperm(10, generator=torch.Generator().manual_seed(7))
+        assert g.select.tolist() == sorted(perm[:k].tolist()) and g.held.tolist() == sorted(perm[k:].tolist())
+    two = LabeledImages(probes.images[:2], probes.boxes[:2])
+    g = Guard(bundle, proto, two, torch.Generator().manual_seed(0))
+    assert len(g.select) == len(g.held) == 1 and len(g.labeled) == 0
+    with pytest.raises(ValueError, match="at least 2 probes, got 1"):
+        Guard(bundle, proto, LabeledImages(probes.images[:1], probes.boxes[:1]), torch.Generator())
+    assert Guard(bundle, proto, probes, torch.Generator(), counts={"labeled": 3}).labeled.tolist() == [0, 1, 2]
+    assert len(Guard(bundle, proto, probes, torch.Generator(), counts={"labeled": 50}).labeled) == 10
+    with pytest.raises(RuntimeError, match=r"call start\(\) with the starting policy first"):
+        g.observe(1, bundle.agent_state)
+
+
+def test_faithfulness_is_the_rewards_ranking_on_the_probes_and_follows_a_repaired_reward(tiny_guard_parts):
+    bundle, probes = tiny_guard_parts
+    proto = torch.randn(bundle.prototype_dim, generator=torch.Generator().manual_seed(1))
+
+    def ranked(b):  # type: ignore[no-untyped-def]
+        data = LabeledImages(probes.images, probes.boxes, features_of(b, probes.images))
+        r = ranking_metrics(b, data, proto, seed=0, candidates=training_candidates(b))
+        return {"ordacc": round(r["ordacc"], 2), "spearman": round(r["spearman"], 4)}
+
+    g = Guard(bundle, proto, probes, torch.Generator().manual_seed(0))
+    assert g.faithfulness == ranked(bundle)
+    base = g.start(None)
+    other = new_bundle("tiny", mnist_config(), seed=1)
+    other.embedder.encoder.load_state_dict(bundle.embedder.encoder.state_dict())  # a new head, the same backbone
+    g.use_reward(other, proto)
+    assert g.bundle is other and g.prototype is proto and g.loc.bundle is other
+    assert g.faithfulness == ranked(other) != ranked(bundle)
+    assert g.base is base  # the start keeps the score it had
+    fresh = Guard(other, proto, probes, torch.Generator().manual_seed(0))
+    fresh.start(None)
+    agent = other.agent_state
+    assert g.observe(1, agent)["select"] == fresh.observe(1, agent)["select"]  # scored with the new head
