@@ -6,6 +6,7 @@ per image per call; boxes come back in the pixels of the images as given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from models.instances import InstanceConfig, find_instances
 from models.nets.agent import Agent
 from models.refine import refine
 from models.rollout import Rollout, rollout, search
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -177,14 +180,20 @@ class Localizer:
         where it cannot compile) -> seconds it took. Every Localizer of the process then runs its one-image
         greedy episodes compiled (the same boxes). ``batches``: then also the episode of batches of 2 to
         ``models.compiled.BATCHED_MAX`` images (one more compile: what a server's engine runs for concurrent
-        requests)."""
+        requests); where that one fails, a warning is logged and batches stay eager (the one image's code is
+        kept)."""
         s = self.spec.size
         with torch.inference_mode():
             feats = self.embedder.features(torch.zeros(2 if batches else 1, self.spec.channels, s, s,
                                                        device=self.device))
         agent, env, size = self.agent(), self.bundle.config.env, (float(s), float(s))
         seconds = compiled_steer().warm(self.embedder, agent, feats[:1], env, size)
-        return seconds + (compiled_steer().warm(self.embedder, agent, feats, env, size) if batches else 0.0)
+        if batches:
+            try:
+                seconds += compiled_steer().warm(self.embedder, agent, feats, env, size)
+            except Exception as e:  # noqa: BLE001 -- eager batches are correct, only slower
+                log.warning("the batched episode was not compiled (batches run eager): %s: %s", type(e).__name__, e)
+        return seconds
 
     @property
     def default_nearest(self) -> bool:

@@ -7,6 +7,7 @@ Two compiles for the module (a tiny bundle: 4 steps, ~10-30 s each on 2 cores), 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -149,3 +150,28 @@ def test_the_cuda_graph_steerer_runs_eager_off_a_gpu():
     assert graphs.calls == graphs.captures == 0
     assert fast_steer(torch.device("cuda")) is graphed_steer()
     assert fast_steer(torch.device("cpu")) is not graphed_steer()
+
+
+def test_a_failed_batched_compile_keeps_the_one_image_code_and_warns(monkeypatch, caplog):
+    warmed_for = []
+
+    class Steer:
+        def __init__(self, fail_at: int):
+            self.fail_at = fail_at
+
+        def warm(self, embedder, agent, feats, cfg, size):  # type: ignore[no-untyped-def]
+            warmed_for.append(feats.shape[0])
+            if feats.shape[0] >= self.fail_at:
+                raise RuntimeError("not supported with a symbolic batch")
+            return 2.5
+
+    loc = tiny_localizer()
+    monkeypatch.setattr("models.inference.compiled_steer", lambda: Steer(fail_at=2))
+    with caplog.at_level(logging.WARNING, logger="models.inference"):
+        assert loc.compile_episode() == 2.5  # the one image's compile stands
+    assert warmed_for == [1, 2] and "batched episode was not compiled (batches run eager)" in caplog.text
+    warmed_for.clear()
+    assert loc.compile_episode(batches=False) == 2.5 and warmed_for == [1]
+    monkeypatch.setattr("models.inference.compiled_steer", lambda: Steer(fail_at=1))
+    with pytest.raises(RuntimeError, match="symbolic batch"):  # the one-image compile's failure is the caller's
+        loc.compile_episode()
