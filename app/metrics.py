@@ -68,8 +68,9 @@ class Metrics:
             "qloc_engine_wait_seconds", "How long each localize call waited for the engine before its batch began",
             registry=own, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.episode_compiles = Counter(
-            "qloc_episode_compiles_total", "Bundles whose one-image greedy episode this process compiled "
-            "(QLOC_COMPILE_EPISODE), by outcome: compiled, or failed (served eager)", ["outcome"], registry=own)
+            "qloc_episode_compiles_total", "Bundles whose greedy episode this process compiled (QLOC_COMPILE_EPISODE; "
+            "one image, then batches of 2-15), by outcome of the one-image compile: compiled, or failed (served "
+            "eager)", ["outcome"], registry=own)
         self.second_looks = Counter(
             "qloc_localize_second_looks_total", "Localize answers looked at again by rerank=templates (the default) "
             "or auto (their confidence below half the set's threshold: the several-instances search, and with "
