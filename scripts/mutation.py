@@ -30,6 +30,8 @@ MODEL_TESTS = ["tests/models/test_rollout_inference_behaviour.py", "tests/models
 WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_leases.py",
                 "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_records.py"]
 
+TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_templates_math.py"]
+
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
 EXTRA_ARGS = {"jobs": ["-m", "not slow"]}
@@ -46,6 +48,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "platt": ("models/core/platt.py", ["tests/models/test_platt.py", "tests/models/test_calibration.py"]),
     "verifier": ("models/verifier.py", ["tests/models/test_verifier.py"]),
     "guard": ("models/guard.py", ["tests/models/test_probes_guard.py"]),
+    "templates": ("models/core/templates.py", TEMPLATE_TESTS + ["tests/models/test_calibration.py"]),
+    "matching": ("models/core/matching.py", TEMPLATE_TESTS),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
