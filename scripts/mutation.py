@@ -34,7 +34,11 @@ TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_t
 
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
-EXTRA_ARGS = {"jobs": ["-m", "not slow"]}
+EXTRA_ARGS = {"jobs": ["-m", "not slow"],
+              # the Batcher's own tests (a held engine, threads; no model, no HTTP)
+              "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
+                                 "or close_answers or window_holds or idle_engine or on_their_way_hold "
+                                 "or each_batch_is_observed or settings_are_checked"]}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
     "boxes": ("models/core/boxes.py", CORE_TESTS),
@@ -50,6 +54,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "guard": ("models/guard.py", ["tests/models/test_probes_guard.py"]),
     "templates": ("models/core/templates.py", TEMPLATE_TESTS + ["tests/models/test_calibration.py"]),
     "matching": ("models/core/matching.py", TEMPLATE_TESTS),
+    "instances": ("models/instances.py", ["tests/models/test_instances.py"]),
+    "batching": ("app/batching.py", ["tests/app/test_app_batching.py"]),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}

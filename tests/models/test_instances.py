@@ -204,3 +204,48 @@ def test_the_shipped_bundle_finds_more_instances_than_its_one_answer():
     m0 = detection_metrics(coarse.boxes, (-coarse.distances).masked_fill(~coarse.valid, -torch.inf), data.boxes, 4)
     assert m["recall_at_k"] >= 0.75 and m["recall_at_k"] >= 2 * one["recall_at_k"], (m, one)
     assert m["ap50"] >= m0["ap50"] + 0.1, (m, m0)  # the agent's episodes add to the coarse ranking (+0.2 measured)
+
+
+def _grid_loop(size: int, min_side: float, per_side: int, sides: int, max_fraction: float) -> set[tuple]:
+    """The coarse windows written out: squares of ``sides`` geometric sides from ``min_side`` to the largest
+    fraction of the image (never under ``min_side``), top-left corners every ``(size - min_side) / (per_side - 1)``
+    pixels (rounded; one corner when ``per_side`` is 1), clipped to the image and dropped when a side is then
+    under ``min_side``; whole pixels."""
+    hi = max(min_side, max_fraction * size)
+    ratio = (hi / min_side) ** (1 / (sides - 1)) if sides > 1 else 1.0
+    stride = max(1, round((size - min_side) / (per_side - 1))) if per_side > 1 else size
+    out = set()
+    for i in range(sides):
+        s = min_side * ratio ** i
+        for y in range(0, size, stride):
+            for x in range(0, size, stride):
+                x2, y2 = min(x + s, size), min(y + s, size)
+                if x2 - x >= min_side - 1e-6 and y2 - y >= min_side - 1e-6:
+                    out.add((float(x), float(y), float(round(x2)), float(round(y2))))
+    return out
+
+
+@pytest.mark.parametrize(("size", "min_side", "per_side", "sides", "max_fraction"),
+                         [(84, 14, 7, 3, 0.6), (84, 14, 1, 2, 0.6), (84, 14, 2, 1, 1.0), (60, 20, 4, 2, 0.1)])
+def test_coarse_windows_are_the_grid_written_out(size, min_side, per_side, sides, max_fraction):
+    cfg = InstanceConfig(per_side=per_side, sides=sides, max_fraction=max_fraction)
+    got = {tuple(b) for b in coarse_windows(size, min_side, cfg).tolist()}
+    assert got == _grid_loop(size, min_side, per_side, sides, max_fraction)
+
+
+def test_episodes_start_from_windows_enlarged_about_their_centres_and_clipped():
+    from models.instances import _enlarge
+
+    boxes = torch.tensor([[10.0, 20.0, 20.0, 26.0], [70.0, 2.0, 80.0, 12.0]])
+    assert _enlarge(boxes, 1.0, 84.0).tolist() == boxes.tolist()
+    assert _enlarge(boxes, 2.0, 84.0).tolist() == [[5.0, 17.0, 25.0, 29.0], [65.0, 0.0, 84.0, 17.0]]
+
+
+@pytest.mark.parametrize("bad", [dict(per_side=0), dict(sides=0), dict(starts=-1), dict(nms_iou=0.0),
+                                 dict(nms_iou=1.01), dict(start_scale=0.99), dict(max_fraction=0.0),
+                                 dict(max_fraction=1.01)])
+def test_instance_settings_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match=r"per_side and sides must be >= 1, starts >= 0|nms_iou and max_fraction "
+                                         r"must be in \(0, 1\], start_scale >= 1"):
+        InstanceConfig(**bad)
+    InstanceConfig(per_side=1, sides=1, starts=0, nms_iou=1.0, start_scale=1.0, max_fraction=1.0)  # the edges pass
