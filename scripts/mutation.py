@@ -38,7 +38,7 @@ EXTRA_ARGS = {"jobs": ["-m", "not slow"],
               # the Batcher's own tests (a held engine, threads; no model, no HTTP)
               "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
-                                 "or each_batch_is_observed or settings_are_checked"]}
+                                 "or each_batch_is_observed or settings_are_checked or batcher_"]}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
     "boxes": ("models/core/boxes.py", CORE_TESTS),

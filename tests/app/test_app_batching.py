@@ -207,6 +207,106 @@ def test_settings_are_checked():
         Batcher(lambda k, i: i, gather_s=-1)
 
 
+def test_batcher_bounds_of_one_are_valid_and_zero_is_refused_with_the_reason():
+    one = Batcher(lambda k, items: items, max_batch=1, max_queue=1)  # one call at a time, one waiting
+    assert one("k", 5) == 5
+    one.close()
+    for bad in (dict(max_batch=0), dict(max_queue=0), dict(window_s=-0.1), dict(gather_s=-0.1)):
+        with pytest.raises(ValueError, match=r"window_s and gather_s must be >= 0, max_batch and max_queue >= 1"):
+            Batcher(lambda k, items: items, **bad)
+
+
+def test_batcher_engine_thread_bears_its_name_and_does_not_keep_the_process_alive():
+    run = HeldEngine(hold_first=False)
+    b = Batcher(run, name="qloc-test-engine")
+    assert b("k", 1, size=3) == "k:1" and b.stats.size == 3  # the call's size is the item's
+    assert b("k", 2) == "k:2" and b.stats.size == 4  # 1 by default
+    assert b._thread.name == "qloc-test-engine" and b._thread.daemon
+    b.close()
+    with pytest.raises(BatcherClosed, match="qloc-test-engine is closed"):
+        b.submit("k", 3)
+
+
+def test_batcher_counts_every_call_on_its_way():
+    b = Batcher(lambda k, items: items)
+    first, second = b.expect(), b.expect()
+    assert b.coming == 2
+    first.done()
+    assert b.coming == 1
+    second.done()
+    assert b.coming == 0
+    b.close()
+
+
+def test_batcher_close_waits_for_the_engine_up_to_its_timeout_and_a_fresh_one_closes_at_once():
+    Batcher(lambda k, items: items).close()  # never started: no engine to wait for
+    run = HeldEngine()
+    b = Batcher(run)
+    f = b.submit("k", 1)
+    assert run.started.wait(30)
+    t0 = time.monotonic()
+    b.close(timeout=0.2)  # the engine is held: close gives up waiting after its timeout
+    assert 0.15 <= time.monotonic() - t0 < 20 and b._thread.is_alive()
+    run.release.set()
+    assert f.result(30) == "k:1"
+    b._thread.join(30)
+    run2 = HeldEngine(hold_first=False)
+    slow = Batcher(lambda k, items: (time.sleep(0.3), run2(k, items))[1])
+    g = slow.submit("k", 2)
+    slow.close()  # waits for the engine: the call is answered when close returns
+    assert g.done() and g.result() == "k:2" and not slow._thread.is_alive()
+
+
+def test_batcher_window_holds_a_lone_call_at_least_that_long():
+    run = HeldEngine(hold_first=False)
+    b = Batcher(run, window_s=0.3, max_batch=8)
+    t0 = time.monotonic()
+    assert b.submit("k", 1).result(30) == "k:1"
+    assert time.monotonic() - t0 >= 0.25  # held for company (a slow machine only holds it longer)
+    b.close()
+
+
+def test_batcher_gather_holds_the_first_call_for_one_on_its_way_until_it_arrives():
+    run = HeldEngine(hold_first=False)
+    b = Batcher(run, gather_s=0.5, max_batch=8)
+    on_its_way = b.expect()
+    first = b.submit("k", 1)
+    time.sleep(0.1)
+    assert not run.batches  # still held for the call on its way
+    second = b.submit("k", 2, expected=on_its_way)
+    assert (first.result(30), second.result(30)) == ("k:1", "k:2")
+    assert [items for _, items in run.batches] == [[1, 2]]
+    b.close()
+
+
+def test_batcher_goes_on_after_a_batch_whose_calls_were_all_cancelled():
+    run = HeldEngine()
+    b = Batcher(run, max_batch=8)
+    first = b.submit("a", 1)
+    assert run.started.wait(30)
+    gone = b.submit("b", 2)  # its own batch, next
+    later = b.submit("c", 3)
+    assert gone.cancel()
+    run.release.set()
+    assert first.result(30) == "a:1" and later.result(30) == "c:3"
+    assert [k for k, _ in run.batches] == ["a", "c"]  # the cancelled call never ran
+    b.close()
+
+
+def test_batcher_observes_each_calls_wait_in_seconds():
+    seen = []
+    run = HeldEngine()
+    b = Batcher(run, observe=lambda size, waits: seen.append(waits))
+    first = b.submit("k", 1)
+    assert run.started.wait(30)
+    second = b.submit("k", 2)
+    time.sleep(0.1)
+    run.release.set()
+    assert (first.result(30), second.result(30)) == ("k:1", "k:2")
+    assert 0 <= seen[0][0] < 10 and 0.09 <= seen[1][0] < 10  # the second waited for the first batch
+    b.close()
+
+
 # --- BatchedInference
 
 

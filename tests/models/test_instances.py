@@ -236,9 +236,10 @@ def test_coarse_windows_are_the_grid_written_out(size, min_side, per_side, sides
 def test_episodes_start_from_windows_enlarged_about_their_centres_and_clipped():
     from models.instances import _enlarge
 
-    boxes = torch.tensor([[10.0, 20.0, 20.0, 26.0], [70.0, 2.0, 80.0, 12.0]])
+    boxes = torch.tensor([[10.0, 20.0, 20.0, 26.0], [70.0, 2.0, 80.0, 12.0], [40.0, 76.0, 50.0, 84.0]])
     assert _enlarge(boxes, 1.0, 84.0).tolist() == boxes.tolist()
-    assert _enlarge(boxes, 2.0, 84.0).tolist() == [[5.0, 17.0, 25.0, 29.0], [65.0, 0.0, 84.0, 17.0]]
+    assert _enlarge(boxes, 2.0, 84.0).tolist() == [[5.0, 17.0, 25.0, 29.0], [65.0, 0.0, 84.0, 17.0],
+                                                   [35.0, 72.0, 55.0, 84.0]]
 
 
 @pytest.mark.parametrize("bad", [dict(per_side=0), dict(sides=0), dict(starts=-1), dict(nms_iou=0.0),
