@@ -268,7 +268,7 @@ def test_batcher_window_holds_a_lone_call_at_least_that_long():
 
 def test_batcher_gather_holds_the_first_call_for_one_on_its_way_until_it_arrives():
     run = HeldEngine(hold_first=False)
-    b = Batcher(run, gather_s=0.5, max_batch=8)
+    b = Batcher(run, gather_s=1.0, max_batch=8)  # 1 s: a hold of a second or less holds too
     on_its_way = b.expect()
     first = b.submit("k", 1)
     time.sleep(0.1)
