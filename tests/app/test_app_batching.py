@@ -250,8 +250,11 @@ def test_batcher_close_waits_for_the_engine_up_to_its_timeout_and_a_fresh_one_cl
     run.release.set()
     assert f.result(30) == "k:1"
     b._thread.join(30)
-    run2 = HeldEngine(hold_first=False)
-    slow = Batcher(lambda k, items: (time.sleep(0.3), run2(k, items))[1])
+    def slow_run(key, items):
+        time.sleep(0.3)
+        return [f"{key}:{x}" for x in items]
+
+    slow = Batcher(slow_run)
     g = slow.submit("k", 2)
     slow.close()  # waits for the engine: the call is answered when close returns
     assert g.done() and g.result() == "k:2" and not slow._thread.is_alive()
