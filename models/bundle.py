@@ -238,9 +238,6 @@ class Reward:
     """Answers are refined on this head (``models.refine``; format 3)."""
 
 
-
-
-
 def _short(sha256: str) -> str:
     return sha256[:12]
 

@@ -145,15 +145,31 @@ class Localization:
     first; the agent's answer (``box``) is one of them unless a closer box overlaps it (``models.instances``)."""
 
 
+@dataclass(frozen=True)
+class Companion:
+    """Another policy whose answer competes with a ``Localizer``'s own, image by image: typically an adaptation
+    job's starting policy, as that policy was served (its head, its prototype), beside a checkpoint adapted on a
+    repaired reward. ``localizer`` must share the backbone of the localizer it accompanies (the same bundle,
+    another head): it runs on the same feature map."""
+
+    localizer: Localizer
+    agent: Agent
+    prototype: Tensor
+    """``[D]`` or ``[B, D]``, under ``localizer``'s head."""
+
+
 class Localizer:
     """Wraps a bundle for serving: prototypes from crops, batched greedy localization."""
 
-    def __init__(self, bundle: Bundle, device: str | torch.device = "auto", *, fast_episode: bool = True):
+    def __init__(self, bundle: Bundle, device: str | torch.device = "auto", *, fast_episode: bool = True,
+                 companion: Companion | None = None):
         """``fast_episode``: greedy episodes run as a replayed CUDA graph on a GPU, and compiled on the CPU once
         ``compile_episode`` (or another Localizer's) has compiled them (``models.compiled``: the same boxes);
-        ``False``: always eager."""
+        ``False``: always eager. ``companion``: each greedy answer is the companion's instead where the
+        companion's answer is nearer this localizer's prototype under this localizer's head (``run_features``)."""
         self.bundle = bundle
         self.fast_episode = fast_episode
+        self.companion = companion
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.embedder = bundle.to(self.device).embedder.eval()
         self.spec = bundle.config.input
@@ -239,7 +255,27 @@ class Localizer:
                          steerer=fast_steer(feats.device) if self.fast_episode else None)
         if self.bundle.refine and deterministic and not rewards:
             ro = self._refined(ro, feats, proto)
+        if self.companion is not None and deterministic and not rewards and samples == 0:
+            ro = self._against_companion(ro, feats, proto, nearest)
         return ro
+
+    def _against_companion(self, ro: Rollout, feats: Tensor, proto: Tensor, nearest: bool) -> Rollout:
+        """``ro`` with each image's episode replaced by the companion's where the companion's answer (as it serves
+        it) is nearer ``proto`` under this localizer's head; the answer's distance is then that nearer distance
+        (ties keep this localizer's own). One more episode per image on the same feature map, one head call."""
+        c = self.companion
+        assert c is not None
+        theirs = c.localizer.run_features(feats, c.prototype, c.agent, nearest=nearest)
+        dist = (self.embedder.embed(feats, theirs.boxes[-1][:, None])[:, 0] - proto).norm(dim=-1)  # [B]
+        take = dist < ro.distances[-1]
+
+        def mix(mine: Tensor | None, other: Tensor | None) -> Tensor | None:  # time-major [T(+1), B, ...]
+            if mine is None or other is None:
+                return None
+            return torch.where(take.view(1, -1, *([1] * (mine.dim() - 2))), other, mine)
+
+        out = Rollout(*(mix(m, o) for m, o in zip(ro, theirs, strict=True)))
+        return out._replace(distances=torch.cat([out.distances[:-1], torch.minimum(dist, ro.distances[-1])[None]]))
 
     def _refined(self, ro: Rollout, feats: Tensor, proto: Tensor) -> Rollout:
         """``ro`` answering with its final box refined on the embedding (``models.refine``): the refined box

@@ -1,0 +1,122 @@
+"""Serving the starting policy beside an adapted one on photos (issue 11, validation only): each image answered by
+whichever of the two policies' answers the job's (repaired) reward puts nearer the exemplars.
+
+On photo held-out classes a job's last checkpoint on the repaired reward gains about 6 points on average, but some
+jobs end below their start, and neither the synthetic probes nor 5 labeled examples tell those apart, so the guard
+activates none (BENCHMARKS.md, reward repair). If the repaired reward orders boxes well on the client's images
+(held-out probe OrdAcc ~97), picking per image between the two policies' answers by that reward could keep most
+of the gain and lose little where the adapted policy is worse. This measures it, per job, on the *val* split:
+
+- ``before``: the starting policy with the bundle's head (what a set answers before any job);
+- ``after``: the job's last checkpoint on the repaired head and prototype (``activate=true``);
+- ``guard``: what ``activate=auto`` serves (labeled examples: the 5 exemplar images with their boxes);
+- ``pick_start_rep``: per image, ``before``'s box or ``after``'s, the one nearer the repaired prototype under the
+  repaired head; ``served_pick``: the same through ``models.inference.Localizer`` with the start as its
+  ``Companion`` (``served_pick_differs``: images where the two differ, float near-ties);
+- ``pick_both_rep``: the same between the starting policy's and the adapted policy's episodes both run under the
+  repaired head (their nearest visited boxes);
+- ``pick_start_base``: ``before``'s or ``after``'s box, by the bundle's own head and prototype.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/photo_union_val.py --seeds 0 1 --classes birds fish fruit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from app.config import Settings
+from models.adapt import AdaptConfig, adapt
+from models.bundle import load_bundle
+from models.core.metrics import corloc
+from models.data.photos import load_manifest
+from models.data.types import exemplar_crops
+from models.experiments.datasets import PhotoKind
+from models.features import features_of, prototype_of
+from models.inference import Companion, Localizer
+from models.repair import RepairConfig, guarded_setup
+
+
+@torch.no_grad()
+def distances(loc: Localizer, feats: torch.Tensor, boxes: torch.Tensor, proto: torch.Tensor) -> torch.Tensor:
+    return (loc.embedder.embed(feats, boxes[:, None])[:, 0] - proto).norm(dim=-1)
+
+
+def pick(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
+    return torch.where((db < da)[:, None], b, a)
+
+
+def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str = "val") -> dict:
+    t0 = time.perf_counter()
+    ex = kind.draw(bundle, "exemplars", 5, seed)
+    unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
+    val = kind.draw(bundle, split, n_val, seed)  # "test" only once the rule is chosen on val
+    proto = prototype_of(bundle, ex)
+    setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
+                          generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex)
+    states: dict[int, dict] = {}
+
+    def on_checkpoint(state: dict) -> None:
+        states[state["iteration"]] = state["agent"]
+        setup.guard.observe(state["iteration"], state["agent"])
+
+    cfg = AdaptConfig(iterations=settings.default_iterations, lr=settings.default_learning_rate, seed=seed,
+                      batch_size=min(settings.adapt_batch_size, len(unl)), checkpoint_every=settings.checkpoint_every)
+    adapt(setup.bundle, setup.prototype, unl.images, cfg, device=bundle.device, on_checkpoint=on_checkpoint,
+          should_stop=lambda: setup.guard.should_stop, scorer=setup.scorer)
+    decision = setup.guard.decide("auto")
+    last = max(states)
+    base_loc, rep_loc = Localizer(bundle, "cpu"), Localizer(setup.bundle, "cpu")
+    feats = features_of(bundle, val.images)
+    start = base_loc.run_features(feats, proto, base_loc.agent(None)).boxes[-1]
+    after = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(states[last])).boxes[-1]
+    start_rep = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(None)).boxes[-1]
+    guard = (rep_loc.run_features(feats, setup.prototype, rep_loc.agent(states[decision["activate"]])).boxes[-1]
+             if decision["activate"] is not None else start)
+    # the same pick as a Localizer serves it (models.inference.Companion): the start as it was served
+    served = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto))
+    picked = served.run_features(feats, setup.prototype, served.agent(states[last])).boxes[-1]
+    d_rep = {k: distances(rep_loc, feats, b, setup.prototype) for k, b in
+             (("start", start), ("after", after), ("start_rep", start_rep))}
+    d_base = {k: distances(base_loc, feats, b, proto) for k, b in (("start", start), ("after", after))}
+    row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,
+           "before": corloc(start, val.boxes), "after": corloc(after, val.boxes), "guard": corloc(guard, val.boxes),
+           "pick_start_rep": corloc(pick(start, after, d_rep["start"], d_rep["after"]), val.boxes),
+           "pick_both_rep": corloc(pick(start_rep, after, d_rep["start_rep"], d_rep["after"]), val.boxes),
+           "served_pick": corloc(picked, val.boxes),  # differs from pick_start_rep only on float near-ties
+           "served_pick_differs": int((picked != pick(start, after, d_rep["start"], d_rep["after"])).any(-1).sum()),
+           "start_rep": corloc(start_rep, val.boxes),
+           "pick_start_base": corloc(pick(start, after, d_base["start"], d_base["after"]), val.boxes),
+           "activated": decision["activate"], "verdict": decision["verdict"], "last": last,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--classes", nargs="+", default=["birds", "fish", "fruit", "vegetables", "flowers"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--n-val", type=int, default=48, help="images evaluated per job")
+    p.add_argument("--split", choices=("val", "test"), default="val",
+                   help="val (where the rule is chosen); test: once, for the rule chosen on val")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    bundle = load_bundle("bundles/photo-mammals.pt", "cpu")
+    manifest = load_manifest()
+    rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
+            for seed in a.seeds for c in a.classes]
+    keys = ("before", "after", "guard", "pick_start_rep", "served_pick", "pick_both_rep", "start_rep",
+            "pick_start_base")
+    summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),
+                   "mean_gain": round(sum(r[k] - r["before"] for r in rows) / len(rows), 2),
+                   "worst_gain": round(min(r[k] - r["before"] for r in rows), 2)} for k in keys}
+    print(json.dumps({"command": " ".join(["python", *sys.argv]), "rows": rows, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""``models.inference.Companion``: a localizer whose greedy answers compete, image by image, with another policy's.
+
+The companion (an adaptation job's starting policy, with its own head and prototype) answers as it would alone;
+each image then keeps whichever of the two answers is nearer the localizer's prototype under the localizer's
+head, with that distance as its score. The backbone still runs once per image.
+"""
+
+import pytest
+import torch
+from test_rollout_inference_behaviour import images, setup, tiny_bundle
+
+from models.inference import Companion, Localizer, normalize, preprocess
+from models.rollout import Rollout
+
+
+def _pair(seed=0):
+    """A localizer on another head than its bundle's (a repaired reward), a companion on the bundle's own head
+    with another agent and prototype, images and the localizer's prototypes -> (loc, companion, feats, protos)."""
+    bundle, _, feats, protos = setup(6, seed)
+    other = tiny_bundle(seed + 7)  # another head and agent, the same config
+    repaired = bundle.with_head(other.embedder.head.state_dict())
+    start = Companion(Localizer(bundle, "cpu"), Localizer(bundle, "cpu").agent(), protos.flip(0))
+    loc = Localizer(repaired, "cpu", companion=start)
+    return loc, start, feats, protos, other
+
+
+def _distances(loc, feats, boxes, protos):
+    with torch.no_grad():
+        return (loc.embedder.embed(feats, boxes[:, None])[:, 0] - protos).norm(dim=-1)
+
+
+@pytest.mark.parametrize("nearest", [False, True])
+def test_each_image_keeps_the_answer_nearer_under_the_localizers_head(nearest):
+    loc, start, feats, protos, other = _pair()
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    alone = Localizer(loc.bundle, "cpu")  # the same head, no companion
+    mine = alone.run_features(feats, protos, agent, nearest=nearest)
+    theirs = start.localizer.run_features(feats, start.prototype, start.agent, nearest=nearest)
+    got = loc.run_features(feats, protos, agent, nearest=nearest)
+    d_theirs = _distances(loc, feats, theirs.boxes[-1], protos)
+    take = d_theirs < mine.distances[-1]
+    assert 0 < int(take.sum()) < len(take), "the test wants both outcomes among its images"
+    assert torch.equal(got.boxes, torch.where(take[None, :, None], theirs.boxes, mine.boxes))  # whole episodes
+    assert torch.equal(got.actions, torch.where(take[None], theirs.actions, mine.actions))
+    assert torch.allclose(got.distances[-1], torch.minimum(d_theirs, mine.distances[-1]))
+    want = torch.where(take[None], theirs.distances, mine.distances)[:-1]  # NaN where an episode embeds no step
+    assert torch.allclose(got.distances[:-1], want, equal_nan=True)
+
+
+def test_the_companion_scores_under_its_own_head_and_prototype():
+    """The companion's answer is the one it serves alone (its head, its prototype), not one chosen under the
+    localizer's head: with the companion on the localizer's head instead, other boxes come back."""
+    loc, start, feats, protos, other = _pair()
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    on_mine = Companion(Localizer(loc.bundle, "cpu"), start.agent, protos)
+    mixed = Localizer(loc.bundle, "cpu", companion=on_mine).run_features(feats, protos, agent, nearest=True)
+    got = loc.run_features(feats, protos, agent, nearest=True)
+    assert not torch.equal(mixed.boxes[-1], got.boxes[-1])
+
+
+def test_a_companion_with_the_same_policy_changes_nothing_and_ties_keep_the_own_answer():
+    bundle, _, feats, protos = setup(4, 3)
+    plain = Localizer(bundle, "cpu")
+    same = Localizer(bundle, "cpu", companion=Companion(plain, plain.agent(), protos))
+    a, b = plain.run_features(feats, protos, plain.agent()), same.run_features(feats, protos, plain.agent())
+    for x, y in zip(a, b, strict=True):
+        assert (x is None and y is None) or torch.allclose(x, y, equal_nan=True)
+
+
+def test_sampled_runs_and_runs_with_rewards_ignore_the_companion():
+    loc, start, feats, protos, other = _pair(1)
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    alone = Localizer(loc.bundle, "cpu")
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    for kw in ({"samples": 3}, {"deterministic": False}, {"rewards": True, "deterministic": False}):
+        got = loc.run_features(feats, protos, agent, generator=g(), **kw)
+        want = alone.run_features(feats, protos, agent, generator=g(), **kw)
+        assert torch.equal(got.boxes, want.boxes), kw
+
+
+def test_localize_batch_runs_the_backbone_once_and_answers_with_the_picked_boxes(monkeypatch):
+    loc, start, _, protos, other = _pair(2)
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    ims = list(images(6, 1, 11, size=40, width=48))
+    batch, scales = preprocess(ims, loc.spec)
+    calls = []
+    real = loc.embedder.features
+    monkeypatch.setattr(loc.embedder, "features", lambda x: calls.append(len(x)) or real(x))
+    monkeypatch.setattr(start.localizer.embedder, "features", lambda x: pytest.fail("the backbone ran again"))
+    answers = loc.localize_batch(batch, scales, protos, agent, trajectory=True)
+    assert calls == [6]
+    with torch.no_grad():
+        feats = real(normalize(batch, loc.spec))
+    ro: Rollout = loc.run_features(feats, protos, agent)
+    k = torch.cat([scales, scales], dim=1)
+    for a, box, d in zip(answers, (ro.boxes[-1] * k).tolist(), ro.distances[-1].tolist(), strict=True):
+        assert a.box == pytest.approx(tuple(box), abs=1e-4) and a.score == pytest.approx(d, abs=1e-5)
+        assert a.trajectory[-1] == pytest.approx(a.box, abs=1e-4)
