@@ -41,11 +41,6 @@ from models.inference import Companion, Localizer
 from models.repair import RepairConfig, guarded_setup
 
 
-@torch.no_grad()
-def distances(loc: Localizer, feats: torch.Tensor, boxes: torch.Tensor, proto: torch.Tensor) -> torch.Tensor:
-    return (loc.embedder.embed(feats, boxes[:, None])[:, 0] - proto).norm(dim=-1)
-
-
 def pick(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
     return torch.where((db < da)[:, None], b, a)
 
@@ -80,15 +75,17 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     # the same pick as a Localizer serves it (models.inference.Companion): the start as it was served
     served = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto))
     picked = served.run_features(feats, setup.prototype, served.agent(states[last])).boxes[-1]
-    d_rep = {k: distances(rep_loc, feats, b, setup.prototype) for k, b in
-             (("start", start), ("after", after), ("start_rep", start_rep))}
-    d_base = {k: distances(base_loc, feats, b, proto) for k, b in (("start", start), ("after", after))}
+    with torch.no_grad():
+        d_rep = {k: rep_loc.box_distances(feats, b, setup.prototype) for k, b in
+                 (("start", start), ("after", after), ("start_rep", start_rep))}
+        d_base = {k: base_loc.box_distances(feats, b, proto) for k, b in (("start", start), ("after", after))}
+    chosen = pick(start, after, d_rep["start"], d_rep["after"])  # the rule
     row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,
            "before": corloc(start, val.boxes), "after": corloc(after, val.boxes), "guard": corloc(guard, val.boxes),
-           "pick_start_rep": corloc(pick(start, after, d_rep["start"], d_rep["after"]), val.boxes),
+           "pick_start_rep": corloc(chosen, val.boxes),
            "pick_both_rep": corloc(pick(start_rep, after, d_rep["start_rep"], d_rep["after"]), val.boxes),
            "served_pick": corloc(picked, val.boxes),  # differs from pick_start_rep only on float near-ties
-           "served_pick_differs": int((picked != pick(start, after, d_rep["start"], d_rep["after"])).any(-1).sum()),
+           "served_pick_differs": int((picked != chosen).any(-1).sum()),
            "start_rep": corloc(start_rep, val.boxes),
            "pick_start_base": corloc(pick(start, after, d_base["start"], d_base["after"]), val.boxes),
            "activated": decision["activate"], "verdict": decision["verdict"], "last": last,

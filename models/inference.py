@@ -256,17 +256,20 @@ class Localizer:
         if self.bundle.refine and deterministic and not rewards:
             ro = self._refined(ro, feats, proto)
         if self.companion is not None and deterministic and not rewards and samples == 0:
-            ro = self._against_companion(ro, feats, proto, nearest)
+            ro = self._against(self.companion, ro, feats, proto, nearest)
         return ro
 
-    def _against_companion(self, ro: Rollout, feats: Tensor, proto: Tensor, nearest: bool) -> Rollout:
-        """``ro`` with each image's episode replaced by the companion's where the companion's answer (as it serves
-        it) is nearer ``proto`` under this localizer's head; the answer's distance is then that nearer distance
-        (ties keep this localizer's own). One more episode per image on the same feature map, one head call."""
-        c = self.companion
-        assert c is not None
+    def box_distances(self, feats: Tensor, boxes: Tensor, prototype: Tensor) -> Tensor:
+        """One box per image (``boxes [B, 4]`` input pixels) on the images' feature maps ``feats [B, ...]`` -> its
+        distance to ``prototype`` (``[D]`` or ``[B, D]``) under this localizer's head ``[B]``: one head call."""
+        return (self.embedder.embed(feats, boxes[:, None])[:, 0] - prototype.to(feats.device)).norm(dim=-1)
+
+    def _against(self, c: Companion, ro: Rollout, feats: Tensor, proto: Tensor, nearest: bool) -> Rollout:
+        """``ro`` with each image's episode replaced by companion ``c``'s where its answer (as it serves it) is
+        nearer ``proto`` under this localizer's head; the answer's distance is then that nearer distance (ties
+        keep this localizer's own). One more episode per image on the same feature map, one head call."""
         theirs = c.localizer.run_features(feats, c.prototype, c.agent, nearest=nearest)
-        dist = (self.embedder.embed(feats, theirs.boxes[-1][:, None])[:, 0] - proto).norm(dim=-1)  # [B]
+        dist = self.box_distances(feats, theirs.boxes[-1], proto)
         take = dist < ro.distances[-1]
 
         def mix(mine: Tensor | None, other: Tensor | None) -> Tensor | None:  # time-major [T(+1), B, ...]
@@ -389,5 +392,4 @@ class Localizer:
         ``fallback [m, 4]``; their distances ``[m]``; which rows are real ``[m]`` bool): one head call."""
         ok = ~boxes.isnan().any(-1)
         safe = torch.where(ok[:, None], boxes, fallback)
-        dist = (self.embedder.embed(feats, safe[:, None])[:, 0] - prototype.to(feats.device)).norm(dim=-1)
-        return safe, dist, ok
+        return safe, self.box_distances(feats, safe, prototype), ok
