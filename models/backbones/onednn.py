@@ -51,6 +51,9 @@ class OneDnnConvs:
         if x.device.type != "cpu" or x.dtype != torch.float32 or not x.numel() or torch.is_grad_enabled():
             return self.dense(x)
         if self.steps:
+            # A thread's OpenMP team size is set to torch's lazily, at its first parallel region: oneDNN called before
+            # that, on a thread new to torch, ran with OpenMP's default instead (other rounding; too many threads).
+            torch.get_num_threads()
             y = x.contiguous().to_mkldnn()
             for kind, arg in self.steps:
                 if kind == "conv":

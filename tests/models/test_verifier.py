@@ -134,19 +134,24 @@ def test_the_served_encoder_answers_several_threads_at_once(shipped):
 
     v = shipped[0]
     xs = [read_boxes(p.images, p.boxes[:, None]) for p in (cmnist(d, "val", 8, "patch", 0) for d in range(4))]
-    ref = [v.embed(x) for x in xs]
-    wrong: list[int] = []
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the API sets it: new threads must run oneDNN with it too, not OpenMP's default
+    try:
+        ref = [v.embed(x) for x in xs]
+        wrong: list[int] = []
 
-    def work(i: int) -> None:
-        for _ in range(25):
-            if not torch.equal(v.embed(xs[i]), ref[i]):
-                wrong.append(i)
+        def work(i: int) -> None:
+            for _ in range(25):
+                if not torch.equal(v.embed(xs[i]), ref[i]):
+                    wrong.append(i)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(threads_before)
     assert wrong == []
 
 
