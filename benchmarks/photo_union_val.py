@@ -15,7 +15,13 @@ of the gain and lose little where the adapted policy is worse. This measures it,
   ``Companion`` (``served_pick_differs``: images where the two differ, float near-ties);
 - ``pick_both_rep``: the same between the starting policy's and the adapted policy's episodes both run under the
   repaired head (their nearest visited boxes);
-- ``pick_start_base``: ``before``'s or ``after``'s box, by the bundle's own head and prototype.
+- ``pick_start_base``: ``before``'s or ``after``'s box, by the bundle's own head and prototype;
+- ``pick_agree``: ``after``'s box only where both heads prefer it; ``pick_vote``: where two of three judges do (the
+  repaired head, the bundle's head, the backbone features below);
+- ``pick_feat``: ``before``'s or ``after``'s box, the one whose RoI-pooled frozen backbone features have the higher
+  cosine with the exemplars' mean (``models.repair.FeatureScorer``): a judge neither policy was trained on;
+  ``served_pick_feat``: the same through ``Localizer`` with a ``Companion`` carrying that ``judge``;
+- ``oracle``: an image counts if either answer is right (what a perfect per-image pick would reach).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/photo_union_val.py --seeds 0 1 --classes birds fish fruit
 """
@@ -32,13 +38,14 @@ import torch
 from app.config import Settings
 from models.adapt import AdaptConfig, adapt
 from models.bundle import load_bundle
+from models.core.boxes import paired_iou as iou_of
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
 from models.data.types import exemplar_crops
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
 from models.inference import Companion, Localizer
-from models.repair import RepairConfig, guarded_setup
+from models.repair import FeatureScorer, RepairConfig, guarded_setup
 
 
 def pick(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
@@ -79,6 +86,15 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
         d_rep = {k: rep_loc.box_distances(feats, b, setup.prototype) for k, b in
                  (("start", start), ("after", after), ("start_rep", start_rep))}
         d_base = {k: base_loc.box_distances(feats, b, proto) for k, b in (("start", start), ("after", after))}
+        fs = FeatureScorer.from_crops(bundle, exemplar_crops(ex))
+        d_feat = {k: fs.box_distances(bundle.embedder, feats, b[:, None], None)[:, 0]
+                  for k, b in (("start", start), ("after", after))}
+    votes = ((d_rep["after"] < d_rep["start"]).int() + (d_base["after"] < d_base["start"]).int()
+             + (d_feat["after"] < d_feat["start"]).int())
+    hit_s, hit_a = (iou_of(start, val.boxes) >= 0.5), (iou_of(after, val.boxes) >= 0.5)
+    # the feature judge's pick as a Localizer serves it (a Companion with a judge)
+    judged = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto, fs.reference))
+    picked_feat = judged.run_features(feats, setup.prototype, judged.agent(states[last])).boxes[-1]
     chosen = pick(start, after, d_rep["start"], d_rep["after"])  # the rule
     row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,
            "before": corloc(start, val.boxes), "after": corloc(after, val.boxes), "guard": corloc(guard, val.boxes),
@@ -88,6 +104,12 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
            "served_pick_differs": int((picked != chosen).any(-1).sum()),
            "start_rep": corloc(start_rep, val.boxes),
            "pick_start_base": corloc(pick(start, after, d_base["start"], d_base["after"]), val.boxes),
+           "pick_agree": corloc(torch.where(((d_rep["after"] < d_rep["start"]) & (d_base["after"] < d_base["start"]))
+                                            [:, None], after, start), val.boxes),
+           "pick_vote": corloc(torch.where((votes >= 2)[:, None], after, start), val.boxes),
+           "pick_feat": corloc(pick(start, after, d_feat["start"], d_feat["after"]), val.boxes),
+           "served_pick_feat": corloc(picked_feat, val.boxes),
+           "oracle": round(float((hit_s | hit_a).float().mean() * 100), 2),
            "activated": decision["activate"], "verdict": decision["verdict"], "last": last,
            "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(row), file=sys.stderr, flush=True)
@@ -108,7 +130,7 @@ def main() -> None:
     rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
             for seed in a.seeds for c in a.classes]
     keys = ("before", "after", "guard", "pick_start_rep", "served_pick", "pick_both_rep", "start_rep",
-            "pick_start_base")
+            "pick_start_base", "pick_agree", "pick_vote", "pick_feat", "served_pick_feat", "oracle")
     summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),
                    "mean_gain": round(sum(r[k] - r["before"] for r in rows) / len(rows), 2),
                    "worst_gain": round(min(r[k] - r["before"] for r in rows), 2)} for k in keys}

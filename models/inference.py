@@ -156,6 +156,17 @@ class Companion:
     agent: Agent
     prototype: Tensor
     """``[D]`` or ``[B, D]``, under ``localizer``'s head."""
+    judge: Tensor | None = None
+    """``[C * s * s]``: the exemplars' mean RoI-pooled backbone feature (``models.repair.FeatureScorer``). Given,
+    each image keeps the answer whose RoI feature has the higher cosine with it (``feature_distances``): a judge
+    that neither policy was trained on. ``None``: the answer nearer the localizer's prototype under its head."""
+
+
+def feature_distances(roi: Tensor, reference: Tensor) -> Tensor:
+    """``1 - cos`` of RoI-pooled backbone features ``roi [..., C, s, s]`` with ``reference`` (``C * s * s``
+    values) -> ``[...]``."""
+    ref = reference.flatten().to(roi.device, roi.dtype)
+    return 1.0 - F.cosine_similarity(roi.flatten(-3), ref.expand(*roi.shape[:-3], -1), dim=-1)
 
 
 class Localizer:
@@ -266,11 +277,18 @@ class Localizer:
 
     def _against(self, c: Companion, ro: Rollout, feats: Tensor, proto: Tensor, nearest: bool) -> Rollout:
         """``ro`` with each image's episode replaced by companion ``c``'s where its answer (as it serves it) is
-        nearer ``proto`` under this localizer's head; the answer's distance is then that nearer distance (ties
-        keep this localizer's own). One more episode per image on the same feature map, one head call."""
+        nearer ``proto`` under this localizer's head, or, where ``c`` has a ``judge``, nearer the judge's
+        reference feature; the answer's distance is then its distance under this localizer's head (ties keep
+        this localizer's own). One more episode per image on the same feature map, one head call (and one RoI
+        read of both answers for a judge)."""
         theirs = c.localizer.run_features(feats, c.prototype, c.agent, nearest=nearest)
         dist = self.box_distances(feats, theirs.boxes[-1], proto)
-        take = dist < ro.distances[-1]
+        if c.judge is None:
+            take = dist < ro.distances[-1]
+        else:
+            both = torch.stack([ro.boxes[-1], theirs.boxes[-1]], 1)  # [B, 2, 4]: mine, theirs
+            judged = feature_distances(self.embedder.roi(feats, both), c.judge)
+            take = judged[:, 1] < judged[:, 0]
 
         def mix(mine: Tensor | None, other: Tensor | None) -> Tensor | None:  # time-major [T(+1), B, ...]
             if mine is None or other is None:
@@ -278,7 +296,7 @@ class Localizer:
             return torch.where(take.view(1, -1, *([1] * (mine.dim() - 2))), other, mine)
 
         out = Rollout(*(mix(m, o) for m, o in zip(ro, theirs, strict=True)))
-        return out._replace(distances=torch.cat([out.distances[:-1], torch.minimum(dist, ro.distances[-1])[None]]))
+        return out._replace(distances=torch.cat([out.distances[:-1], torch.where(take, dist, ro.distances[-1])[None]]))
 
     def _refined(self, ro: Rollout, feats: Tensor, proto: Tensor) -> Rollout:
         """``ro`` answering with its final box refined on the embedding (``models.refine``): the refined box

@@ -46,7 +46,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from models.bundle import Bundle
@@ -57,7 +56,7 @@ from models.data.types import LabeledImages
 from models.evaluate import ranking, ranking_metrics, training_candidates
 from models.features import features_of, with_features
 from models.guard import Guard, GuardConfig, synthetic_probes
-from models.inference import Localizer, exemplar_canvas, normalize
+from models.inference import Localizer, exemplar_canvas, feature_distances, normalize
 from models.nets.embedding import RoIEmbedder
 from models.rollout import BoxEnv, EmbeddingDistance, Scorer
 from models.train.embedding import EmbeddingTrainConfig, train_embedding
@@ -219,8 +218,7 @@ class FeatureScorer:
 
     def _distance(self, roi: Tensor) -> Tensor:
         """``roi [..., C, s, s]`` -> ``[...]``."""
-        ref = self.reference.to(roi.device, roi.dtype)
-        return 1.0 - F.cosine_similarity(roi.flatten(-3), ref.expand(*roi.shape[:-3], -1), dim=-1)
+        return feature_distances(roi, self.reference)
 
     def env_distance(self, env: BoxEnv, roi: Tensor, emb: Tensor | None) -> Tensor:
         return self._distance(roi)

@@ -96,3 +96,40 @@ def test_localize_batch_runs_the_backbone_once_and_answers_with_the_picked_boxes
     for a, box, d in zip(answers, (ro.boxes[-1] * k).tolist(), ro.distances[-1].tolist(), strict=True):
         assert a.box == pytest.approx(tuple(box), abs=1e-4) and a.score == pytest.approx(d, abs=1e-5)
         assert a.trajectory[-1] == pytest.approx(a.box, abs=1e-4)
+
+
+@pytest.mark.parametrize("nearest", [False, True])
+def test_a_judge_picks_by_the_cosine_of_the_answers_backbone_features(nearest):
+    """With a ``judge`` (the exemplars' mean RoI feature), each image keeps the answer whose RoI-pooled backbone
+    features have the higher cosine with it, whatever the heads say; the score stays the chosen answer's distance
+    under the localizer's head."""
+    loc, start, feats, protos, other = _pair(4)
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    mine = Localizer(loc.bundle, "cpu").run_features(feats, protos, agent, nearest=nearest)
+    theirs = start.localizer.run_features(feats, start.prototype, start.agent, nearest=nearest)
+    with torch.no_grad():
+        roi = loc.embedder.roi(feats, torch.stack([mine.boxes[-1], theirs.boxes[-1]], 1))  # [B, 2, C, s, s]
+    flat = roi.flatten(2)
+    judge = flat[:, 1].mean(0) - 0.5 * flat[:, 0].mean(0)  # leans to the companion's answers, not on every image
+    cos = torch.nn.functional.cosine_similarity(flat, judge.expand_as(flat), dim=-1)  # written out, [B, 2]
+    take = cos[:, 1] > cos[:, 0]
+    assert 0 < int(take.sum()) < len(take), "the test wants both outcomes among its images"
+    judged = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype, judge))
+    got = judged.run_features(feats, protos, agent, nearest=nearest)
+    assert torch.equal(got.boxes, torch.where(take[None, :, None], theirs.boxes, mine.boxes))
+    d_theirs = _distances(loc, feats, theirs.boxes[-1], protos)
+    assert torch.allclose(got.distances[-1], torch.where(take, d_theirs, mine.distances[-1]), atol=1e-6)
+    by_head = loc.run_features(feats, protos, agent, nearest=nearest)  # the same companion without a judge
+    assert not torch.equal(by_head.boxes[-1], got.boxes[-1]), "the judge should overrule the head somewhere"
+
+
+def test_feature_distances_is_one_minus_the_cosine_over_channels_and_cells():
+    from models.inference import feature_distances
+
+    g = torch.Generator().manual_seed(0)
+    roi, ref = torch.randn(3, 2, 4, 5, 5, generator=g), torch.randn(4, 5, 5, generator=g)
+    want = torch.tensor([[1 - float(torch.dot(r.flatten(), ref.flatten()) / (r.norm() * ref.norm())) for r in row]
+                         for row in roi])
+    assert torch.allclose(feature_distances(roi, ref), want, atol=1e-6)
+    assert torch.allclose(feature_distances(roi, ref.flatten()), want, atol=1e-6)  # a flat reference, as stored
+    assert torch.allclose(feature_distances(roi[0, 0], ref), want[0, 0], atol=1e-6)  # one box
