@@ -111,8 +111,13 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
            "served_pick_feat": corloc(picked_feat, val.boxes),
            "oracle": round(float((hit_s | hit_a).float().mean() * 100), 2),
            "activated": decision["activate"], "verdict": decision["verdict"], "last": last,
+           # per image, for rules tried later on the same jobs without running them again (val only)
+           "per_image": {"start_hit": hit_s.tolist(), "after_hit": hit_a.tolist(),
+                         **{f"{j}_{k}": [round(v, 6) for v in d[k].tolist()]
+                            for j, d in (("rep", d_rep), ("base", d_base), ("feat", d_feat))
+                            for k in ("start", "after")}},
            "seconds": round(time.perf_counter() - t0, 1)}
-    print(json.dumps(row), file=sys.stderr, flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "per_image"}), file=sys.stderr, flush=True)
     return row
 
 
