@@ -56,7 +56,9 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     t0 = time.perf_counter()
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
-    val = kind.draw(bundle, split, n_val, seed)  # "test" only once the rule is chosen on val
+    # "test" only once the rule is chosen on val; "adapt": the job's own unlabeled images (what a user who localizes
+    # the images the job adapted on gets; the train split's objects, more of them than val's or test's 2-7)
+    val = unl if split == "adapt" else kind.draw(bundle, split, n_val, seed)
     proto = prototype_of(bundle, ex)
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex)
@@ -126,8 +128,9 @@ def main() -> None:
     p.add_argument("--classes", nargs="+", default=["birds", "fish", "fruit", "vegetables", "flowers"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--n-val", type=int, default=48, help="images evaluated per job")
-    p.add_argument("--split", choices=("val", "test"), default="val",
-                   help="val (where the rule is chosen); test: once, for the rule chosen on val")
+    p.add_argument("--split", choices=("val", "test", "adapt"), default="val",
+                   help="val (where the rule is chosen); test: once, for the rule chosen on val; adapt: the job's "
+                        "own 64 unlabeled images (their objects are the train split's, the exemplars' among them)")
     a = p.parse_args()
     torch.set_num_threads(1)
     bundle = load_bundle("bundles/photo-mammals.pt", "cpu")
