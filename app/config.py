@@ -164,6 +164,16 @@ class Settings(BaseSettings):
     """Before adapting the policy, train the projection head on as many other synthetic probes (stage 1's ordinal
     loss, the backbone frozen) and keep it when held-out probes say it orders boxes better (``models.repair``):
     the reward then transfers to objects the bundle never saw. Checkpoints carry the head and prototype."""
+    pair_start: Literal["photos", "always", "never"] = "photos"
+    """Where a job's own reward repair was kept, its checkpoints carry the policy the job started from (format 4) and
+    are served *paired* with it: each image keeps the checkpoint's answer only where both heads (the repaired one
+    and the start's) prefer it, and the start's answer elsewhere (``models.inference.Companion.agree``). ``photos``
+    (the default): on RGB bundles' jobs, where an adapted policy alone could lose up to 10 points on held-out photo
+    classes and the two heads' agreement kept most of the gain with none of 15 fresh jobs below its start;
+    ``always``: also grayscale bundles' (whose guard confirms on pasted probes, and whose bundle head orders new kinds
+    of objects poorly, so pairing would keep their starts' wrong answers); ``never``: checkpoints alone, as before.
+    It changes what an activated checkpoint answers, not which one ``activate=auto`` activates (BENCHMARKS.md, "The
+    two heads' agreement, served")."""
     reward_choice: bool = True
     """Adapt the policy on the reward that orders boxes best on the job's selection probes, among the embedding
     distance (the bundle's or the repaired head), normalized cross-correlation with the exemplar crops and the

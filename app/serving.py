@@ -202,9 +202,9 @@ class LocalInference:
             state, reward = policy_state(self.bundles, self.store, ckpt, loaded)
             if reward is None:
                 return Served(loaded.localizer.agent(state), loaded.localizer, None)
-            # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype
-            localizer = Localizer(loaded.bundle.with_head(reward.head, reward.refine), loaded.localizer.device,
-                                  fast_episode=loaded.localizer.fast_episode)
+            # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype; paired
+            # with the policy its job started from where it carries it (format 4)
+            localizer = loaded.localizer.with_reward(reward)
             return Served(localizer.agent(state), localizer, reward.prototype.float())
 
         return self._served.get((loaded.sha256, None if ckpt is None else ckpt.id), load)

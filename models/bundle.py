@@ -11,7 +11,10 @@ repaired reward (``models.repair``): the projection head it learned and the exem
 that head, which serve the checkpoint in place of the bundle's head and the set's prototype. Format-1
 files (the agent only) load as before, with no reward of their own. Format 3 adds ``"refine": true`` to the
 reward: the checkpoint's answers are refined on its head (``models.refine``), as its job's guard scored them;
-a format-2 reward is served without refinement, as it was written.
+a format-2 reward is served without refinement, as it was written. Format 4 adds ``"start"`` to the reward:
+``{"prototype": [D], "agent"?, "head"?, "refine"?}``, the policy its job started from as that policy was served
+(no ``agent``: the bundle's own; no ``head``: the bundle's head): the checkpoint is served *paired* with it, each
+image keeping the checkpoint's answer only where both heads prefer it (``models.inference.Companion.agree``).
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
 
 A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
@@ -39,7 +42,7 @@ from models.nets.agent import Agent
 from models.nets.embedding import ProjectionHead, RoIEmbedder
 
 FORMAT_VERSION = 1
-POLICY_FORMAT_VERSION = 3
+POLICY_FORMAT_VERSION = 4
 """Policy checkpoints: 3 carries a repaired reward whose answers are refined; 2 a repaired reward (head +
 prototype); 1 is the agent only. Each file is written with the lowest version that holds it."""
 
@@ -211,9 +214,9 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
                     bundle_sha256: str | None = None, prototype_dim: int | None = None,
                     reward: Reward | None = None) -> bytes:
     """The exact bytes ``save_policy`` writes (for callers with their own blob storage). ``reward``: the
-    repaired head and prototype the policy was adapted with (format 2; 3 when its answers are refined); without
-    it the file is format 1, byte for byte what earlier versions wrote."""
-    version = 1 if reward is None else 3 if reward.refine else 2
+    repaired head and prototype the policy was adapted with (format 2; 3 when its answers are refined; 4 when it
+    carries its ``start``); without it the file is format 1, byte for byte what earlier versions wrote."""
+    version = 1 if reward is None else 4 if reward.start is not None else 3 if reward.refine else 2
     obj: dict[str, Any] = {"format": "qloc-policy", "format_version": version, "bundle": bundle_name}
     if bundle_sha256 is not None:
         obj["bundle_sha256"] = str(bundle_sha256)
@@ -224,8 +227,32 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
         obj["reward"] = {"head": _cpu(reward.head), "prototype": reward.prototype.detach().cpu().float().clone()}
         if reward.refine:
             obj["reward"]["refine"] = True
+        if reward.start is not None:
+            st = reward.start
+            start: dict[str, Any] = {"prototype": st.prototype.detach().cpu().float().clone()}
+            if st.agent is not None:
+                start["agent"] = _cpu(st.agent)
+            if st.head is not None:
+                start["head"] = _cpu(st.head)
+            if st.refine:
+                start["refine"] = True
+            obj["reward"]["start"] = start
     obj["meta"] = meta or {}
     return _to_bytes(obj)
+
+
+@dataclass(frozen=True)
+class Start:
+    """The policy an adaptation job started from, as it was served, carried by a paired checkpoint (format 4)."""
+
+    prototype: Tensor
+    """``[D]``: the exemplars' prototype under ``head``."""
+    agent: dict[str, Tensor] | None = None
+    """``None``: the bundle's own agent."""
+    head: dict[str, Tensor] | None = None
+    """``None``: the bundle's projection head."""
+    refine: bool = False
+    """Its answers were refined on ``head`` (``models.refine``)."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +263,8 @@ class Reward:
     prototype: Tensor
     refine: bool = False
     """Answers are refined on this head (``models.refine``; format 3)."""
+    start: Start | None = None
+    """Serve the checkpoint paired with the policy its job started from (format 4; ``None``: alone)."""
 
 
 def _short(sha256: str) -> str:
@@ -253,8 +282,8 @@ def policy_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str 
 
 def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str = "policy"
                           ) -> tuple[dict[str, Tensor], dict[str, Any], Reward | None]:
-    """``policy_from_bytes`` plus the repaired reward the file carries (format 2), or ``None``: then the
-    bundle's head and the set's prototype serve it."""
+    """``policy_from_bytes`` plus the repaired reward the file carries (format 2; with the start it is paired with,
+    format 4), or ``None``: then the bundle's head and the set's prototype serve it."""
     obj = _decode(data, "qloc-policy", source)
     if bundle is not None:
         if obj["bundle"] != bundle.name:
@@ -271,8 +300,15 @@ def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: 
                 f"{source} is a policy for prototypes of dimension {int(dim)}, but bundle {bundle.name!r} "
                 f"makes prototypes of dimension {bundle.prototype_dim}")
     r = obj.get("reward")
-    reward = None if r is None else Reward(r["head"], r["prototype"], bool(r.get("refine", False)))
-    if reward is not None and bundle is not None and reward.prototype.numel() != bundle.prototype_dim:
-        raise PolicyMismatch(f"{source} carries a prototype of dimension {reward.prototype.numel()}, but bundle "
-                             f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
+    reward = None
+    if r is not None:
+        st = r.get("start")
+        start = None if st is None else Start(st["prototype"], st.get("agent"), st.get("head"),
+                                              bool(st.get("refine", False)))
+        reward = Reward(r["head"], r["prototype"], bool(r.get("refine", False)), start)
+    starts = [] if reward is None or reward.start is None else [reward.start.prototype]
+    for proto in ([] if reward is None or bundle is None else [reward.prototype, *starts]):
+        if proto.numel() != bundle.prototype_dim:  # type: ignore[union-attr]
+            raise PolicyMismatch(f"{source} carries a prototype of dimension {proto.numel()}, but bundle "
+                                 f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
     return obj["agent"], obj.get("meta", {}), reward

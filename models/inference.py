@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from models.bundle import Bundle
+from models.bundle import Bundle, Reward
 from models.compiled import compiled_steer, fast_steer
 from models.config import InputSpec
 from models.instances import InstanceConfig, find_instances
@@ -160,6 +160,12 @@ class Companion:
     """``[C * s * s]``: the exemplars' mean RoI-pooled backbone feature (``models.repair.FeatureScorer``). Given,
     each image keeps the answer whose RoI feature has the higher cosine with it (``feature_distances``): a judge
     that neither policy was trained on. ``None``: the answer nearer the localizer's prototype under its head."""
+    agree: bool = False
+    """Each image keeps the localizer's own answer only where *both* heads prefer it: it is nearer the localizer's
+    prototype under the localizer's head, and nearer this companion's ``prototype`` under the companion's head;
+    elsewhere (ties included) the companion's answer. What a paired checkpoint serves (``models.bundle.Start``):
+    on photo jobs it kept most of the adapted policy's gain and lost none of 15 jobs on fresh test seeds
+    (BENCHMARKS.md, "A judge neither policy was trained on"). Overrides ``judge``."""
 
 
 def feature_distances(roi: Tensor, reference: Tensor) -> Tensor:
@@ -278,12 +284,19 @@ class Localizer:
     def _against(self, c: Companion, ro: Rollout, feats: Tensor, proto: Tensor, nearest: bool) -> Rollout:
         """``ro`` with each image's episode replaced by companion ``c``'s where its answer (as it serves it) is
         nearer ``proto`` under this localizer's head, or, where ``c`` has a ``judge``, nearer the judge's
-        reference feature; the answer's distance is then its distance under this localizer's head (ties keep
-        this localizer's own). One more episode per image on the same feature map, one head call (and one RoI
+        reference feature, or, where ``c.agree``, unless both heads prefer this localizer's answer; the answer's
+        distance is then its distance under this localizer's head (ties keep this localizer's own, but for
+        ``agree``). One more episode per image on the same feature map, one head call (and one RoI
         read of both answers for a judge)."""
         theirs = c.localizer.run_features(feats, c.prototype, c.agent, nearest=nearest)
         dist = self.box_distances(feats, theirs.boxes[-1], proto)
-        if c.judge is None:
+        if c.agree:  # both heads must prefer mine: one more head call, the companion's, on both answers
+            both = torch.stack([ro.boxes[-1], theirs.boxes[-1]], 1)  # [B, 2, 4]: mine, theirs
+            cp = c.prototype.to(feats.device)
+            under_theirs = (c.localizer.embedder.embed(feats, both) - (cp[:, None] if cp.dim() == 2 else cp)
+                            ).norm(dim=-1)
+            take = ~((ro.distances[-1] < dist) & (under_theirs[:, 0] < under_theirs[:, 1]))
+        elif c.judge is None:
             take = dist < ro.distances[-1]
         else:
             both = torch.stack([ro.boxes[-1], theirs.boxes[-1]], 1)  # [B, 2, 4]: mine, theirs
@@ -297,6 +310,19 @@ class Localizer:
 
         out = Rollout(*(mix(m, o) for m, o in zip(ro, theirs, strict=True)))
         return out._replace(distances=torch.cat([out.distances[:-1], torch.where(take, dist, ro.distances[-1])[None]]))
+
+    def with_reward(self, reward: Reward) -> Localizer:
+        """The localizer a checkpoint carrying ``reward`` (``models.bundle``) is served with, on this localizer's bundle
+        (the bundle's own head) and device: the reward's head; where the reward carries its job's ``start`` (format
+        4), paired with that policy as it was served (``Companion(agree=True)``)."""
+        companion = None
+        if reward.start is not None:
+            st = reward.start
+            theirs = self if st.head is None else Localizer(self.bundle.with_head(st.head, st.refine), self.device,
+                                                            fast_episode=self.fast_episode)
+            companion = Companion(theirs, theirs.agent(st.agent), st.prototype.float(), agree=True)
+        return Localizer(self.bundle.with_head(reward.head, reward.refine), self.device,
+                         fast_episode=self.fast_episode, companion=companion)
 
     def _refined(self, ro: Rollout, feats: Tensor, proto: Tensor) -> Rollout:
         """``ro`` answering with its final box refined on the embedding (``models.refine``): the refined box

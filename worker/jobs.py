@@ -30,7 +30,7 @@ from app.jobstates import JobState
 from app.storage import checkpoint_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
-from models.bundle import Bundle, Reward, policy_to_bytes
+from models.bundle import Bundle, Reward, Start, policy_to_bytes
 from models.calibration import answers, calibrate_policy, stored_kind, stored_negative_templates
 from models.data.probes import erase_boxes
 from models.guard import Guard, GuardConfig
@@ -101,6 +101,7 @@ class AdaptationRun:
         self.guard: Guard | None = None
         self.setup: Guarded | None = None
         self.reward_head: dict[str, Tensor] | None = None
+        self.start_pair: Start | None = None
         self.checkpoint_ids: dict[int, uuid.UUID] = {}
 
     # --- the run
@@ -148,6 +149,9 @@ class AdaptationRun:
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
                             else start_reward.head if start_reward is not None else None)
+        if self._pairs(bundle):  # checkpoints are served paired with the policy the job started from, as it was served
+            self.start_pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
+                                    start_reward.refine if start_reward else False)
         self.guard = self.setup.guard
         bundle, prototype = self.setup.bundle, self.setup.prototype  # the repaired reward, when it was kept
         if self.last_iteration < job.iterations and not self.guard.should_stop:
@@ -197,6 +201,20 @@ class AdaptationRun:
             self.checkpoint_ids[ckpt.iteration] = ckpt.id
         return setup
 
+    def _pairs(self, bundle: Bundle) -> bool:
+        """Whether this job's checkpoints carry its start (``QLOC_PAIR_START``): only where its own reward repair was
+        kept (paired with an unrepaired start, the rule would judge by one head twice)."""
+        mode = self.ctx.settings.pair_start
+        kept = self.setup is not None and self.setup.repair is not None and self.setup.repair.kept
+        return kept and (mode == "always" or (mode == "photos" and bundle.config.input.channels == 3))
+
+    def reward(self) -> Reward | None:
+        """The reward this job's checkpoints carry: a repaired head (this job's, or its start's) is served with the
+        policy it trained, paired with the job's start where ``start_pair`` is set; ``None``: the bundle's head."""
+        if self.setup is None or self.reward_head is None:
+            return None
+        return Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine, start=self.start_pair)
+
     # --- callbacks from ``adapt``
 
     def on_progress(self, iteration: int, total: int, mean_reward: float) -> None:
@@ -244,12 +262,11 @@ class AdaptationRun:
         with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
             if not self._still_owned(s):
                 raise LeaseLost
-        reward = None  # a repaired head (this job's, or its start's) is served with the policy it trained
-        if self.setup is not None and self.reward_head is not None:
-            reward = Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine)
+        if self.start_pair is not None:
+            metrics["answers"] = "paired with its start"
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
-                                                      prototype_dim=self.bundle.prototype_dim, reward=reward))
+                                                      prototype_dim=self.bundle.prototype_dim, reward=self.reward()))
         ckpt_id = uuid.uuid4()
         with self.ctx.session_factory.begin() as s:
             if not self._still_owned(s):
@@ -324,7 +341,10 @@ def _job_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) -> di
         negatives = None
         if es.negatives is not None and setup.reward == "bundle head":
             negatives = prototype_from_bytes(es.negatives).view(-1, es.prototype_dim)
+        reward = run.reward()  # as localize serves the checkpoints: paired with the job's start where they carry it
         loc = Localizer(setup.bundle, run.ctx.settings.device)
+        if reward is not None:
+            loc = Localizer(run.bundle, run.ctx.settings.device).with_reward(reward)
         for iteration, cid in run.checkpoint_ids.items():
             if cid not in ckpt_ids:
                 continue

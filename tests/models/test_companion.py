@@ -133,3 +133,56 @@ def test_feature_distances_is_one_minus_the_cosine_over_channels_and_cells():
     assert torch.allclose(feature_distances(roi, ref), want, atol=1e-6)
     assert torch.allclose(feature_distances(roi, ref.flatten()), want, atol=1e-6)  # a flat reference, as stored
     assert torch.allclose(feature_distances(roi[0, 0], ref), want[0, 0], atol=1e-6)  # one box
+
+
+@pytest.mark.parametrize("nearest", [False, True])
+def test_agree_keeps_the_own_answer_only_where_both_heads_prefer_it(nearest):
+    """``Companion(agree=True)`` (a paired checkpoint): the localizer's answer stands only where it is nearer the
+    localizer's prototype under the localizer's head *and* nearer the companion's prototype under the companion's
+    head; elsewhere, ties included, the companion's answer, scored under the localizer's head."""
+    loc, start, feats, protos, other = _pair(5)
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    mine = Localizer(loc.bundle, "cpu").run_features(feats, protos, agent, nearest=nearest)
+    theirs = start.localizer.run_features(feats, start.prototype, start.agent, nearest=nearest)
+    d_mine_mine, d_theirs_mine = mine.distances[-1], _distances(loc, feats, theirs.boxes[-1], protos)
+    d_mine_start = _distances(start.localizer, feats, mine.boxes[-1], start.prototype)
+    d_theirs_start = _distances(start.localizer, feats, theirs.boxes[-1], start.prototype)
+    keep = (d_mine_mine < d_theirs_mine) & (d_mine_start < d_theirs_start)  # written out
+    by_mine = d_mine_mine < d_theirs_mine  # the localizer's head alone (the plain companion's rule)
+    assert bool((by_mine & ~keep).any()), "the test wants the companion's head to overrule somewhere"
+    paired = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype,
+                                                              agree=True))
+    got = paired.run_features(feats, protos, agent, nearest=nearest)
+    assert torch.equal(got.boxes, torch.where(keep[None, :, None], mine.boxes, theirs.boxes))
+    assert torch.allclose(got.distances[-1], torch.where(keep, d_mine_mine, d_theirs_mine), atol=1e-6)
+    same = Localizer(loc.bundle, "cpu", companion=Companion(Localizer(loc.bundle, "cpu"), agent, protos,
+                                                            agree=True))
+    assert torch.equal(same.run_features(feats, protos, agent, nearest=nearest).boxes[-1],
+                       mine.boxes[-1])  # the same policy: every answer ties, and ties are the companion's (equal)
+
+
+def test_with_reward_serves_a_format_4_checkpoint_paired_with_its_start():
+    """``Localizer.with_reward``: a reward without a start is its head alone; with one (format 4), a companion
+    that is the start as it was served (the bundle's head, or the start's own head) under the agreement rule."""
+    from models.bundle import Reward, Start
+
+    bundle, _, feats, protos = setup(6, 5)
+    other, third = tiny_bundle(12), tiny_bundle(13)
+    head = other.embedder.head.state_dict()
+    base = Localizer(bundle, "cpu")
+    agent = base.bundle.new_agent(other.agent_state).eval()
+    alone = base.with_reward(Reward(head, protos[0]))
+    assert alone.companion is None and not alone.bundle.refine
+    paired = base.with_reward(Reward(head, protos[0], start=Start(protos[1])))
+    c = paired.companion
+    assert c is not None and c.agree and c.localizer is base and torch.equal(c.prototype, protos[1])
+    assert all(torch.equal(v, bundle.agent_state[k]) for k, v in c.agent.state_dict().items())  # the bundle's own
+    want = Localizer(paired.bundle, "cpu", companion=Companion(base, base.agent(), protos[1], agree=True))
+    assert torch.equal(paired.run_features(feats, protos[0], agent).boxes, want.run_features(feats, protos[0],
+                                                                                                agent).boxes)
+    st = Start(protos[2], agent=third.agent_state, head=third.embedder.head.state_dict())
+    own = base.with_reward(Reward(head, protos[0], start=st)).companion
+    assert own is not None and own.localizer is not base
+    assert all(torch.equal(v, third.embedder.head.state_dict()[k])
+               for k, v in own.localizer.embedder.head.state_dict().items())
+    assert all(torch.equal(v, third.agent_state[k]) for k, v in own.agent.state_dict().items())

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.bundle import Reward, checkpoint_from_bytes, load_bundle, policy_from_bytes, policy_to_bytes
+from models.bundle import (
+    PolicyMismatch,
+    Reward,
+    Start,
+    checkpoint_from_bytes,
+    load_bundle,
+    policy_from_bytes,
+    policy_to_bytes,
+)
 from models.data.types import exemplar_crops
 from models.experiments.datasets import GlyphKind
 from models.guard import synthetic_probes
@@ -122,10 +130,27 @@ def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still
     _, _, reward3 = checkpoint_from_bytes(refined, bundle)
     assert reward3.refine is True and bundle.with_head(reward3.head, reward3.refine).refine is True
 
-    obj3["format_version"] = 4
+    # format 4: the start it is paired with (the bundle's agent and head: only the prototype is written)
+    start = Start(proto.flip(0))
+    paired = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                             prototype_dim=bundle.prototype_dim, reward=Reward(head, proto, start=start))
+    obj4 = torch.load(io.BytesIO(paired), weights_only=True)
+    assert obj4["format_version"] == 4 and set(obj4["reward"]["start"]) == {"prototype"}
+    st = checkpoint_from_bytes(paired, bundle)[2].start
+    assert torch.equal(st.prototype, start.prototype) and st.agent is None and st.head is None and not st.refine
+    own = Start(proto, agent={k: v + 2 for k, v in agent.items()}, head=head, refine=True)
+    st = checkpoint_from_bytes(policy_to_bytes(agent, bundle_name=bundle.name, reward=Reward(head, proto,
+                                                                                          start=own)), bundle)[2].start
+    assert st.refine and all(torch.equal(v, own.agent[k]) for k, v in st.agent.items())
+    assert all(torch.equal(v, head[k]) for k, v in st.head.items())
+    short = Reward(head, proto, start=Start(proto[:-1]))  # a start of another prototype dimension is refused
+    with pytest.raises(PolicyMismatch, match="dimension"):
+        checkpoint_from_bytes(policy_to_bytes(agent, bundle_name=bundle.name, reward=short), bundle)
+
+    obj3["format_version"] = 5
     buf = io.BytesIO()
     torch.save(obj3, buf)
-    with pytest.raises(ValueError, match="format 4"):
+    with pytest.raises(ValueError, match="format 5"):
         checkpoint_from_bytes(buf.getvalue(), bundle)
 
 
