@@ -97,3 +97,54 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     # and the same agent with the bundle's head and the set's prototype would score otherwise
     plain = Localizer(bundle, "cpu").localize(pils, Localizer(bundle, "cpu").prototype(crops), agent)
     assert any(abs(p.score - w.score) > 1e-2 for p, w in zip(plain, expected, strict=True))
+
+
+def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_the_pair(tmp_path):
+    """``QLOC_PAIR_START=always`` (photo bundles' default, here on the digit bundle to stay fast): a job whose repair
+    was kept writes format-4 checkpoints carrying its start (the bundle's agent and head, the set's prototype), says
+    so in their metrics, and localize with one answers each image with the checkpoint's box or the start's, as
+    ``Localizer.with_reward`` pairs them."""
+    from app.main import create_app
+
+    s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=64,
+                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16, reward_choice=False,
+                           pair_start="always", default_iterations=20)
+    migrate(s.database_url)
+    bundle = BundleRegistry(s.bundle_dir, "cpu").get("mnist-digit4").bundle
+    kind = GlyphKind("K", "patch")
+    crops = exemplar_crops(kind.draw(bundle, "exemplars", 5, 0))
+    unlabeled = kind.draw(bundle, "unlabeled", 48, 0, after=5).images
+    probe = kind.draw(bundle, "test", 8, 0).images
+    ctx = WorkerContext.create(s)
+    try:
+        with TestClient(create_app(s)) as client:
+            created = client.post("/v1/exemplar-sets", files=_upload([_png(c) for c in crops])).json()
+            sid = created["id"]
+            r = client.post(f"/v1/exemplar-sets/{sid}/adaptations", data={"activate": "true"},
+                            files=_upload([_png(im) for im in unlabeled]))
+            assert run_adaptation_job(ctx, uuid.UUID(r.json()["id"]), worker="test") == "succeeded"
+            job = client.get(f"/v1/adaptations/{r.json()['id']}").json()
+            assert job["validation"]["reward"] == "repaired head", job["validation"]["repair"]
+            ckpt = client.get(f"/v1/checkpoints/{job['checkpoint_id']}").json()
+            assert ckpt["metrics"]["answers"] == "paired with its start"
+            adapted = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": ckpt["id"]},
+                                  files=_upload([_png(im) for im in probe])).json()
+    finally:
+        ctx.engine.dispose()
+    with ctx.session_factory() as session:
+        row = session.get(Checkpoint, uuid.UUID(ckpt["id"]))
+        data = BlobStore(s.storage_dir).read_verified(row.blob, row.sha256)
+    assert torch.load(io.BytesIO(data), weights_only=True)["format_version"] == 4
+    agent, _, reward = checkpoint_from_bytes(data, bundle)
+    st = reward.start
+    assert st is not None and st.agent is None and st.head is None and not st.refine  # the bundle's own policy
+    base = Localizer(bundle, "cpu")
+    assert torch.allclose(st.prototype, base.prototype(crops), atol=1e-4)  # the set's prototype, the bundle's head
+    pils = [Image.open(io.BytesIO(_png(im))) for im in probe]  # what the API decoded
+    paired = base.with_reward(reward)
+    expected = paired.localize(pils, reward.prototype, agent)
+    alone = Localizer(bundle.with_head(reward.head, refine=True), "cpu").localize(pils, reward.prototype, agent)
+    start = base.localize(pils, st.prototype)
+    for got, want, a, b in zip(adapted["results"], expected, alone, start, strict=True):
+        assert torch.allclose(torch.tensor(got["box"]), torch.tensor(want.box), atol=1e-3), (got, want)
+        assert want.box in (a.box, b.box)  # each image: the checkpoint's own answer or the start's
