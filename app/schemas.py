@@ -192,7 +192,9 @@ class JobParams(BaseModel):
     activate: Literal["auto", "true", "false"] = Field(
         description="auto: the best checkpoint, only if it beats the starting policy on the job's probes (on a photo "
                     "bundle the set's labeled examples must agree: pasted probes alone never activate there); "
-                    "true: the final checkpoint, whatever the probes say; false: none")
+                    "true: the final checkpoint, whatever the probes say; false: none. A photo bundle's checkpoint "
+                    "whose job repaired its reward answers paired with the job's starting policy (QLOC_PAIR_START): "
+                    "its own box only where both heads prefer it, the start's elsewhere")
     num_images: int = Field(description="Images the job adapts on: its uploads and the pool images it took")
     num_pool_images: int = Field(0, description=(
         "Of num_images, those taken from the set's pool when the job was created (a snapshot: images added to "
@@ -290,7 +292,10 @@ class CheckpointPublic(BaseModel):
     kind: Literal["base", "adapted"]
     iteration: int
     sha256: str
-    metrics: dict[str, float | int | str | None]
+    metrics: dict[str, float | int | str | None] = Field(description=(
+        "The job's mean reward and the checkpoint's probe scores (`probe_corloc`, `probe_mean_iou`, "
+        "`probe_held_corloc`, `probe_gain`, `probe_noise`); `answers: \"paired with its start\"` where localize "
+        "answers with it paired with its job's starting policy (QLOC_PAIR_START)"))
     active: bool
     created_at: datetime
 

@@ -16,7 +16,9 @@ of the gain and lose little where the adapted policy is worse. This measures it,
 - ``pick_both_rep``: the same between the starting policy's and the adapted policy's episodes both run under the
   repaired head (their nearest visited boxes);
 - ``pick_start_base``: ``before``'s or ``after``'s box, by the bundle's own head and prototype;
-- ``pick_agree``: ``after``'s box only where both heads prefer it; ``pick_vote``: where two of three judges do (the
+- ``pick_agree``: ``after``'s box only where both heads prefer it; ``served_pick_agree``: the same as localize serves
+  it since ``QLOC_PAIR_START`` (the job's last checkpoint as a format-4 ``Reward`` carrying its ``Start``, through
+  ``Localizer.with_reward``); ``pick_vote``: where two of three judges do (the
   repaired head, the bundle's head, the backbone features below);
 - ``pick_feat``: ``before``'s or ``after``'s box, the one whose RoI-pooled frozen backbone features have the higher
   cosine with the exemplars' mean (``models.repair.FeatureScorer``): a judge neither policy was trained on;
@@ -37,7 +39,7 @@ import torch
 
 from app.config import Settings
 from models.adapt import AdaptConfig, adapt
-from models.bundle import load_bundle
+from models.bundle import Reward, Start, load_bundle
 from models.core.boxes import paired_iou as iou_of
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
@@ -98,6 +100,10 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     judged = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto, fs.reference))
     picked_feat = judged.run_features(feats, setup.prototype, judged.agent(states[last])).boxes[-1]
     chosen = pick(start, after, d_rep["start"], d_rep["after"])  # the rule
+    # the two heads' agreement as served (QLOC_PAIR_START): the last checkpoint's reward carrying the job's start
+    paired = base_loc.with_reward(Reward(setup.repair.head, setup.prototype, setup.bundle.refine, Start(proto))
+                                  ) if setup.repair is not None and setup.repair.kept else rep_loc
+    served_agree = paired.run_features(feats, setup.prototype, paired.agent(states[last])).boxes[-1]
     row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,
            "before": corloc(start, val.boxes), "after": corloc(after, val.boxes), "guard": corloc(guard, val.boxes),
            "pick_start_rep": corloc(chosen, val.boxes),
@@ -108,6 +114,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
            "pick_start_base": corloc(pick(start, after, d_base["start"], d_base["after"]), val.boxes),
            "pick_agree": corloc(torch.where(((d_rep["after"] < d_rep["start"]) & (d_base["after"] < d_base["start"]))
                                             [:, None], after, start), val.boxes),
+           "served_pick_agree": corloc(served_agree, val.boxes),
            "pick_vote": corloc(torch.where((votes >= 2)[:, None], after, start), val.boxes),
            "pick_feat": corloc(pick(start, after, d_feat["start"], d_feat["after"]), val.boxes),
            "served_pick_feat": corloc(picked_feat, val.boxes),
@@ -138,7 +145,8 @@ def main() -> None:
     rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
             for seed in a.seeds for c in a.classes]
     keys = ("before", "after", "guard", "pick_start_rep", "served_pick", "pick_both_rep", "start_rep",
-            "pick_start_base", "pick_agree", "pick_vote", "pick_feat", "served_pick_feat", "oracle")
+            "pick_start_base", "pick_agree", "served_pick_agree", "pick_vote", "pick_feat", "served_pick_feat",
+            "oracle")
     summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),
                    "mean_gain": round(sum(r[k] - r["before"] for r in rows) / len(rows), 2),
                    "worst_gain": round(min(r[k] - r["before"] for r in rows), 2)} for k in keys}

@@ -22,8 +22,10 @@ Nothing here is chosen on the test half (nor on val: every setting below is fixe
   reward repair, 128 synthetic probes, 200 iterations, lr 1e-3, a checkpoint every 25, early stop, then
   ``Guard.decide("auto")``) on the same unlabeled photos: the verdict, the checkpoint it activates, and the
   CorLoc a user gets (the activated checkpoint served with its reward head, nearest answer; the starting policy
-  when nothing is activated); ``guarded_last`` is the job's last checkpoint (what ``activate=true`` gives);
-  one run per ``--guard-seeds``;
+  when nothing is activated); ``guarded_last`` is the job's last checkpoint alone (what ``activate=true`` gave
+  before ``QLOC_PAIR_START``); ``guarded_paired``: that checkpoint paired with the starting policy
+  (``Localizer.with_reward`` with the job's ``Start``: what ``activate=true`` serves on a photo bundle's job whose
+  repair was kept; the checkpoint alone where it was not); one run per ``--guard-seeds``;
 - ``template``: template matching (``models.experiments.baselines.template_matching``, NCC) at the bundle's input
   size (each photo resized to 224 x 224 as the agent sees it): the exemplar crops cut from their photos resized
   the same way, at long sides ``TEMPLATE_FRACTIONS`` x 224 (a fixed geometric range: the default scales are
@@ -66,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from app.config import Settings  # noqa: E402
 from models.adapt import AdaptConfig, adapt  # noqa: E402
-from models.bundle import Bundle, load_bundle  # noqa: E402
+from models.bundle import Bundle, Reward, Start, load_bundle  # noqa: E402
 from models.core.boxes import paired_iou  # noqa: E402
 from models.data import realphotos  # noqa: E402
 from models.data.types import LabeledImages  # noqa: E402
@@ -83,7 +85,7 @@ TEMPLATE_FRACTIONS = tuple(round(0.15 * (0.9 / 0.15) ** (i / 6), 4) for i in ran
 span the benchmark's object sizes (LABELING.md: boxes from 4 % to 98 % of the image, median about a third)."""
 ANSWER_METHODS = ("greedy", "nearest", "best16", "instances")
 BASELINES = ("template", "ranking", "ranking_eq")
-SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_last")
+SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_last", "guarded_paired")
 METHODS = ANSWER_METHODS + SEEDED + BASELINES
 
 
@@ -308,7 +310,7 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
             say(f"{cls:10s} {m:16s} " + "  ".join(f"{s} {row[s]['corloc']:5.1f}" for s in data)
                 + f"  adapt {statistics.fmean(secs):.0f} s")
 
-    guarded, last, info = [], [], []
+    guarded, last, paired, info = [], [], [], []
     settings = Settings()
     for seed in opts.guard_seeds:
         job = run_job(bundle, proto, crops, images01, seed, settings)
@@ -320,6 +322,11 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
         last_it = max(job["states"]) if job["states"] else None
         last.append(evaluate_agent(job["states"][last_it], None, served, setup.prototype) if last_it is not None
                     else evaluate_agent(None, None))
+        kept = setup.repair is not None and setup.repair.kept  # as worker/jobs.py pairs (QLOC_PAIR_START=photos)
+        pair = (loc.with_reward(Reward(setup.repair.head, setup.prototype, setup.bundle.refine, Start(proto)))
+                if kept and spec.channels == 3 else served)
+        paired.append(evaluate_agent(job["states"][last_it], None, pair, setup.prototype) if last_it is not None
+                      else evaluate_agent(None, None))
         best = d["validation"]["best"]
         info.append({"seed": seed, "verdict": d["verdict"], "activated": it, "last_iteration": last_it,
                      "reward": setup.reward, "repair_kept": None if setup.repair is None else setup.repair.kept,
@@ -329,7 +336,7 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
                      "probe_best": None if best is None else best["select"]["corloc"],
                      "stopped_early": d["validation"]["stopped_early"], "job_seconds": job["seconds"]})
     if opts.guard_seeds:
-        for m, runs in (("guarded", guarded), ("guarded_last", last)):
+        for m, runs in (("guarded", guarded), ("guarded_last", last), ("guarded_paired", paired)):
             row = {"class": cls, "method": m, "seeds": list(opts.guard_seeds)}
             row.update({s: _seeded([r[s] for r in runs]) for s in data})
             row["jobs"] = info
