@@ -19,7 +19,7 @@ of the gain and lose little where the adapted policy is worse. This measures it,
 - ``pick_agree``: ``after``'s box only where both heads prefer it; ``served_pick_agree``: the same as localize serves
   it since ``QLOC_PAIR_START`` (the job's last checkpoint as a format-4 ``Reward`` carrying its ``Start``, through
   ``Localizer.with_reward``); ``pick_vote``: where two of three judges do (the
-  repaired head, the bundle's head, the backbone features below);
+  repaired head, the bundle's head, the backbone features below); ``pick_unanimous``: where all three do;
 - ``pick_feat``: ``before``'s or ``after``'s box, the one whose RoI-pooled frozen backbone features have the higher
   cosine with the exemplars' mean (``models.repair.FeatureScorer``): a judge neither policy was trained on;
   ``served_pick_feat``: the same through ``Localizer`` with a ``Companion`` carrying that ``judge``;
@@ -116,6 +116,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
                                             [:, None], after, start), val.boxes),
            "served_pick_agree": corloc(served_agree, val.boxes),
            "pick_vote": corloc(torch.where((votes >= 2)[:, None], after, start), val.boxes),
+           "pick_unanimous": corloc(torch.where((votes == 3)[:, None], after, start), val.boxes),
            "pick_feat": corloc(pick(start, after, d_feat["start"], d_feat["after"]), val.boxes),
            "served_pick_feat": corloc(picked_feat, val.boxes),
            "oracle": round(float((hit_s | hit_a).float().mean() * 100), 2),
@@ -145,8 +146,8 @@ def main() -> None:
     rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
             for seed in a.seeds for c in a.classes]
     keys = ("before", "after", "guard", "pick_start_rep", "served_pick", "pick_both_rep", "start_rep",
-            "pick_start_base", "pick_agree", "served_pick_agree", "pick_vote", "pick_feat", "served_pick_feat",
-            "oracle")
+            "pick_start_base", "pick_agree", "served_pick_agree", "pick_vote", "pick_unanimous", "pick_feat",
+            "served_pick_feat", "oracle")
     summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),
                    "mean_gain": round(sum(r[k] - r["before"] for r in rows) / len(rows), 2),
                    "worst_gain": round(min(r[k] - r["before"] for r in rows), 2)} for k in keys}

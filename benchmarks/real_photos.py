@@ -25,7 +25,9 @@ Nothing here is chosen on the test half (nor on val: every setting below is fixe
   when nothing is activated); ``guarded_last`` is the job's last checkpoint alone (what ``activate=true`` gave
   before ``QLOC_PAIR_START``); ``guarded_paired``: that checkpoint paired with the starting policy
   (``Localizer.with_reward`` with the job's ``Start``: what ``activate=true`` serves on a photo bundle's job whose
-  repair was kept; the checkpoint alone where it was not); one run per ``--guard-seeds``;
+  repair was kept; the checkpoint alone where it was not); ``guarded_unanimous``: the same pair where the frozen
+  backbone features must prefer the checkpoint's box too (``Companion(judge=..., agree=True)``, the judge
+  ``models.repair.FeatureScorer``'s reference from the exemplar crops; not served); one run per ``--guard-seeds``;
 - ``template``: template matching (``models.experiments.baselines.template_matching``, NCC) at the bundle's input
   size (each photo resized to 224 x 224 as the agent sees it): the exemplar crops cut from their photos resized
   the same way, at long sides ``TEMPLATE_FRACTIONS`` x 224 (a fixed geometric range: the default scales are
@@ -78,14 +80,15 @@ from models.experiments.photos import PhotoTransferSetup  # noqa: E402
 from models.guard import GuardConfig  # noqa: E402
 from models.inference import Localizer, pil_to_tensor, preprocess  # noqa: E402
 from models.instances import InstanceConfig, coarse_windows  # noqa: E402
-from models.repair import RepairConfig, guarded_setup  # noqa: E402
+from models.repair import FeatureScorer, RepairConfig, guarded_setup  # noqa: E402
 
 TEMPLATE_FRACTIONS = tuple(round(0.15 * (0.9 / 0.15) ** (i / 6), 4) for i in range(7))
 """Template long sides as fractions of the input side: 0.15 ... 0.9, geometric (7 scales), fixed beforehand to
 span the benchmark's object sizes (LABELING.md: boxes from 4 % to 98 % of the image, median about a third)."""
 ANSWER_METHODS = ("greedy", "nearest", "best16", "instances")
 BASELINES = ("template", "ranking", "ranking_eq")
-SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_last", "guarded_paired")
+SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_last", "guarded_paired",
+          "guarded_unanimous")
 METHODS = ANSWER_METHODS + SEEDED + BASELINES
 
 
@@ -310,7 +313,7 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
             say(f"{cls:10s} {m:16s} " + "  ".join(f"{s} {row[s]['corloc']:5.1f}" for s in data)
                 + f"  adapt {statistics.fmean(secs):.0f} s")
 
-    guarded, last, paired, info = [], [], [], []
+    guarded, last, paired, unanimous, info = [], [], [], [], []
     settings = Settings()
     for seed in opts.guard_seeds:
         job = run_job(bundle, proto, crops, images01, seed, settings)
@@ -327,6 +330,12 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
                 if kept and spec.channels == 3 else served)
         paired.append(evaluate_agent(job["states"][last_it], None, pair, setup.prototype) if last_it is not None
                       else evaluate_agent(None, None))
+        three = pair
+        if pair.companion is not None:  # the frozen features must prefer the checkpoint's box too
+            judge = FeatureScorer.from_crops(bundle, crops).reference
+            three = Localizer(pair.bundle, pair.device, companion=replace(pair.companion, judge=judge))
+        unanimous.append(evaluate_agent(job["states"][last_it], None, three, setup.prototype) if last_it is not None
+                         else evaluate_agent(None, None))
         best = d["validation"]["best"]
         info.append({"seed": seed, "verdict": d["verdict"], "activated": it, "last_iteration": last_it,
                      "reward": setup.reward, "repair_kept": None if setup.repair is None else setup.repair.kept,
@@ -336,7 +345,8 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
                      "probe_best": None if best is None else best["select"]["corloc"],
                      "stopped_early": d["validation"]["stopped_early"], "job_seconds": job["seconds"]})
     if opts.guard_seeds:
-        for m, runs in (("guarded", guarded), ("guarded_last", last), ("guarded_paired", paired)):
+        for m, runs in (("guarded", guarded), ("guarded_last", last), ("guarded_paired", paired),
+                        ("guarded_unanimous", unanimous)):
             row = {"class": cls, "method": m, "seeds": list(opts.guard_seeds)}
             row.update({s: _seeded([r[s] for r in runs]) for s in data})
             row["jobs"] = info

@@ -165,7 +165,8 @@ class Companion:
     prototype under the localizer's head, and nearer this companion's ``prototype`` under the companion's head;
     elsewhere (ties included) the companion's answer. What a paired checkpoint serves (``models.bundle.Start``):
     on photo jobs it kept most of the adapted policy's gain and lost none of 15 jobs on fresh test seeds
-    (BENCHMARKS.md, "A judge neither policy was trained on"). Overrides ``judge``."""
+    (BENCHMARKS.md, "A judge neither policy was trained on"). With a ``judge`` too, the judge must prefer it as
+    well (all three agree)."""
 
 
 def feature_distances(roi: Tensor, reference: Tensor) -> Tensor:
@@ -295,7 +296,11 @@ class Localizer:
             cp = c.prototype.to(feats.device)
             under_theirs = (c.localizer.embedder.embed(feats, both) - (cp[:, None] if cp.dim() == 2 else cp)
                             ).norm(dim=-1)
-            take = ~((ro.distances[-1] < dist) & (under_theirs[:, 0] < under_theirs[:, 1]))
+            keep = (ro.distances[-1] < dist) & (under_theirs[:, 0] < under_theirs[:, 1])
+            if c.judge is not None:
+                judged = feature_distances(self.embedder.roi(feats, both), c.judge)
+                keep &= judged[:, 0] < judged[:, 1]
+            take = ~keep
         elif c.judge is None:
             take = dist < ro.distances[-1]
         else:

@@ -186,3 +186,23 @@ def test_with_reward_serves_a_format_4_checkpoint_paired_with_its_start():
     assert all(torch.equal(v, third.embedder.head.state_dict()[k])
                for k, v in own.localizer.embedder.head.state_dict().items())
     assert all(torch.equal(v, third.agent_state[k]) for k, v in own.agent.state_dict().items())
+
+
+def test_agree_with_a_judge_needs_the_judge_to_prefer_the_own_answer_too():
+    loc, start, feats, protos, other = _pair(5)
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    mine = Localizer(loc.bundle, "cpu").run_features(feats, protos, agent)
+    theirs = start.localizer.run_features(feats, start.prototype, start.agent)
+    agree = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype,
+                                                             agree=True)).run_features(feats, protos, agent)
+    kept = (agree.boxes[-1] == mine.boxes[-1]).all(-1) & (mine.boxes[-1] != theirs.boxes[-1]).any(-1)
+    assert bool(kept.any()), "the test wants images where both heads keep the own answer"
+    with torch.no_grad():
+        flat = loc.embedder.roi(feats, torch.stack([mine.boxes[-1], theirs.boxes[-1]], 1)).flatten(2)
+    judge = flat[:, 1].mean(0) - 0.5 * flat[:, 0].mean(0)  # leans to the companion's answers
+    cos = torch.nn.functional.cosine_similarity(flat, judge.expand_as(flat), dim=-1)
+    keep = kept & (cos[:, 0] > cos[:, 1])  # written out: both heads and the judge
+    assert bool((kept & ~keep).any()), "the test wants the judge to overrule the heads somewhere"
+    three = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype, judge,
+                                                             agree=True)).run_features(feats, protos, agent)
+    assert torch.equal(three.boxes[-1], torch.where(keep[:, None], mine.boxes[-1], theirs.boxes[-1]))
