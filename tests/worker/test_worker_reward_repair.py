@@ -24,17 +24,24 @@ from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
 
-def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp_path):
-    from app.main import create_app
-
+def _glyph_service(tmp_path, probes: int, **settings):
+    """Settings of a migrated service on the digit bundle with a small reward repair, the bundle, and a glyph
+    kind's (K, never seen by it) exemplar crops, 48 unlabeled images and ``probes`` test images."""
     s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=64,
-                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16, reward_choice=False)
+                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16, reward_choice=False,
+                           **settings)
     migrate(s.database_url)
     bundle = BundleRegistry(s.bundle_dir, "cpu").get("mnist-digit4").bundle
     kind = GlyphKind("K", "patch")
     crops = exemplar_crops(kind.draw(bundle, "exemplars", 5, 0))
-    unlabeled = kind.draw(bundle, "unlabeled", 48, 0, after=5).images
-    probe = kind.draw(bundle, "test", 2, 0).images
+    return (s, bundle, crops, kind.draw(bundle, "unlabeled", 48, 0, after=5).images,
+            kind.draw(bundle, "test", probes, 0).images)
+
+
+def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp_path):
+    from app.main import create_app
+
+    s, bundle, crops, unlabeled, probe = _glyph_service(tmp_path, 2)
     ctx = WorkerContext.create(s)
     try:
         with TestClient(create_app(s)) as client:
@@ -106,15 +113,7 @@ def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_
     ``Localizer.with_reward`` pairs them."""
     from app.main import create_app
 
-    s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=64,
-                           repair_epochs=12, synthetic_probes=96, adapt_batch_size=16, reward_choice=False,
-                           pair_start="always", default_iterations=20)
-    migrate(s.database_url)
-    bundle = BundleRegistry(s.bundle_dir, "cpu").get("mnist-digit4").bundle
-    kind = GlyphKind("K", "patch")
-    crops = exemplar_crops(kind.draw(bundle, "exemplars", 5, 0))
-    unlabeled = kind.draw(bundle, "unlabeled", 48, 0, after=5).images
-    probe = kind.draw(bundle, "test", 8, 0).images
+    s, bundle, crops, unlabeled, probe = _glyph_service(tmp_path, 8, pair_start="always", default_iterations=20)
     ctx = WorkerContext.create(s)
     try:
         with TestClient(create_app(s)) as client:
