@@ -9,7 +9,8 @@ of the gain and lose little where the adapted policy is worse. This measures it,
 
 - ``before``: the starting policy with the bundle's head (what a set answers before any job);
 - ``after``: the job's last checkpoint on the repaired head and prototype (``activate=true``);
-- ``guard``: what ``activate=auto`` serves (labeled examples: the 5 exemplar images with their boxes);
+- ``guard``: what ``activate=auto`` serves (labeled examples: the 5 exemplar images with their boxes; since
+  ``QLOC_PAIR_START`` the guard scores the checkpoints paired with the start, and the one it activates is served so);
 - ``pick_start_rep``: per image, ``before``'s box or ``after``'s, the one nearer the repaired prototype under the
   repaired head; ``served_pick``: the same through ``models.inference.Localizer`` with the start as its
   ``Companion`` (``served_pick_differs``: images where the two differ, float near-ties);
@@ -62,8 +63,10 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     # the images the job adapted on gets; the train split's objects, more of them than val's or test's 2-7)
     val = unl if split == "adapt" else kind.draw(bundle, split, n_val, seed)
     proto = prototype_of(bundle, ex)
+    pair = Start(proto) if settings.pair_start != "never" else None  # as the worker pairs an RGB bundle's job
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
-                          generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex)
+                          generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex,
+                          start=pair)
     states: dict[int, dict] = {}
 
     def on_checkpoint(state: dict) -> None:
@@ -81,7 +84,8 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     start = base_loc.run_features(feats, proto, base_loc.agent(None)).boxes[-1]
     after = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(states[last])).boxes[-1]
     start_rep = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(None)).boxes[-1]
-    guard = (rep_loc.run_features(feats, setup.prototype, rep_loc.agent(states[decision["activate"]])).boxes[-1]
+    guard_loc = setup.guard.loc  # the checkpoints as the job scored them and localize serves them (paired)
+    guard = (guard_loc.run_features(feats, setup.prototype, guard_loc.agent(states[decision["activate"]])).boxes[-1]
              if decision["activate"] is not None else start)
     # the same pick as a Localizer serves it (models.inference.Companion): the start as it was served
     served = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto))

@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 from app.config import Settings  # noqa: E402
 from models.adapt import AdaptConfig, adapt  # noqa: E402
-from models.bundle import Bundle, Reward, Start, load_bundle  # noqa: E402
+from models.bundle import Bundle, Start, load_bundle  # noqa: E402
 from models.core.boxes import paired_iou  # noqa: E402
 from models.data import realphotos  # noqa: E402
 from models.data.types import LabeledImages  # noqa: E402
@@ -185,9 +185,12 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     the decision, the states of the checkpoints, and the bundle / prototype they are served with."""
     t0 = time.perf_counter()
     repair = RepairConfig(epochs=settings.repair_epochs) if settings.reward_repair else None
+    pair = (Start(prototype) if settings.pair_start == "always" or (settings.pair_start == "photos"
+                                                                    and bundle.config.input.channels == 3) else None)
     setup = guarded_setup(bundle, prototype, crops, images01, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=repair,
-                          guard_cfg=GuardConfig(patience=settings.early_stop_patience), choice=settings.reward_choice)
+                          guard_cfg=GuardConfig(patience=settings.early_stop_patience), choice=settings.reward_choice,
+                          start=pair)
     guard, states = setup.guard, {}
 
     def on_checkpoint(state: dict) -> None:
@@ -320,14 +323,12 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
         d, setup = job["decision"], job["setup"]
         served = Localizer(setup.bundle, bundle.device)
         it = d["activate"]
-        guarded.append(evaluate_agent(job["states"][it], None, served, setup.prototype) if it is not None
-                       else evaluate_agent(None, None))
+        guarded.append(evaluate_agent(job["states"][it], None, setup.guard.loc, setup.prototype) if it is not None
+                       else evaluate_agent(None, None))  # as the guard scored it and localize serves it (paired)
         last_it = max(job["states"]) if job["states"] else None
         last.append(evaluate_agent(job["states"][last_it], None, served, setup.prototype) if last_it is not None
                     else evaluate_agent(None, None))
-        kept = setup.repair is not None and setup.repair.kept  # as worker/jobs.py pairs (QLOC_PAIR_START=photos)
-        pair = (loc.with_reward(Reward(setup.repair.head, setup.prototype, setup.bundle.refine, Start(proto)))
-                if kept and spec.channels == 3 else served)
+        pair = setup.guard.loc if setup.start is not None else served  # paired as worker/jobs.py pairs
         paired.append(evaluate_agent(job["states"][last_it], None, pair, setup.prototype) if last_it is not None
                       else evaluate_agent(None, None))
         three = pair

@@ -31,7 +31,7 @@ from models.data.probes import erase_boxes, paste_probes
 from models.data.types import LabeledImages
 from models.evaluate import ranking_metrics, training_candidates
 from models.features import features_of
-from models.inference import Localizer
+from models.inference import Companion, Localizer
 
 VERDICTS = ("improved", "no better", "worse", "reward unreliable")
 PICKS = ("best", "confirmed")
@@ -136,6 +136,12 @@ class Guard:
         rank = ranking_metrics(bundle, LabeledImages(self.probes.images, self.probes.boxes, self.feats), prototype,
                                seed=0, candidates=training_candidates(bundle))
         self.faithfulness = {"ordacc": round(rank["ordacc"], 2), "spearman": round(rank["spearman"], 4)}
+
+    def pair_with(self, companion: Companion | None) -> None:
+        """Score the checkpoints observed from now on as localize serves a paired checkpoint: each probe's answer the
+        checkpoint's only where both heads prefer it, else ``companion``'s, the job's start as it is served
+        (``models.inference.Companion.agree``; ``None``: alone). Call it after ``use_reward``, which resets it."""
+        self.loc = Localizer(self.bundle, self.bundle.device, companion=companion)
 
     @torch.no_grad()
     def _hits(self, agent_state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.bundle import Bundle
+from models.bundle import Bundle, Reward, Start
 from models.core.metrics import spearman
 from models.core.ordinal import sample_pairs
 from models.core.templates import box_ncc, make_templates
@@ -308,6 +308,9 @@ class Guarded:
     """``None`` when repair was not asked for, or the job has fewer than ``MIN_TRAIN_PROBES`` synthetic probes."""
     choice: RewardChoice | None = None
     """The reward chosen on the probes (``models.repair``); ``None`` when the choice is off."""
+    start: Start | None = None
+    """The starting policy the checkpoints are paired with (``guarded_setup``'s ``start``, where the repair was
+    kept; ``None``: served alone): they carry it (format 4), and the guard scored them paired."""
 
     @property
     def reward(self) -> str:
@@ -334,7 +337,7 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
                   agent_state: dict[str, Tensor] | None, *, synthetic: int, generator_seed: int,
                   labeled: LabeledImages | None = None, repair: RepairConfig | None = None,
                   guard_cfg: GuardConfig | None = None, choice: bool = False, choice_margin: float = DEFAULT_MARGIN,
-                  repaired: Repair | None = None) -> Guarded:
+                  repaired: Repair | None = None, start: Start | None = None) -> Guarded:
     """The reward and the guard of one adaptation job on ``images01 [N, C, S, S]``, the starting policy scored.
 
     With ``repair``: the head learns on ``synthetic`` probes (the starting policy's answers erased), its epoch
@@ -349,7 +352,9 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
     distance under the kept head stays unless another candidate's ``-spearman`` is higher by more than
     ``choice_margin``; then the guard's probes are erased where that candidate's ranking finds the object, and the
     guard reports its faithfulness. The guard decides on its own probes as without the choice. ``repaired``:
-    a ``Repair`` already made by this call's arguments (benchmarks comparing settings on one repair)."""
+    a ``Repair`` already made by this call's arguments (benchmarks comparing settings on one repair). ``start``: the
+    starting policy as it is served (``bundle``'s head if the start has none of its own), to pair the checkpoints
+    with where the repair is kept (``Guarded.start``): the guard then scores them paired, as localize serves them."""
     def gen(k: int) -> torch.Generator:
         return torch.Generator().manual_seed(generator_seed * 7919 + k)
 
@@ -383,7 +388,10 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
     guard.start(agent_state)  # with the bundle's own head: what the client is served before the job
     if kept:
         guard.use_reward(rep.bundle, rep.prototype)
+        if start is not None:  # the checkpoints as localize will serve them: paired with the start
+            guard.pair_with(Localizer(bundle, bundle.device).with_reward(
+                Reward(rep.head, rep.prototype, rep.bundle.refine, start)).companion)
     if chosen is not None and chosen.chosen != "embedding":  # "reward unreliable" is then about the chosen one
         guard.faithfulness = scorer_faithfulness(guard.bundle, chosen.scorer,
                                                  LabeledImages(probes.images, probes.boxes, guard.feats))
-    return Guarded(cur_bundle, cur_proto, guard, rep, chosen)
+    return Guarded(cur_bundle, cur_proto, guard, rep, chosen, start if kept else None)

@@ -145,13 +145,15 @@ class AdaptationRun:
         prototype = prototype_from_bytes(es.prototype)
         if start_reward is not None:
             bundle, prototype = bundle.with_head(start_reward.head, start_reward.refine), start_reward.prototype.float()
-        self.setup = self._setup(bundle, prototype, images01, agent_state)
+        pair = None  # the start as it is served, for checkpoints to carry where this job's repair is kept
+        if self._pairs(bundle):
+            pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
+                         start_reward.refine if start_reward else False)
+        self.setup = self._setup(bundle, prototype, images01, agent_state, pair)
+        self.start_pair = self.setup.start
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
                             else start_reward.head if start_reward is not None else None)
-        if self._pairs(bundle):  # checkpoints are served paired with the policy the job started from, as it was served
-            self.start_pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
-                                    start_reward.refine if start_reward else False)
         self.guard = self.setup.guard
         bundle, prototype = self.setup.bundle, self.setup.prototype  # the repaired reward, when it was kept
         if self.last_iteration < job.iterations and not self.guard.should_stop:
@@ -171,7 +173,7 @@ class AdaptationRun:
         return self.finish(JobState.SUCCEEDED)
 
     def _setup(self, bundle: Bundle, prototype: Tensor, images01: Tensor,
-               agent_state: dict[str, Tensor] | None) -> Guarded:
+               agent_state: dict[str, Tensor] | None, start: Start | None) -> Guarded:
         """The job's reward (repaired when ``QLOC_REWARD_REPAIR`` is on and the probes confirm it; with
         ``QLOC_REWARD_CHOICE``, the policy may adapt on another candidate, ``models.repair``), its probes and
         its guard, with the starting policy scored; a resumed run rebuilds them (seeded: the same) and re-scores
@@ -187,7 +189,7 @@ class AdaptationRun:
                               generator_seed=self.job.seed, labeled=labeled, repair=repair,
                               guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience,
                                                     labeled_rule=ctx.settings.labeled_rule),
-                              choice=ctx.settings.reward_choice)
+                              choice=ctx.settings.reward_choice, start=start)
         if setup.repair is not None:
             log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,
                      "kept" if setup.repair.kept else "not kept", setup.repair.record["before"]["ordacc"],
@@ -202,11 +204,10 @@ class AdaptationRun:
         return setup
 
     def _pairs(self, bundle: Bundle) -> bool:
-        """Whether this job's checkpoints carry its start (``QLOC_PAIR_START``): only where its own reward repair was
-        kept (paired with an unrepaired start, the rule would judge by one head twice)."""
+        """Whether this job's checkpoints carry its start (``QLOC_PAIR_START``), where its own reward repair is kept
+        (``guarded_setup``: paired with an unrepaired start, the rule would judge by one head twice)."""
         mode = self.ctx.settings.pair_start
-        kept = self.setup is not None and self.setup.repair is not None and self.setup.repair.kept
-        return kept and (mode == "always" or (mode == "photos" and bundle.config.input.channels == 3))
+        return mode == "always" or (mode == "photos" and bundle.config.input.channels == 3)
 
     def reward(self) -> Reward | None:
         """The reward this job's checkpoints carry: a repaired head (this job's, or its start's) is served with the

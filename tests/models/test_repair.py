@@ -98,6 +98,31 @@ def test_guarded_setup_is_repeatable_so_a_resumed_job_rebuilds_the_same_reward(b
     assert a.guard.faithfulness == faithfulness(a.bundle, a.prototype, a.guard.probes)
 
 
+def test_a_start_to_pair_with_is_kept_only_with_the_repair_and_the_guard_then_scores_paired(bundle, glyph_job):
+    """``guarded_setup(start=...)``: where the repair is kept, ``Guarded.start`` is that start and the guard scores
+    each checkpoint as localize serves it paired (``Localizer.with_reward``); without a kept repair, no start."""
+    crops, unl, _ = glyph_job
+    proto = Localizer(bundle, "cpu").prototype(crops)
+    start = Start(proto)
+    kw = dict(synthetic=24, generator_seed=3)
+    kept = guarded_setup(bundle, proto, crops, unl.images[:24], None, **kw, start=start,
+                         repair=RepairConfig(epochs=3, min_gain=-100.0))
+    assert kept.reward == "repaired head" and kept.start is start
+    served = Localizer(bundle, "cpu").with_reward(Reward(kept.repair.head, kept.prototype, kept.bundle.refine, start))
+    c = kept.guard.loc.companion
+    assert c is not None and c.agree and torch.equal(c.prototype, proto)
+    agent = served.agent(bundle.agent_state)
+    want = served.run_features(kept.guard.feats, kept.prototype, agent).boxes[-1]
+    got = kept.guard.loc.run_features(kept.guard.feats, kept.prototype, kept.guard.loc.agent(bundle.agent_state))
+    assert torch.equal(got.boxes[-1], want)
+    alone = guarded_setup(bundle, proto, crops, unl.images[:24], None, **kw, repair=RepairConfig(epochs=3,
+                                                                                                  min_gain=-100.0))
+    assert alone.start is None and alone.guard.loc.companion is None
+    refused = guarded_setup(bundle, proto, crops, unl.images[:24], None, **kw, start=start,
+                            repair=RepairConfig(epochs=3, min_gain=100.0))  # never kept
+    assert refused.reward == "bundle head" and refused.start is None and refused.guard.loc.companion is None
+
+
 def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still_load(bundle):
     agent = bundle.agent_state
     old = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
