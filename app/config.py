@@ -173,8 +173,8 @@ class Settings(BaseSettings):
     +4.6 against +1.7 alone, worst −4.2 against −27; real photographs: 45.9 against 24.6 alone, the start 52.5);
     ``always``: also grayscale bundles' (whose guard confirms on pasted probes, and whose bundle head orders new kinds
     of objects poorly, so pairing would keep their starts' wrong answers); ``never``: checkpoints alone, as before.
-    It changes what an activated checkpoint answers, not which one ``activate=auto`` activates (BENCHMARKS.md, "The
-    two heads' agreement, served")."""
+    The job's guard scores the checkpoints paired too, as localize serves them (``models.repair.guarded_setup``'s
+    ``start``); ``activate=auto`` keeps its rule (BENCHMARKS.md, "The two heads' agreement, served")."""
     reward_choice: bool = True
     """Adapt the policy on the reward that orders boxes best on the job's selection probes, among the embedding
     distance (the bundle's or the repaired head), normalized cross-correlation with the exemplar crops and the

@@ -43,8 +43,9 @@ from models.nets.embedding import ProjectionHead, RoIEmbedder
 
 FORMAT_VERSION = 1
 POLICY_FORMAT_VERSION = 4
-"""Policy checkpoints: 3 carries a repaired reward whose answers are refined; 2 a repaired reward (head +
-prototype); 1 is the agent only. Each file is written with the lowest version that holds it."""
+"""Policy checkpoints: 4 carries a repaired reward and the start it is served paired with; 3 a repaired reward whose
+answers are refined; 2 a repaired reward (head + prototype); 1 is the agent only. Each file is written with the
+lowest version that holds it."""
 
 
 @dataclass

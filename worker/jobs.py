@@ -101,7 +101,6 @@ class AdaptationRun:
         self.guard: Guard | None = None
         self.setup: Guarded | None = None
         self.reward_head: dict[str, Tensor] | None = None
-        self.start_pair: Start | None = None
         self.checkpoint_ids: dict[int, uuid.UUID] = {}
 
     # --- the run
@@ -150,7 +149,6 @@ class AdaptationRun:
             pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
                          start_reward.refine if start_reward else False)
         self.setup = self._setup(bundle, prototype, images01, agent_state, pair)
-        self.start_pair = self.setup.start
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
                             else start_reward.head if start_reward is not None else None)
@@ -211,10 +209,10 @@ class AdaptationRun:
 
     def reward(self) -> Reward | None:
         """The reward this job's checkpoints carry: a repaired head (this job's, or its start's) is served with the
-        policy it trained, paired with the job's start where ``start_pair`` is set; ``None``: the bundle's head."""
+        policy it trained, paired with the job's start where the setup pairs them; ``None``: the bundle's head."""
         if self.setup is None or self.reward_head is None:
             return None
-        return Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine, start=self.start_pair)
+        return Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine, start=self.setup.start)
 
     # --- callbacks from ``adapt``
 
@@ -263,7 +261,7 @@ class AdaptationRun:
         with self.ctx.session_factory.begin() as s:  # check the lease before touching the file
             if not self._still_owned(s):
                 raise LeaseLost
-        if self.start_pair is not None:
+        if self.setup is not None and self.setup.start is not None:
             metrics["answers"] = "paired with its start"
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
