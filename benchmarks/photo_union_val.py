@@ -11,6 +11,8 @@ of the gain and lose little where the adapted policy is worse. This measures it,
 - ``after``: the job's last checkpoint on the repaired head and prototype (``activate=true``);
 - ``guard``: what ``activate=auto`` serves (labeled examples: the 5 exemplar images with their boxes; since
   ``QLOC_PAIR_START`` the guard scores the checkpoints paired with the start, and the one it activates is served so);
+- ``guard_agree_rule``: what ``activate=auto`` would serve with ``QLOC_LABELED_RULE=agree`` (the labeled examples
+  at least as many right as at the start, the rule before 2026-11-27), the checkpoints scored and served paired;
 - ``pick_start_rep``: per image, ``before``'s box or ``after``'s, the one nearer the repaired prototype under the
   repaired head; ``served_pick``: the same through ``models.inference.Localizer`` with the start as its
   ``Companion`` (``served_pick_differs``: images where the two differ, float near-ties);
@@ -85,8 +87,15 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     after = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(states[last])).boxes[-1]
     start_rep = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(None)).boxes[-1]
     guard_loc = setup.guard.loc  # the checkpoints as the job scored them and localize serves them (paired)
-    guard = (guard_loc.run_features(feats, setup.prototype, guard_loc.agent(states[decision["activate"]])).boxes[-1]
-             if decision["activate"] is not None else start)
+
+    def served_by(d: dict) -> torch.Tensor:
+        return (guard_loc.run_features(feats, setup.prototype, guard_loc.agent(states[d["activate"]])).boxes[-1]
+                if d["activate"] is not None else start)
+
+    guard = served_by(decision)
+    # the rule before the eighth session (labeled examples: at least as many right as at the start), on paired scores
+    agree_rule = setup.guard.decide("auto", labeled_rule="agree")
+    guard_agree = served_by(agree_rule)
     # the same pick as a Localizer serves it (models.inference.Companion): the start as it was served
     served = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto))
     picked = served.run_features(feats, setup.prototype, served.agent(states[last])).boxes[-1]
@@ -110,6 +119,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     served_agree = paired.run_features(feats, setup.prototype, paired.agent(states[last])).boxes[-1]
     row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,
            "before": corloc(start, val.boxes), "after": corloc(after, val.boxes), "guard": corloc(guard, val.boxes),
+           "guard_agree_rule": corloc(guard_agree, val.boxes), "activated_agree_rule": agree_rule["activate"],
            "pick_start_rep": corloc(chosen, val.boxes),
            "pick_both_rep": corloc(pick(start_rep, after, d_rep["start_rep"], d_rep["after"]), val.boxes),
            "served_pick": corloc(picked, val.boxes),  # differs from pick_start_rep only on float near-ties
@@ -149,7 +159,8 @@ def main() -> None:
     manifest = load_manifest()
     rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
             for seed in a.seeds for c in a.classes]
-    keys = ("before", "after", "guard", "pick_start_rep", "served_pick", "pick_both_rep", "start_rep",
+    keys = ("before", "after", "guard", "guard_agree_rule", "pick_start_rep", "served_pick", "pick_both_rep",
+            "start_rep",
             "pick_start_base", "pick_agree", "served_pick_agree", "pick_vote", "pick_unanimous", "pick_feat",
             "served_pick_feat", "oracle")
     summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),
