@@ -287,8 +287,8 @@ class Localizer:
         nearer ``proto`` under this localizer's head, or, where ``c`` has a ``judge``, nearer the judge's
         reference feature, or, where ``c.agree``, unless both heads prefer this localizer's answer; the answer's
         distance is then its distance under this localizer's head (ties keep this localizer's own, but for
-        ``agree``). One more episode per image on the same feature map, one head call (and one RoI
-        read of both answers for a judge)."""
+        ``agree``). One more episode per image on the same feature map, one head call (with ``agree`` one more, the
+        companion's head on both answers; and one RoI read of both answers for a judge)."""
         theirs = c.localizer.run_features(feats, c.prototype, c.agent, nearest=nearest)
         dist = self.box_distances(feats, theirs.boxes[-1], proto)
         if c.agree:  # both heads must prefer mine: one more head call, the companion's, on both answers
