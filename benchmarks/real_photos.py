@@ -80,7 +80,7 @@ from models.experiments.photos import PhotoTransferSetup  # noqa: E402
 from models.guard import GuardConfig  # noqa: E402
 from models.inference import Localizer, pil_to_tensor, preprocess  # noqa: E402
 from models.instances import InstanceConfig, coarse_windows  # noqa: E402
-from models.repair import FeatureScorer, RepairConfig, guarded_setup  # noqa: E402
+from models.repair import FeatureScorer, RepairConfig, guarded_setup, pairs_start  # noqa: E402
 
 TEMPLATE_FRACTIONS = tuple(round(0.15 * (0.9 / 0.15) ** (i / 6), 4) for i in range(7))
 """Template long sides as fractions of the input side: 0.15 ... 0.9, geometric (7 scales), fixed beforehand to
@@ -185,8 +185,7 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     the decision, the states of the checkpoints, and the bundle / prototype they are served with."""
     t0 = time.perf_counter()
     repair = RepairConfig(epochs=settings.repair_epochs) if settings.reward_repair else None
-    pair = (Start(prototype) if settings.pair_start == "always" or (settings.pair_start == "photos"
-                                                                    and bundle.config.input.channels == 3) else None)
+    pair = Start(prototype) if pairs_start(settings.pair_start, bundle) else None  # as worker/jobs.py pairs
     setup = guarded_setup(bundle, prototype, crops, images01, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=repair,
                           guard_cfg=GuardConfig(patience=settings.early_stop_patience), choice=settings.reward_choice,

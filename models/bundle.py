@@ -307,9 +307,9 @@ def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: 
         start = None if st is None else Start(st["prototype"], st.get("agent"), st.get("head"),
                                               bool(st.get("refine", False)))
         reward = Reward(r["head"], r["prototype"], bool(r.get("refine", False)), start)
-    starts = [] if reward is None or reward.start is None else [reward.start.prototype]
-    for proto in ([] if reward is None or bundle is None else [reward.prototype, *starts]):
-        if proto.numel() != bundle.prototype_dim:  # type: ignore[union-attr]
-            raise PolicyMismatch(f"{source} carries a prototype of dimension {proto.numel()}, but bundle "
-                                 f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
+    if reward is not None and bundle is not None:
+        for proto in (reward.prototype, *(() if reward.start is None else (reward.start.prototype,))):
+            if proto.numel() != bundle.prototype_dim:
+                raise PolicyMismatch(f"{source} carries a prototype of dimension {proto.numel()}, but bundle "
+                                     f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
     return obj["agent"], obj.get("meta", {}), reward

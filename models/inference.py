@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from models.bundle import Bundle, Reward
+from models.bundle import Bundle, Reward, Start
 from models.compiled import compiled_steer, fast_steer
 from models.config import InputSpec
 from models.instances import InstanceConfig, find_instances
@@ -167,6 +167,15 @@ class Companion:
     on 20 photo jobs of fresh test seeds it kept more of the adapted policy's gain than the checkpoint alone and lost
     far less (BENCHMARKS.md, "The two heads' agreement, served"). With a ``judge`` too, the judge must prefer it as
     well (all three agree)."""
+
+
+def start_companion(base: Localizer, start: Start) -> Companion:
+    """The policy a paired checkpoint's job started from (``models.bundle.Start``), as it was served, for ``base`` (a
+    localizer of the bundle's own head, no companion): the start's head or the bundle's, its agent or the bundle's,
+    its prototype, under the agreement rule (``Companion.agree``)."""
+    theirs = base if start.head is None else Localizer(base.bundle.with_head(start.head, start.refine), base.device,
+                                                       fast_episode=base.fast_episode)
+    return Companion(theirs, theirs.agent(start.agent), start.prototype.float(), agree=True)
 
 
 def feature_distances(roi: Tensor, reference: Tensor) -> Tensor:
@@ -320,12 +329,7 @@ class Localizer:
         """The localizer a checkpoint carrying ``reward`` (``models.bundle``) is served with, on this localizer's bundle
         (the bundle's own head) and device: the reward's head; where the reward carries its job's ``start`` (format
         4), paired with that policy as it was served (``Companion(agree=True)``)."""
-        companion = None
-        if reward.start is not None:
-            st = reward.start
-            theirs = self if st.head is None else Localizer(self.bundle.with_head(st.head, st.refine), self.device,
-                                                            fast_episode=self.fast_episode)
-            companion = Companion(theirs, theirs.agent(st.agent), st.prototype.float(), agree=True)
+        companion = None if reward.start is None else start_companion(self, reward.start)
         return Localizer(self.bundle.with_head(reward.head, reward.refine), self.device,
                          fast_episode=self.fast_episode, companion=companion)
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.bundle import Bundle, Reward, Start
+from models.bundle import Bundle, Start
 from models.core.metrics import spearman
 from models.core.ordinal import sample_pairs
 from models.core.templates import box_ncc, make_templates
@@ -56,7 +56,7 @@ from models.data.types import LabeledImages
 from models.evaluate import ranking, ranking_metrics, training_candidates
 from models.features import features_of, with_features
 from models.guard import Guard, GuardConfig, synthetic_probes
-from models.inference import Localizer, exemplar_canvas, feature_distances, normalize
+from models.inference import Localizer, exemplar_canvas, feature_distances, normalize, start_companion
 from models.nets.embedding import RoIEmbedder
 from models.rollout import BoxEnv, EmbeddingDistance, Scorer
 from models.train.embedding import EmbeddingTrainConfig, train_embedding
@@ -389,9 +389,15 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
     if kept:
         guard.use_reward(rep.bundle, rep.prototype)
         if start is not None:  # the checkpoints as localize will serve them: paired with the start
-            guard.pair_with(Localizer(bundle, bundle.device).with_reward(
-                Reward(rep.head, rep.prototype, rep.bundle.refine, start)).companion)
+            guard.pair_with(start_companion(Localizer(bundle, bundle.device), start))
     if chosen is not None and chosen.chosen != "embedding":  # "reward unreliable" is then about the chosen one
         guard.faithfulness = scorer_faithfulness(guard.bundle, chosen.scorer,
                                                  LabeledImages(probes.images, probes.boxes, guard.feats))
     return Guarded(cur_bundle, cur_proto, guard, rep, chosen, start if kept else None)
+
+
+def pairs_start(mode: str, bundle: Bundle) -> bool:
+    """Whether an adaptation job on ``bundle`` pairs its checkpoints with its start (``QLOC_PAIR_START``: ``photos``,
+    RGB bundles only; ``always``; ``never``), where its own reward repair is kept (``guarded_setup``'s ``start``:
+    paired with an unrepaired start, the rule would judge by one head twice)."""
+    return mode == "always" or (mode == "photos" and bundle.config.input.channels == 3)

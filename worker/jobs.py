@@ -35,7 +35,7 @@ from models.calibration import answers, calibrate_policy, stored_kind, stored_ne
 from models.data.probes import erase_boxes
 from models.guard import Guard, GuardConfig
 from models.inference import Localizer, preprocess
-from models.repair import Guarded, RepairConfig, guarded_setup
+from models.repair import Guarded, RepairConfig, guarded_setup, pairs_start
 from worker.context import WorkerContext
 from worker.probes import set_examples
 
@@ -145,7 +145,7 @@ class AdaptationRun:
         if start_reward is not None:
             bundle, prototype = bundle.with_head(start_reward.head, start_reward.refine), start_reward.prototype.float()
         pair = None  # the start as it is served, for checkpoints to carry where this job's repair is kept
-        if self._pairs(bundle):
+        if pairs_start(self.ctx.settings.pair_start, bundle):
             pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
                          start_reward.refine if start_reward else False)
         self.setup = self._setup(bundle, prototype, images01, agent_state, pair)
@@ -200,12 +200,6 @@ class AdaptationRun:
             setup.guard.observe(ckpt.iteration, agent)
             self.checkpoint_ids[ckpt.iteration] = ckpt.id
         return setup
-
-    def _pairs(self, bundle: Bundle) -> bool:
-        """Whether this job's checkpoints carry its start (``QLOC_PAIR_START``), where its own reward repair is kept
-        (``guarded_setup``: paired with an unrepaired start, the rule would judge by one head twice)."""
-        mode = self.ctx.settings.pair_start
-        return mode == "always" or (mode == "photos" and bundle.config.input.channels == 3)
 
     def reward(self) -> Reward | None:
         """The reward this job's checkpoints carry: a repaired head (this job's, or its start's) is served with the
