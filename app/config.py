@@ -175,6 +175,11 @@ class Settings(BaseSettings):
     of objects poorly, so pairing would keep their starts' wrong answers); ``never``: checkpoints alone, as before.
     The job's guard scores the checkpoints paired too, as localize serves them (``models.repair.guarded_setup``'s
     ``start``); ``activate=auto`` keeps its rule (BENCHMARKS.md, "The two heads' agreement, served")."""
+    probe_style: Literal["photos", "rect", "soft"] = "rect"
+    """How a job's synthetic probes are made (``models.data.probes.PROBE_STYLES``): ``rect``, the exemplar crop pasted
+    as a rectangle over the job's image, the starting policy's answer covered by another image's rectangle; ``soft``,
+    the crop pasted as its inscribed ellipse with a soft edge and the answer covered by a smooth fill from around
+    it (no straight seam for the repaired reward to learn); ``photos``: ``soft`` for RGB bundles' jobs only."""
     reward_choice: bool = True
     """Adapt the policy on the reward that orders boxes best on the job's selection probes, among the embedding
     distance (the bundle's or the repaired head), normalized cross-correlation with the exemplar crops and the

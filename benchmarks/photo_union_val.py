@@ -37,6 +37,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -46,6 +47,7 @@ from models.bundle import Reward, Start, load_bundle
 from models.core.boxes import paired_iou as iou_of
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
+from models.data.probes import PROBE_STYLES
 from models.data.types import exemplar_crops
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
@@ -57,7 +59,8 @@ def pick(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -
     return torch.where((db < da)[:, None], b, a)
 
 
-def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str = "val") -> dict:
+def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str = "val",
+        probe_style: str = "rect") -> dict:
     t0 = time.perf_counter()
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
@@ -68,7 +71,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     pair = Start(proto) if settings.pair_start != "never" else None  # as the worker pairs an RGB bundle's job
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex,
-                          start=pair)
+                          start=pair, probe_style=probe_style)
     states: dict[int, dict] = {}
 
     def on_checkpoint(state: dict) -> None:
@@ -93,6 +96,18 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
                 if d["activate"] is not None else start)
 
     guard = served_by(decision)
+    # what activate=auto would serve if pasted probes confirmed on their own (as for grayscale bundles)
+    cfg_before = setup.guard.cfg
+    setup.guard.cfg = replace(cfg_before, synthetic_confirms=True)
+    synthetic_rule = setup.guard.decide("auto")
+    setup.guard.cfg = cfg_before
+    guard_synthetic = served_by(synthetic_rule)
+    # each checkpoint as served, on these images, beside its probe gains (how well probes predict)
+    per_checkpoint = [{"iteration": c["iteration"], "gain": c["gain"], "held_gain": c["held_gain"],
+                       "labeled_gain": c.get("labeled_gain"),
+                       "corloc": corloc(guard_loc.run_features(feats, setup.prototype,
+                                                               guard_loc.agent(states[c["iteration"]])).boxes[-1],
+                                        val.boxes)} for c in setup.guard.checkpoints]
     # the rule before the eighth session (labeled examples: at least as many right as at the start), on paired scores
     agree_rule = setup.guard.decide("auto", labeled_rule="agree")
     guard_agree = served_by(agree_rule)
@@ -120,6 +135,8 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,
            "before": corloc(start, val.boxes), "after": corloc(after, val.boxes), "guard": corloc(guard, val.boxes),
            "guard_agree_rule": corloc(guard_agree, val.boxes), "activated_agree_rule": agree_rule["activate"],
+           "guard_synthetic": corloc(guard_synthetic, val.boxes), "activated_synthetic": synthetic_rule["activate"],
+           "probe_style": probe_style, "checkpoints": per_checkpoint,
            "pick_start_rep": corloc(chosen, val.boxes),
            "pick_both_rep": corloc(pick(start_rep, after, d_rep["start_rep"], d_rep["after"]), val.boxes),
            "served_pick": corloc(picked, val.boxes),  # differs from pick_start_rep only on float near-ties
@@ -153,14 +170,16 @@ def main() -> None:
     p.add_argument("--split", choices=("val", "test", "adapt"), default="val",
                    help="val (where the rule is chosen); test: once, for the rule chosen on val; adapt: the job's "
                         "own 64 unlabeled images (their objects are the train split's, the exemplars' among them)")
+    p.add_argument("--probe-style", choices=PROBE_STYLES, default="rect",
+                   help="how probes are made (models.data.probes.PROBE_STYLES)")
     a = p.parse_args()
     torch.set_num_threads(1)
     bundle = load_bundle("bundles/photo-mammals.pt", "cpu")
     manifest = load_manifest()
-    rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
+    rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split, a.probe_style)
             for seed in a.seeds for c in a.classes]
-    keys = ("before", "after", "guard", "guard_agree_rule", "pick_start_rep", "served_pick", "pick_both_rep",
-            "start_rep",
+    keys = ("before", "after", "guard", "guard_agree_rule", "guard_synthetic", "pick_start_rep", "served_pick",
+            "pick_both_rep", "start_rep",
             "pick_start_base", "pick_agree", "served_pick_agree", "pick_vote", "pick_unanimous", "pick_feat",
             "served_pick_feat", "oracle")
     summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),

@@ -80,14 +80,14 @@ from models.experiments.photos import PhotoTransferSetup  # noqa: E402
 from models.guard import GuardConfig  # noqa: E402
 from models.inference import Localizer, pil_to_tensor, preprocess  # noqa: E402
 from models.instances import InstanceConfig, coarse_windows  # noqa: E402
-from models.repair import FeatureScorer, RepairConfig, guarded_setup, pairs_start  # noqa: E402
+from models.repair import FeatureScorer, RepairConfig, guarded_setup, pairs_start, probe_style  # noqa: E402
 
 TEMPLATE_FRACTIONS = tuple(round(0.15 * (0.9 / 0.15) ** (i / 6), 4) for i in range(7))
 """Template long sides as fractions of the input side: 0.15 ... 0.9, geometric (7 scales), fixed beforehand to
 span the benchmark's object sizes (LABELING.md: boxes from 4 % to 98 % of the image, median about a third)."""
 ANSWER_METHODS = ("greedy", "nearest", "best16", "instances")
 BASELINES = ("template", "ranking", "ranking_eq")
-SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_last", "guarded_paired",
+SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_synthetic", "guarded_last", "guarded_paired",
           "guarded_unanimous")
 METHODS = ANSWER_METHODS + SEEDED + BASELINES
 
@@ -189,7 +189,7 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     setup = guarded_setup(bundle, prototype, crops, images01, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=repair,
                           guard_cfg=GuardConfig(patience=settings.early_stop_patience), choice=settings.reward_choice,
-                          start=pair)
+                          start=pair, probe_style=probe_style(settings.probe_style, bundle))
     guard, states = setup.guard, {}
 
     def on_checkpoint(state: dict) -> None:
@@ -204,7 +204,12 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     if res.iteration not in states and res.iteration > 0:  # stopped early: the worker saves the final state
         on_checkpoint({"iteration": res.iteration, "agent": res.agent_state})
     d = guard.decide("auto")
-    return {"decision": d, "states": states, "setup": setup, "seconds": round(time.perf_counter() - t0, 2)}
+    cfg = guard.cfg  # what activate=auto would take if pasted probes confirmed on their own, as on grayscale bundles
+    guard.cfg = replace(cfg, synthetic_confirms=True)
+    d_synthetic = guard.decide("auto")
+    guard.cfg = cfg
+    return {"decision": d, "decision_synthetic": d_synthetic, "states": states, "setup": setup,
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 # ---------------------------------------------------------------- one class
@@ -315,7 +320,7 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
             say(f"{cls:10s} {m:16s} " + "  ".join(f"{s} {row[s]['corloc']:5.1f}" for s in data)
                 + f"  adapt {statistics.fmean(secs):.0f} s")
 
-    guarded, last, paired, unanimous, info = [], [], [], [], []
+    guarded, synthetic, last, paired, unanimous, info = [], [], [], [], [], []
     settings = Settings()
     for seed in opts.guard_seeds:
         job = run_job(bundle, proto, crops, images01, seed, settings)
@@ -324,6 +329,9 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
         it = d["activate"]
         guarded.append(evaluate_agent(job["states"][it], None, setup.guard.loc, setup.prototype) if it is not None
                        else evaluate_agent(None, None))  # as the guard scored it and localize serves it (paired)
+        it_s = job["decision_synthetic"]["activate"]
+        synthetic.append(evaluate_agent(job["states"][it_s], None, setup.guard.loc, setup.prototype)
+                         if it_s is not None else evaluate_agent(None, None))
         last_it = max(job["states"]) if job["states"] else None
         last.append(evaluate_agent(job["states"][last_it], None, served, setup.prototype) if last_it is not None
                     else evaluate_agent(None, None))
@@ -337,7 +345,8 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
         unanimous.append(evaluate_agent(job["states"][last_it], None, three, setup.prototype) if last_it is not None
                          else evaluate_agent(None, None))
         best = d["validation"]["best"]
-        info.append({"seed": seed, "verdict": d["verdict"], "activated": it, "last_iteration": last_it,
+        info.append({"seed": seed, "verdict": d["verdict"], "activated": it, "activated_synthetic": it_s,
+                     "last_iteration": last_it, "probe_style": probe_style(settings.probe_style, bundle),
                      "reward": setup.reward, "repair_kept": None if setup.repair is None else setup.repair.kept,
                      "repair": None if setup.repair is None else {k: setup.repair.record[k]
                                                                    for k in ("before", "after", "kept")},
@@ -345,7 +354,8 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
                      "probe_best": None if best is None else best["select"]["corloc"],
                      "stopped_early": d["validation"]["stopped_early"], "job_seconds": job["seconds"]})
     if opts.guard_seeds:
-        for m, runs in (("guarded", guarded), ("guarded_last", last), ("guarded_paired", paired),
+        for m, runs in (("guarded", guarded), ("guarded_synthetic", synthetic), ("guarded_last", last),
+                        ("guarded_paired", paired),
                         ("guarded_unanimous", unanimous)):
             row = {"class": cls, "method": m, "seeds": list(opts.guard_seeds)}
             row.update({s: _seeded([r[s] for r in runs]) for s in data})

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from models.bundle import Bundle
 from models.core.boxes import paired_iou
-from models.data.probes import erase_boxes, paste_probes
+from models.data.probes import PROBE_STYLES, erase_boxes, fill_boxes, paste_probes
 from models.data.types import LabeledImages
 from models.evaluate import ranking_metrics, training_candidates
 from models.features import features_of
@@ -44,19 +44,22 @@ LABELED_RULES = ("beyond_noise", "agree")
 @torch.no_grad()
 def synthetic_probes(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Tensor,
                      agent_state: dict[str, Tensor] | None, n: int, generator: torch.Generator,
-                     erase: Tensor | None = None) -> LabeledImages:
+                     erase: Tensor | None = None, style: str = "rect") -> LabeledImages:
     """``n`` probes from a job's exemplar ``crops`` and unlabeled ``images01 [N, C, S, S]``: where the starting
     policy answers in each image (or the boxes ``erase [N, 4]``: where a better reward finds the object) is
     covered with the same region of another image (so a probe holds one object, the pasted one, as far as
     that policy can tell), then a crop is pasted at a random place and scale (``PROBE_SCALE``) with soft
-    edges (``models.data.probes``)."""
+    edges (``models.data.probes``; ``style``: ``PROBE_STYLES``, ``rect``: as described, ``soft``: the answer
+    covered by a smooth fill from around it, the crop pasted as its inscribed ellipse)."""
+    if style not in PROBE_STYLES:
+        raise ValueError(f"probe style must be one of {PROBE_STYLES}, got {style!r}")
     if erase is None:
         loc = Localizer(bundle, bundle.device)
         erase = torch.cat([loc.run(images01[i:i + 256], prototype, loc.agent(agent_state)).boxes[-1].cpu()
                            for i in range(0, len(images01), 256)])
-    backgrounds = erase_boxes(images01, erase, generator)
+    backgrounds = erase_boxes(images01, erase, generator) if style == "rect" else fill_boxes(images01, erase)
     return paste_probes(crops, backgrounds, n, object_side=bundle.config.input.exemplar_size, scale=PROBE_SCALE,
-                        generator=generator)
+                        generator=generator, shape="rect" if style == "rect" else "ellipse")
 
 
 @dataclass

@@ -337,7 +337,7 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
                   agent_state: dict[str, Tensor] | None, *, synthetic: int, generator_seed: int,
                   labeled: LabeledImages | None = None, repair: RepairConfig | None = None,
                   guard_cfg: GuardConfig | None = None, choice: bool = False, choice_margin: float = DEFAULT_MARGIN,
-                  repaired: Repair | None = None, start: Start | None = None) -> Guarded:
+                  repaired: Repair | None = None, start: Start | None = None, probe_style: str = "rect") -> Guarded:
     """The reward and the guard of one adaptation job on ``images01 [N, C, S, S]``, the starting policy scored.
 
     With ``repair``: the head learns on ``synthetic`` probes (the starting policy's answers erased), its epoch
@@ -360,11 +360,13 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
 
     rep, erase, val = None, None, None
     if repair is not None and synthetic >= MIN_TRAIN_PROBES:
-        val = synthetic_probes(bundle, prototype, crops, images01, agent_state, max(2, synthetic // 2), gen(2))
+        val = synthetic_probes(bundle, prototype, crops, images01, agent_state, max(2, synthetic // 2), gen(2),
+                               style=probe_style)
         if repaired is not None:
             rep = repaired
         else:
-            train = synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(1))
+            train = synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(1),
+                                     style=probe_style)
             rep = repair_reward(bundle, crops, train, val, replace(repair, seed=generator_seed))
         if rep.kept:
             erase = ranking(rep.bundle, LabeledImages(images01, torch.zeros(len(images01), 4)), rep.prototype)
@@ -373,7 +375,8 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
     chosen = None
     if choice and synthetic >= 2:
         if val is None:  # the same draw repair would decide on
-            val = synthetic_probes(bundle, prototype, crops, images01, agent_state, max(2, synthetic // 2), gen(2))
+            val = synthetic_probes(bundle, prototype, crops, images01, agent_state, max(2, synthetic // 2), gen(2),
+                                   style=probe_style)
         chosen = choose_reward(cur_bundle, candidate_scorers(cur_bundle, cur_proto, crops), val,
                                margin=choice_margin, seed=generator_seed)
         if chosen.chosen != "embedding":
@@ -381,7 +384,8 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
                             scorer=chosen.scorer)
     parts = [labeled] if labeled is not None and len(labeled) else []
     if synthetic > 0:
-        parts.append(synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(3), erase))
+        parts.append(synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(3), erase,
+                                      style=probe_style))
     probes = LabeledImages(torch.cat([p.images for p in parts]), torch.cat([p.boxes for p in parts]))
     counts = {"labeled": len(labeled) if labeled is not None else 0, "synthetic": synthetic}
     guard = Guard(bundle, prototype, probes, gen(4), cfg=guard_cfg or GuardConfig(), counts=counts)
@@ -394,6 +398,14 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
         guard.faithfulness = scorer_faithfulness(guard.bundle, chosen.scorer,
                                                  LabeledImages(probes.images, probes.boxes, guard.feats))
     return Guarded(cur_bundle, cur_proto, guard, rep, chosen, start if kept else None)
+
+
+def probe_style(mode: str, bundle: Bundle) -> str:
+    """The probe style (``models.data.probes.PROBE_STYLES``) of a job on ``bundle`` under ``QLOC_PROBE_STYLE``
+    (``photos``: ``soft`` for RGB bundles, ``rect`` for grayscale ones; else the style named)."""
+    if mode == "photos":
+        return "soft" if bundle.config.input.channels == 3 else "rect"
+    return mode
 
 
 def pairs_start(mode: str, bundle: Bundle) -> bool:

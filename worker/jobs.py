@@ -35,7 +35,7 @@ from models.calibration import answers, calibrate_policy, stored_kind, stored_ne
 from models.data.probes import erase_boxes
 from models.guard import Guard, GuardConfig
 from models.inference import Localizer, preprocess
-from models.repair import Guarded, RepairConfig, guarded_setup, pairs_start
+from models.repair import Guarded, RepairConfig, guarded_setup, pairs_start, probe_style
 from worker.context import WorkerContext
 from worker.probes import set_examples
 
@@ -187,7 +187,8 @@ class AdaptationRun:
                               generator_seed=self.job.seed, labeled=labeled, repair=repair,
                               guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience,
                                                     labeled_rule=ctx.settings.labeled_rule),
-                              choice=ctx.settings.reward_choice, start=start)
+                              choice=ctx.settings.reward_choice, start=start,
+                              probe_style=probe_style(ctx.settings.probe_style, bundle))
         if setup.repair is not None:
             log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,
                      "kept" if setup.repair.kept else "not kept", setup.repair.record["before"]["ordacc"],

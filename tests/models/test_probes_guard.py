@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.bundle import new_bundle
-from models.data.probes import _feathered, erase_boxes, paste_probes
+from models.data.probes import _elliptical, _feathered, erase_boxes, fill_boxes, paste_probes
 from models.data.types import LabeledImages
 from models.evaluate import ranking_metrics, training_candidates
 from models.features import features_of
@@ -57,6 +57,62 @@ def test_erase_boxes_fills_each_box_from_another_image():
         rest[3:9, 2:8] = i
         assert torch.all(rest == i)  # outside the box: untouched
     assert torch.equal(images[:, 0, 0, 0], torch.arange(4.0))  # the input is not changed
+
+
+def test_elliptical_probes_paste_the_inscribed_ellipse_and_keep_the_box():
+    alpha = _elliptical(20, 30, 2)[0]
+    assert alpha[10, 15] == 1 and alpha[0, 0] == 0 and alpha[19, 29] == 0  # centre pasted, corners not
+    assert alpha[10, 0] < 0.5 and alpha[0, 15] < 0.5 and 0 < alpha[10, 2] < 1  # the ramp inside the edge
+    images = torch.zeros(6, 1, 40, 40)
+    probes = paste_probes([torch.ones(1, 16, 16)], images, 6, object_side=16, scale=(1.0, 1.0), shape="ellipse",
+                          generator=torch.Generator().manual_seed(3))
+    rect = paste_probes([torch.ones(1, 16, 16)], images, 6, object_side=16, scale=(1.0, 1.0),
+                        generator=torch.Generator().manual_seed(3))
+    assert torch.equal(probes.boxes, rect.boxes)  # the same places: the box is the crop's rectangle either way
+    for img, box in zip(probes.images, probes.boxes, strict=True):
+        x1, y1, x2, y2 = (int(v) for v in box)
+        assert x2 - x1 == 16 and y2 - y1 == 16
+        assert img[0, y1, x1] == 0 and img[0, y2 - 1, x2 - 1] == 0  # no straight seam at the box's corners
+        assert img[0, (y1 + y2) // 2, (x1 + x2) // 2] == 1
+        assert img.sum() < 0.85 * 16 * 16  # the ellipse (pi / 4 of the box) and its ramp
+        outside = img[0].clone()
+        outside[y1:y2, x1:x2] = 0
+        assert outside.abs().sum() == 0  # nothing pasted outside the box
+    with pytest.raises(ValueError, match="shape"):
+        paste_probes([torch.ones(1, 4, 4)], images, 1, object_side=4, shape="star",
+                     generator=torch.Generator().manual_seed(0))
+
+
+def test_fill_boxes_covers_the_object_with_its_surroundings_and_nothing_else():
+    # a left-to-right ramp background with a bright square object in each image
+    ramp = torch.linspace(0, 0.5, 48)[None, None, None, :].expand(2, 3, 48, 48).clone()
+    images = ramp.clone()
+    images[0, :, 10:20, 12:24] = 1.0
+    images[1, :, 30:44, 4:14] = 1.0
+    boxes = torch.tensor([[12.0, 10.0, 24.0, 20.0], [4.0, 30.0, 14.0, 44.0]])
+    out = fill_boxes(images, boxes)
+    assert torch.isfinite(out).all()
+    assert float((out[0, :, 10:20, 12:24] - ramp[0, :, 10:20, 12:24]).abs().max()) < 0.12  # the object is gone
+    assert float((out[1, :, 30:44, 4:14] - ramp[1, :, 30:44, 4:14]).abs().max()) < 0.12
+    assert float(out[0, :, 10:20, 12:24].max()) < 0.5  # no trace of the bright object
+    far = torch.ones(48, 48, dtype=torch.bool)
+    far[5:25, 8:28] = False  # the first box grown by its ramp, and a margin
+    assert torch.equal(out[0, :, far], images[0, :, far])  # untouched away from the box
+    assert torch.equal(images[0, :, 10:20, 12:24], torch.ones(3, 10, 12))  # the input is not changed
+    assert fill_boxes(images[:0], boxes[:0]).shape == (0, 3, 48, 48)
+
+
+def test_probe_style_soft_for_photo_bundles_and_refused_when_unknown():
+    from models.guard import synthetic_probes
+    from models.repair import probe_style
+
+    gray, rgb = (SimpleNamespace(config=SimpleNamespace(input=SimpleNamespace(channels=c))) for c in (1, 3))
+    assert probe_style("photos", rgb) == "soft" and probe_style("photos", gray) == "rect"
+    assert probe_style("rect", rgb) == "rect" and probe_style("soft", gray) == "soft"
+    bundle = new_bundle("t", mnist_config(), seed=0)
+    with pytest.raises(ValueError, match="probe style"):
+        synthetic_probes(bundle, torch.zeros(1), [torch.ones(1, 8, 8)], torch.zeros(2, 1, 84, 84), None, 2,
+                         torch.Generator().manual_seed(0), style="seamless")
 
 
 class _Scripted(Guard):
