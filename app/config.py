@@ -179,7 +179,11 @@ class Settings(BaseSettings):
     """How a job's synthetic probes are made (``models.data.probes.PROBE_STYLES``): ``rect``, the exemplar crop pasted
     as a rectangle over the job's image, the starting policy's answer covered by another image's rectangle; ``soft``,
     the crop pasted as its inscribed ellipse with a soft edge and the answer covered by a smooth fill from around
-    it (no straight seam for the repaired reward to learn); ``photos``: ``soft`` for RGB bundles' jobs only."""
+    it (no straight seam for the repaired reward to learn); ``photos``: ``soft`` for RGB bundles' jobs only. ``rect``
+    stays the default: on held-out photo classes soft probes made a job's checkpoint alone better (fresh test seeds:
+    +2.3 against +1.0, worst job -2.1 against -10.4) but not what a photo checkpoint serves, paired with its start
+    (+1.9 against +2.3; real photographs 41.0 against 45.9), and confirmed no better (BENCHMARKS.md, "Probes without
+    seams")."""
     reward_choice: bool = True
     """Adapt the policy on the reward that orders boxes best on the job's selection probes, among the embedding
     distance (the bundle's or the repaired head), normalized cross-correlation with the exemplar crops and the

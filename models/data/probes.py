@@ -23,7 +23,8 @@ PROBE_STYLES = ("rect", "soft")
 """How a job's probes are made (``models.guard.synthetic_probes``). ``rect``: the crop pasted as a rectangle, the
 starting policy's answer covered with the same rectangle of another image. ``soft``: the crop pasted as its inscribed
 ellipse with a soft edge (``shape="ellipse"``), the answer covered by a smooth fill from its surroundings
-(``fill_boxes``): no straight seam anywhere, so a reward cannot learn where a paste is instead of what it shows."""
+(``fill_boxes``): no straight seam anywhere, so a reward cannot learn where a paste is instead of what it shows.
+Measured on photos (BENCHMARKS.md, "Probes without seams"): a better repaired reward, the same served answers."""
 
 
 def paste_probes(crops: list[Tensor], images01: Tensor, n: int, *, object_side: float, generator: torch.Generator,
