@@ -477,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                        "gpu": torch.cuda.is_available()},
            "options": {**asdict(opts), "settings": Settings().model_dump(include={
                "synthetic_probes", "reward_repair", "reward_choice", "repair_epochs", "default_iterations",
-               "default_learning_rate", "checkpoint_every", "adapt_batch_size", "early_stop_patience"})},
+               "default_learning_rate", "checkpoint_every", "adapt_batch_size", "early_stop_patience", "pair_start",
+               "probe_style"})},
            "images": {c: {s: [ph.file_name for ph in realphotos.load(s, c)[:a.max_images]] for s in opts.splits}
                       for c in dict.fromkeys(r["class"] for r in rows)},
            "summary": summary, "rows": rows}
