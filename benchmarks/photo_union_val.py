@@ -37,7 +37,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -97,10 +96,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
 
     guard = served_by(decision)
     # what activate=auto would serve if pasted probes confirmed on their own (as for grayscale bundles)
-    cfg_before = setup.guard.cfg
-    setup.guard.cfg = replace(cfg_before, synthetic_confirms=True)
-    synthetic_rule = setup.guard.decide("auto")
-    setup.guard.cfg = cfg_before
+    synthetic_rule = setup.guard.decide("auto", synthetic_confirms=True)
     guard_synthetic = served_by(synthetic_rule)
     # each checkpoint as served, on these images, beside its probe gains (how well probes predict)
     per_checkpoint = [{"iteration": c["iteration"], "gain": c["gain"], "held_gain": c["held_gain"],

@@ -204,10 +204,8 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     if res.iteration not in states and res.iteration > 0:  # stopped early: the worker saves the final state
         on_checkpoint({"iteration": res.iteration, "agent": res.agent_state})
     d = guard.decide("auto")
-    cfg = guard.cfg  # what activate=auto would take if pasted probes confirmed on their own, as on grayscale bundles
-    guard.cfg = replace(cfg, synthetic_confirms=True)
-    d_synthetic = guard.decide("auto")
-    guard.cfg = cfg
+    # what activate=auto would take if pasted probes confirmed on their own, as on grayscale bundles
+    d_synthetic = guard.decide("auto", synthetic_confirms=True)
     return {"decision": d, "decision_synthetic": d_synthetic, "states": states, "setup": setup,
             "seconds": round(time.perf_counter() - t0, 2)}
 

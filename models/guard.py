@@ -212,12 +212,13 @@ class Guard:
     def best(self) -> dict[str, Any] | None:
         return None if self._best is None else self.checkpoints[self._best[2]]
 
-    def decide(self, mode: str = "auto", *, pick: str | None = None,
-               labeled_rule: str | None = None) -> dict[str, Any]:
+    def decide(self, mode: str = "auto", *, pick: str | None = None, labeled_rule: str | None = None,
+               synthetic_confirms: bool | None = None) -> dict[str, Any]:
         """The job's verdict and what to activate -> ``{"verdict", "message", "activate": iteration | None,
         "validation": {...}}``. ``mode``: ``auto`` (the best checkpoint, only if it beats the start), ``true``
         (the last checkpoint, whatever the probes say), ``false`` (none). ``pick``: ``GuardConfig.pick`` for
-        this call, and ``labeled_rule``: ``GuardConfig.labeled_rule`` (defaults: the config's)."""
+        this call, ``labeled_rule``: ``GuardConfig.labeled_rule`` and ``synthetic_confirms``:
+        ``GuardConfig.synthetic_confirms`` (``None``: the config's)."""
         if mode not in ACTIVATE_MODES:
             raise ValueError(f"activate must be one of {ACTIVATE_MODES}, got {mode!r}")
         pick = self.cfg.pick if pick is None else pick
@@ -256,7 +257,9 @@ class Guard:
         else:
             verdict = "no better"
             message = "no checkpoint beat the starting policy on the probes by more than their noise"
-        trusted = (self.cfg.synthetic_confirms if self.cfg.synthetic_confirms is not None
+        if synthetic_confirms is None:
+            synthetic_confirms = self.cfg.synthetic_confirms
+        trusted = (synthetic_confirms if synthetic_confirms is not None
                    else SYNTHETIC_CONFIRMS_FOR_GRAY and self.bundle.config.input.channels == 1)
         labeled_ok = len(self.labeled) > 0 and best is not None and (
             best["labeled_gain"] >= 0 if labeled_rule == "agree" else best["labeled_gain"] > best["labeled_noise"])
