@@ -175,6 +175,16 @@ class Settings(BaseSettings):
     of objects poorly, so pairing would keep their starts' wrong answers); ``never``: checkpoints alone, as before.
     The job's guard scores the checkpoints paired too, as localize serves them (``models.repair.guarded_setup``'s
     ``start``); ``activate=auto`` keeps its rule (BENCHMARKS.md, "The two heads' agreement, served")."""
+    pair_rule: Literal["agree", "consensus"] = "agree"
+    """How a paired checkpoint (``pair_start``) answers. ``agree`` (the default): its own box only where both heads
+    prefer it, the start's elsewhere (format 4). ``consensus`` (format 5): each image gets the answer, among the
+    start's, the job's earlier checkpoints' and the checkpoint's own, that overlaps the others most
+    (``models.inference.Companion.members``; one more episode per earlier checkpoint, the backbone still once).
+    Measured 2026-11-30 (BENCHMARKS.md, "Consensus of a job's checkpoints"): on held-out photo classes (cut-outs on
+    wallpapers, 21 jobs of fresh test seeds) the last checkpoint served by consensus gained more than paired (+7.2
+    against +4.9) but its worst job fell further (-8.3 against -4.2); on the real photographs it lost far more
+    (test 52.5 -> 30.6 against 45.9 paired): it follows the adapted checkpoints where they all drifted to the
+    same wrong boxes. So it stays opt-in. The guard scores checkpoints as they are served."""
     probe_style: Literal["photos", "rect", "soft"] = "rect"
     """How a job's synthetic probes are made (``models.data.probes.PROBE_STYLES``): ``rect``, the exemplar crop pasted
     as a rectangle over the job's image, the starting policy's answer covered by another image's rectangle; ``soft``,

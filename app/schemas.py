@@ -194,7 +194,8 @@ class JobParams(BaseModel):
                     "bundle the set's labeled examples must agree: pasted probes alone never activate there); "
                     "true: the final checkpoint, whatever the probes say; false: none. A photo bundle's checkpoint "
                     "whose job repaired its reward answers paired with the job's starting policy (QLOC_PAIR_START): "
-                    "its own box only where both heads prefer it, the start's elsewhere")
+                    "its own box only where both heads prefer it, the start's elsewhere (QLOC_PAIR_RULE=consensus: "
+                    "the answer the start, the job's checkpoints up to this one and this one overlap on most)")
     num_images: int = Field(description="Images the job adapts on: its uploads and the pool images it took")
     num_pool_images: int = Field(0, description=(
         "Of num_images, those taken from the set's pool when the job was created (a snapshot: images added to "
@@ -294,8 +295,10 @@ class CheckpointPublic(BaseModel):
     sha256: str
     metrics: dict[str, float | int | str | None] = Field(description=(
         "The job's mean reward and the checkpoint's probe scores (`probe_corloc`, `probe_mean_iou`, "
-        "`probe_held_corloc`, `probe_gain`, `probe_noise`); `answers: \"paired with its start\"` where localize "
-        "answers with it paired with its job's starting policy (QLOC_PAIR_START)"))
+        "`probe_held_corloc`, `probe_gain`, `probe_noise`); `answers` where localize answers with it beside its "
+        "job's starting policy (QLOC_PAIR_START): `paired with its start` (QLOC_PAIR_RULE `agree`, the default: its "
+        "own box only where both heads prefer it) or `consensus of its start and its job's checkpoints` (`consensus`: "
+        "each image's answer is the one the start, the job's earlier checkpoints and this one overlap on most)"))
     active: bool
     created_at: datetime
 

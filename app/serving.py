@@ -203,7 +203,7 @@ class LocalInference:
             if reward is None:
                 return Served(loaded.localizer.agent(state), loaded.localizer, None)
             # a repaired reward: the checkpoint's head on the bundle's (shared) backbone, and its prototype; paired
-            # with the policy its job started from where it carries it (format 4)
+            # with the policy its job started from where it carries it (format 4; by consensus, format 5)
             localizer = loaded.localizer.with_reward(reward)
             return Served(localizer.agent(state), localizer, reward.prototype.float())
 

@@ -19,10 +19,11 @@ of the gain and lose little where the adapted policy is worse. This measures it,
 - ``pick_both_rep``: the same between the starting policy's and the adapted policy's episodes both run under the
   repaired head (their nearest visited boxes);
 - ``pick_start_base``: ``before``'s or ``after``'s box, by the bundle's own head and prototype;
-- ``pick_agree``: ``after``'s box only where both heads prefer it; ``served_pick_agree``: the same as localize serves
-  it since ``QLOC_PAIR_START`` (the job's last checkpoint as a format-4 ``Reward`` carrying its ``Start``, through
-  ``Localizer.with_reward``); ``pick_vote``: where two of three judges do (the
-  repaired head, the bundle's head, the backbone features below); ``pick_unanimous``: where all three do;
+- ``pick_agree``: ``after``'s box only where both heads prefer it; ``served_pick_agree``: the job's last checkpoint as
+  localize serves it (a ``Reward`` carrying its ``Start``, through ``Localizer.with_reward``): with
+  ``QLOC_PAIR_RULE=agree`` (the default) the same rule (format 4), with ``consensus`` (format 5) the consensus of the
+  start, the job's earlier checkpoints and the last; ``pick_vote``: where two of three judges do (the repaired head,
+  the bundle's head, the backbone features below); ``pick_unanimous``: where all three do;
 - ``pick_feat``: ``before``'s or ``after``'s box, the one whose RoI-pooled frozen backbone features have the higher
   cosine with the exemplars' mean (``models.repair.FeatureScorer``): a judge neither policy was trained on;
   ``served_pick_feat``: the same through ``Localizer`` with a ``Companion`` carrying that ``judge``;
@@ -67,7 +68,9 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     # the images the job adapted on gets; the train split's objects, more of them than val's or test's 2-7)
     val = unl if split == "adapt" else kind.draw(bundle, split, n_val, seed)
     proto = prototype_of(bundle, ex)
-    pair = Start(proto) if settings.pair_start != "never" else None  # as the worker pairs an RGB bundle's job
+    # as the worker pairs an RGB bundle's job (QLOC_PAIR_RULE: by consensus, format 5, or the two heads' agreement)
+    pair = (Start(proto, consensus=() if settings.pair_rule == "consensus" else None)
+            if settings.pair_start != "never" else None)
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex,
                           start=pair, probe_style=probe_style)
@@ -88,11 +91,12 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     start = base_loc.run_features(feats, proto, base_loc.agent(None)).boxes[-1]
     after = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(states[last])).boxes[-1]
     start_rep = rep_loc.run_features(feats, setup.prototype, rep_loc.agent(None)).boxes[-1]
-    guard_loc = setup.guard.loc  # the checkpoints as the job scored them and localize serves them (paired)
 
     def served_by(d: dict) -> torch.Tensor:
-        return (guard_loc.run_features(feats, setup.prototype, guard_loc.agent(states[d["activate"]])).boxes[-1]
-                if d["activate"] is not None else start)
+        if d["activate"] is None:
+            return start
+        loc = setup.guard.served(d["activate"])
+        return loc.run_features(feats, setup.prototype, loc.agent(states[d["activate"]])).boxes[-1]
 
     guard = served_by(decision)
     # what activate=auto would serve if pasted probes confirmed on their own (as for grayscale bundles)
@@ -101,9 +105,8 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     # each checkpoint as served, on these images, beside its probe gains (how well probes predict)
     per_checkpoint = [{"iteration": c["iteration"], "gain": c["gain"], "held_gain": c["held_gain"],
                        "labeled_gain": c.get("labeled_gain"),
-                       "corloc": corloc(guard_loc.run_features(feats, setup.prototype,
-                                                               guard_loc.agent(states[c["iteration"]])).boxes[-1],
-                                        val.boxes)} for c in setup.guard.checkpoints]
+                       "corloc": corloc(served_by({"activate": c["iteration"]}), val.boxes)}
+                      for c in setup.guard.checkpoints]
     # the rule before the eighth session (labeled examples: at least as many right as at the start), on paired scores
     agree_rule = setup.guard.decide("auto", labeled_rule="agree")
     guard_agree = served_by(agree_rule)
@@ -125,7 +128,9 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     picked_feat = judged.run_features(feats, setup.prototype, judged.agent(states[last])).boxes[-1]
     chosen = pick(start, after, d_rep["start"], d_rep["after"])  # the rule
     # the two heads' agreement as served (QLOC_PAIR_START): the last checkpoint's reward carrying the job's start
-    paired = base_loc.with_reward(Reward(setup.repair.head, setup.prototype, setup.bundle.refine, Start(proto))
+    voters = None if settings.pair_rule != "consensus" else tuple(states[i] for i in sorted(states) if i < last)
+    paired = base_loc.with_reward(Reward(setup.repair.head, setup.prototype, setup.bundle.refine,
+                                         Start(proto, consensus=voters))
                                   ) if setup.repair is not None and setup.repair.kept else rep_loc
     served_agree = paired.run_features(feats, setup.prototype, paired.agent(states[last])).boxes[-1]
     row = {"target": kind.describe(), "seed": seed, "repair_kept": setup.reward,

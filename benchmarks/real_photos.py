@@ -88,7 +88,7 @@ span the benchmark's object sizes (LABELING.md: boxes from 4 % to 98 % of the im
 ANSWER_METHODS = ("greedy", "nearest", "best16", "instances")
 BASELINES = ("template", "ranking", "ranking_eq")
 SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_synthetic", "guarded_last", "guarded_paired",
-          "guarded_unanimous")
+          "guarded_unanimous", "guarded_wise", "guarded_medoid")
 METHODS = ANSWER_METHODS + SEEDED + BASELINES
 
 
@@ -111,7 +111,6 @@ class Options:
 
 
 # ---------------------------------------------------------------- helpers
-
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
@@ -185,7 +184,8 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     the decision, the states of the checkpoints, and the bundle / prototype they are served with."""
     t0 = time.perf_counter()
     repair = RepairConfig(epochs=settings.repair_epochs) if settings.reward_repair else None
-    pair = Start(prototype) if pairs_start(settings.pair_start, bundle) else None  # as worker/jobs.py pairs
+    pair = (Start(prototype, consensus=() if settings.pair_rule == "consensus" else None)  # as worker/jobs.py pairs
+            if pairs_start(settings.pair_start, bundle) else None)
     setup = guarded_setup(bundle, prototype, crops, images01, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=repair,
                           guard_cfg=GuardConfig(patience=settings.early_stop_patience), choice=settings.reward_choice,
@@ -294,12 +294,15 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
     images01, _ = preprocess(unl, spec)
     prepped = {s: preprocess([p.image for p in photos], spec) for s, photos in data.items()}
 
-    def evaluate_agent(state, nearest: bool | None, served: Localizer | None = None, prototype=None):
+    def boxes_of(state, nearest: bool | None, served: Localizer | None = None, prototype=None) -> dict[str, Tensor]:
         lc = served or loc
         ag = lc.agent(state)
         pr = proto if prototype is None else prototype
-        return {s: _metrics(torch.tensor([r.box for r in lc.localize_batch(b, k, pr, ag, nearest=nearest)]),
-                            data[s]) for s, (b, k) in prepped.items()}
+        return {s: torch.tensor([r.box for r in lc.localize_batch(b, k, pr, ag, nearest=nearest)])
+                for s, (b, k) in prepped.items()}
+
+    def evaluate_agent(state, nearest: bool | None, served: Localizer | None = None, prototype=None):
+        return {s: _metrics(b, data[s]) for s, b in boxes_of(state, nearest, served, prototype).items()}
 
     per = {"adapted_greedy": [], "adapted_nearest": []}
     secs = []
@@ -325,15 +328,15 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
         d, setup = job["decision"], job["setup"]
         served = Localizer(setup.bundle, bundle.device)
         it = d["activate"]
-        guarded.append(evaluate_agent(job["states"][it], None, setup.guard.loc, setup.prototype) if it is not None
-                       else evaluate_agent(None, None))  # as the guard scored it and localize serves it (paired)
+        guarded.append(evaluate_agent(job["states"][it], None, setup.guard.served(it), setup.prototype)
+                       if it is not None else evaluate_agent(None, None))  # as the guard scored it, as served
         it_s = job["decision_synthetic"]["activate"]
-        synthetic.append(evaluate_agent(job["states"][it_s], None, setup.guard.loc, setup.prototype)
+        synthetic.append(evaluate_agent(job["states"][it_s], None, setup.guard.served(it_s), setup.prototype)
                          if it_s is not None else evaluate_agent(None, None))
         last_it = max(job["states"]) if job["states"] else None
         last.append(evaluate_agent(job["states"][last_it], None, served, setup.prototype) if last_it is not None
                     else evaluate_agent(None, None))
-        pair = setup.guard.loc if setup.start is not None else served  # paired as worker/jobs.py pairs
+        pair = setup.guard.served(last_it) if setup.start is not None and last_it is not None else served
         paired.append(evaluate_agent(job["states"][last_it], None, pair, setup.prototype) if last_it is not None
                       else evaluate_agent(None, None))
         three = pair

@@ -15,6 +15,9 @@ a format-2 reward is served without refinement, as it was written. Format 4 adds
 ``{"prototype": [D], "agent"?, "head"?, "refine"?}``, the policy its job started from as that policy was served
 (no ``agent``: the bundle's own; no ``head``: the bundle's head): the checkpoint is served *paired* with it, each
 image keeping the checkpoint's answer only where both heads prefer it (``models.inference.Companion.agree``).
+Format 5 adds ``"consensus"`` to the start: the agents of the job's checkpoints before this one (oldest first), and
+the checkpoint is served by the *consensus* of its own answer, the start's and theirs instead: each image's answer
+is the one that overlaps the others most (``models.inference.Companion.members``).
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
 
 A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
@@ -42,8 +45,9 @@ from models.nets.agent import Agent
 from models.nets.embedding import ProjectionHead, RoIEmbedder
 
 FORMAT_VERSION = 1
-POLICY_FORMAT_VERSION = 4
-"""Policy checkpoints: 4 carries a repaired reward and the start it is served paired with; 3 a repaired reward whose
+POLICY_FORMAT_VERSION = 5
+"""Policy checkpoints: 5 carries a repaired reward, its start and the job's earlier checkpoints, served by their
+consensus; 4 a repaired reward and the start it is served paired with; 3 a repaired reward whose
 answers are refined; 2 a repaired reward (head + prototype); 1 is the agent only. Each file is written with the
 lowest version that holds it."""
 
@@ -216,8 +220,10 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
                     reward: Reward | None = None) -> bytes:
     """The exact bytes ``save_policy`` writes (for callers with their own blob storage). ``reward``: the
     repaired head and prototype the policy was adapted with (format 2; 3 when its answers are refined; 4 when it
-    carries its ``start``); without it the file is format 1, byte for byte what earlier versions wrote."""
-    version = 1 if reward is None else 4 if reward.start is not None else 3 if reward.refine else 2
+    carries its ``start``; 5 when that start votes in a consensus); without it the file is format 1, byte for byte
+    what earlier versions wrote."""
+    version = (1 if reward is None else 5 if reward.start is not None and reward.start.consensus is not None
+               else 4 if reward.start is not None else 3 if reward.refine else 2)
     obj: dict[str, Any] = {"format": "qloc-policy", "format_version": version, "bundle": bundle_name}
     if bundle_sha256 is not None:
         obj["bundle_sha256"] = str(bundle_sha256)
@@ -237,6 +243,8 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
                 start["head"] = _cpu(st.head)
             if st.refine:
                 start["refine"] = True
+            if st.consensus is not None:
+                start["consensus"] = [_cpu(a) for a in st.consensus]
             obj["reward"]["start"] = start
     obj["meta"] = meta or {}
     return _to_bytes(obj)
@@ -254,6 +262,10 @@ class Start:
     """``None``: the bundle's projection head."""
     refine: bool = False
     """Its answers were refined on ``head`` (``models.refine``)."""
+    consensus: tuple[dict[str, Tensor], ...] | None = None
+    """Format 5: the agents of the job's checkpoints written before the one that carries this (oldest first). Given
+    (even empty), the checkpoint answers each image with the consensus of the start's answer, these agents' and its
+    own (``models.inference.Companion.members``); ``None``: the two heads' agreement (format 4)."""
 
 
 @dataclass(frozen=True)
@@ -304,8 +316,9 @@ def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: 
     reward = None
     if r is not None:
         st = r.get("start")
+        voters = None if st is None or st.get("consensus") is None else tuple(st["consensus"])
         start = None if st is None else Start(st["prototype"], st.get("agent"), st.get("head"),
-                                              bool(st.get("refine", False)))
+                                              bool(st.get("refine", False)), voters)
         reward = Reward(r["head"], r["prototype"], bool(r.get("refine", False)), start)
     if reward is not None and bundle is not None:
         for proto in (reward.prototype, *(() if reward.start is None else (reward.start.prototype,))):

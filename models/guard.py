@@ -19,7 +19,7 @@ their start.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from models.data.types import LabeledImages
 from models.evaluate import ranking_metrics, training_candidates
 from models.features import features_of
 from models.inference import Companion, Localizer
+from models.nets.agent import Agent
 
 VERDICTS = ("improved", "no better", "worse", "reward unreliable")
 PICKS = ("best", "confirmed")
@@ -96,7 +97,9 @@ SYNTHETIC_CONFIRMS_FOR_GRAY = True
 """Pasted probes confirm improvements on their own for grayscale (cMNIST-style) bundles only, where a pasted crop
 looks like the images the client sends. On real photographs, with the photo bundle, checkpoints that pasted probes
 called better (confirmed on their held-out half) were far worse on the photos: -56 / -33 / -50 points on three of
-eight classes (BENCHMARKS.md, real photographs); so an RGB bundle's job needs the set's labeled examples."""
+eight classes (BENCHMARKS.md, real photographs); so an RGB bundle's job needs the set's labeled examples. Served by
+consensus (a format-5 start) too: on a held-out photo class a consensus checkpoint the probes confirmed was 8 points
+below its start (BENCHMARKS.md, "Consensus of a job's checkpoints")."""
 
 
 @dataclass
@@ -129,6 +132,13 @@ class Guard:
         self._base_hits: Tensor | None = None
         self._best: tuple[float, float, int] | None = None  # (select corloc, select iou, index)
         self._falling = 0
+        self._voters: list[Agent] | None = None  # the consensus rule's earlier checkpoints (``pair_with``)
+        self._scored_by: dict[int, Localizer] = {}
+
+    def served(self, iteration: int) -> Localizer:
+        """The localizer checkpoint ``iteration`` was scored with, as localize serves it (its head, paired with the
+        start, and under the consensus rule with the checkpoints observed before it)."""
+        return self._scored_by[iteration]
 
     def use_reward(self, bundle: Bundle, prototype: Tensor) -> None:
         """Score the checkpoints observed from now on with ``bundle``'s head and ``prototype`` (a repaired
@@ -136,6 +146,7 @@ class Guard:
         keeps the score it had with the original head; the faithfulness reported becomes the new reward's."""
         self.bundle, self.prototype = bundle, prototype
         self.loc = Localizer(bundle, bundle.device)
+        self._voters = None
         rank = ranking_metrics(bundle, LabeledImages(self.probes.images, self.probes.boxes, self.feats), prototype,
                                seed=0, candidates=training_candidates(bundle))
         self.faithfulness = {"ordacc": round(rank["ordacc"], 2), "spearman": round(rank["spearman"], 4)}
@@ -143,8 +154,11 @@ class Guard:
     def pair_with(self, companion: Companion | None) -> None:
         """Score the checkpoints observed from now on as localize serves a paired checkpoint: each probe's answer the
         checkpoint's only where both heads prefer it, else ``companion``'s, the job's start as it is served
-        (``models.inference.Companion.agree``; ``None``: alone). Call it after ``use_reward``, which resets it."""
+        (``models.inference.Companion.agree``; ``None``: alone). A companion with ``members`` (the consensus rule,
+        format 5) scores each checkpoint in the consensus of the start, the checkpoints observed before it and
+        itself, as its file will carry them. Call it after ``use_reward``, which resets it."""
         self.loc = Localizer(self.bundle, self.bundle.device, companion=companion)
+        self._voters = None if companion is None or companion.members is None else []
 
     @torch.no_grad()
     def _hits(self, agent_state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
@@ -181,7 +195,13 @@ class Guard:
         """Score a checkpoint -> its record (``select``, ``held``, ``gain``, ``noise``)."""
         if self.base is None:
             raise RuntimeError("call start() with the starting policy first")
+        if self._voters is not None:  # the consensus rule: the checkpoints observed before this one vote
+            c = self.loc.companion
+            self.loc = Localizer(self.bundle, self.bundle.device, companion=replace(c, members=tuple(self._voters)))
         hits, iou = self._hits(agent_state)
+        self._scored_by[iteration] = self.loc
+        if self._voters is not None:
+            self._voters.append(self.loc.agent(agent_state))
         rec = {"iteration": iteration, "select": self._summary(hits, iou, self.select),
                "held": self._summary(hits, iou, self.held)}
         rec["gain"] = round(rec["select"]["corloc"] - self.base["select"]["corloc"], 2)

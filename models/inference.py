@@ -19,6 +19,7 @@ from torch import Tensor
 from models.bundle import Bundle, Reward, Start
 from models.compiled import compiled_steer, fast_steer
 from models.config import InputSpec
+from models.core.boxes import paired_iou
 from models.instances import InstanceConfig, find_instances
 from models.nets.agent import Agent
 from models.refine import refine
@@ -167,6 +168,14 @@ class Companion:
     on 20 photo jobs of fresh test seeds it kept more of the adapted policy's gain than the checkpoint alone and lost
     far less (BENCHMARKS.md, "The two heads' agreement, served"). With a ``judge`` too, the judge must prefer it as
     well (all three agree)."""
+    members: tuple[Agent, ...] | None = None
+    """The consensus rule (what a format-5 checkpoint serves, ``models.bundle.Start.consensus``): more agents, run
+    under the *accompanied* localizer's head and prototype (an adaptation job's earlier checkpoints). Given, even
+    empty, each image is answered by the consensus of the companion's answer, the members' and the localizer's own:
+    the answer with the highest summed IoU with the others (ties: the companion's, then the earliest member's);
+    ``agree`` and ``judge`` are then not used. On held-out photo classes it kept more of the adapted policy's gain than
+    ``agree``, but where a job's checkpoints all drift to the same wrong boxes (real photographs) it follows them
+    (BENCHMARKS.md, "Consensus of a job's checkpoints")."""
 
 
 def start_companion(base: Localizer, start: Start) -> Companion:
@@ -175,7 +184,15 @@ def start_companion(base: Localizer, start: Start) -> Companion:
     its prototype, under the agreement rule (``Companion.agree``)."""
     theirs = base if start.head is None else Localizer(base.bundle.with_head(start.head, start.refine), base.device,
                                                        fast_episode=base.fast_episode)
-    return Companion(theirs, theirs.agent(start.agent), start.prototype.float(), agree=True)
+    members = None if start.consensus is None else tuple(base.agent(a) for a in start.consensus)
+    return Companion(theirs, theirs.agent(start.agent), start.prototype.float(), agree=True, members=members)
+
+
+def consensus(finals: Tensor) -> Tensor:
+    """Each image's consensus among ``M`` answers ``finals [M, B, 4]`` -> ``[B]`` the index of the answer with the
+    highest summed IoU with the others (ties: the lowest index)."""
+    f = finals.permute(1, 0, 2).float()  # [B, M, 4]
+    return paired_iou(f[:, :, None], f[:, None]).sum(-1).argmax(-1)
 
 
 def feature_distances(roi: Tensor, reference: Tensor) -> Tensor:
@@ -300,6 +317,8 @@ class Localizer:
         companion's head on both answers; and one RoI read of both answers for a judge)."""
         theirs = c.localizer.run_features(feats, c.prototype, c.agent, nearest=nearest)
         dist = self.box_distances(feats, theirs.boxes[-1], proto)
+        if c.members is not None:
+            return self._consensus(c, ro, theirs, dist, feats, proto, nearest)
         if c.agree:  # both heads must prefer mine: one more head call, the companion's, on both answers
             both = torch.stack([ro.boxes[-1], theirs.boxes[-1]], 1)  # [B, 2, 4]: mine, theirs
             cp = c.prototype.to(feats.device)
@@ -324,6 +343,26 @@ class Localizer:
 
         out = Rollout(*(mix(m, o) for m, o in zip(ro, theirs, strict=True)))
         return out._replace(distances=torch.cat([out.distances[:-1], torch.where(take, dist, ro.distances[-1])[None]]))
+
+    def _consensus(self, c: Companion, ro: Rollout, theirs: Rollout, dist: Tensor, feats: Tensor, proto: Tensor,
+                   nearest: bool) -> Rollout:
+        """The consensus rule (``Companion.members``): each image's episode is the one, among the companion's
+        (``theirs``, its final distance ``dist`` under this localizer's head), the members' (run here under this
+        head and ``proto``) and this localizer's own (``ro``), whose answer overlaps the others' most (``consensus``).
+        One more episode per member on the same feature map."""
+        plain = Localizer(self.bundle, self.device, fast_episode=self.fast_episode)  # this head, no companion
+        runs = [theirs._replace(distances=torch.cat([theirs.distances[:-1], dist[None]])),
+                *(plain.run_features(feats, proto, a, nearest=nearest) for a in c.members or ()), ro]
+        pick = consensus(torch.stack([r.boxes[-1] for r in runs]))  # [B]
+
+        def chosen(fields: list[Tensor | None]) -> Tensor | None:  # time-major [T(+1), B, ...] each
+            if any(f is None for f in fields):
+                return None
+            x = torch.stack(fields)  # type: ignore[arg-type]
+            at = pick.to(x.device).view(1, 1, -1, *([1] * (x.dim() - 3))).expand(1, *x.shape[1:])
+            return x.gather(0, at)[0]
+
+        return Rollout(*(chosen([r[i] for r in runs]) for i in range(len(ro))))
 
     def with_reward(self, reward: Reward) -> Localizer:
         """The localizer a checkpoint carrying ``reward`` (``models.bundle``) is served with, on this localizer's bundle

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -102,6 +103,8 @@ class AdaptationRun:
         self.setup: Guarded | None = None
         self.reward_head: dict[str, Tensor] | None = None
         self.checkpoint_ids: dict[int, uuid.UUID] = {}
+        self.voters: list[dict[str, Tensor]] = []
+        """The agents of this job's checkpoints written so far, oldest first (a format-5 checkpoint carries them)."""
 
     # --- the run
 
@@ -147,7 +150,8 @@ class AdaptationRun:
         pair = None  # the start as it is served, for checkpoints to carry where this job's repair is kept
         if pairs_start(self.ctx.settings.pair_start, bundle):
             pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
-                         start_reward.refine if start_reward else False)
+                         start_reward.refine if start_reward else False,
+                         consensus=() if self.ctx.settings.pair_rule == "consensus" else None)
         self.setup = self._setup(bundle, prototype, images01, agent_state, pair)
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
@@ -200,6 +204,7 @@ class AdaptationRun:
             agent = read_checkpoint(ctx.store, blob=ckpt.blob or "", sha256=ckpt.sha256, bundle=bundle)[0]
             setup.guard.observe(ckpt.iteration, agent)
             self.checkpoint_ids[ckpt.iteration] = ckpt.id
+            self.voters.append(agent)
         return setup
 
     def reward(self) -> Reward | None:
@@ -207,7 +212,10 @@ class AdaptationRun:
         policy it trained, paired with the job's start where the setup pairs them; ``None``: the bundle's head."""
         if self.setup is None or self.reward_head is None:
             return None
-        return Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine, start=self.setup.start)
+        start = self.setup.start
+        if start is not None and start.consensus is not None:  # format 5: the checkpoints written before vote too
+            start = replace(start, consensus=tuple(self.voters))
+        return Reward(self.reward_head, self.setup.prototype, refine=self.setup.bundle.refine, start=start)
 
     # --- callbacks from ``adapt``
 
@@ -257,7 +265,8 @@ class AdaptationRun:
             if not self._still_owned(s):
                 raise LeaseLost
         if self.setup is not None and self.setup.start is not None:
-            metrics["answers"] = "paired with its start"
+            metrics["answers"] = ("paired with its start" if self.setup.start.consensus is None
+                                  else "consensus of its start and its job's checkpoints")
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
                                                       prototype_dim=self.bundle.prototype_dim, reward=self.reward()))
@@ -274,6 +283,7 @@ class AdaptationRun:
         self.parent_id = self.last_checkpoint_id = ckpt_id
         self.last_iteration = self.iteration = iteration
         self.checkpoint_ids[iteration] = ckpt_id
+        self.voters.append(state["agent"])
 
     def _calibrations(self, ckpt_ids: set[uuid.UUID | None]) -> dict[uuid.UUID, dict[str, Any]]:
         return _job_calibrations(self, ckpt_ids)

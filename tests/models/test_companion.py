@@ -206,3 +206,69 @@ def test_agree_with_a_judge_needs_the_judge_to_prefer_the_own_answer_too():
     three = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype, judge,
                                                              agree=True)).run_features(feats, protos, agent)
     assert torch.equal(three.boxes[-1], torch.where(keep[:, None], mine.boxes[-1], theirs.boxes[-1]))
+
+
+def test_consensus_picks_the_answer_that_overlaps_the_others_most_and_ties_go_to_the_first():
+    from models.inference import consensus
+
+    a = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]])
+    b = torch.tensor([[1.0, 1.0, 11.0, 11.0], [20.0, 20.0, 30.0, 30.0]])
+    c = torch.tensor([[50.0, 50.0, 60.0, 60.0], [21.0, 21.0, 31.0, 31.0]])
+    # image 0: a and b overlap (c is alone); a and b tie, so the first (a); image 1: b and c overlap, b first
+    assert consensus(torch.stack([a, b, c])).tolist() == [0, 1]
+    assert consensus(torch.stack([c, b, a])).tolist() == [1, 0]  # image 0: b and a tie -> b, now the first
+    assert consensus(torch.stack([a, a])).tolist() == [0, 0]  # two equal answers: the first
+    assert consensus(torch.stack([a, c])).tolist() == [0, 0]  # two disjoint ones: the first too
+
+
+@pytest.mark.parametrize("nearest", [False, True])
+def test_members_answer_each_image_by_the_consensus_of_every_episode(nearest):
+    """``Companion(members=...)`` (a format-5 checkpoint): the companion's episode (its head, its prototype), each
+    member's and the localizer's own (both under the localizer's head), and per image the whole episode whose answer
+    overlaps the others most, scored under the localizer's head; an empty ``members`` is the companion vs the own
+    answer, where ties (every pair of two) go to the companion."""
+    from models.core.boxes import paired_iou
+
+    loc, start, feats, protos, other = _pair(3)
+    agent = loc.bundle.new_agent(other.agent_state).eval()
+    members = tuple(loc.bundle.new_agent(tiny_bundle(20 + i).agent_state).eval() for i in range(3))
+    alone = Localizer(loc.bundle, "cpu")
+    runs = [start.localizer.run_features(feats, start.prototype, start.agent, nearest=nearest),
+            *(alone.run_features(feats, protos, m, nearest=nearest) for m in members),
+            alone.run_features(feats, protos, agent, nearest=nearest)]
+    finals = torch.stack([r.boxes[-1] for r in runs])  # [5, B, 4]
+    overlap = torch.stack([torch.stack([paired_iou(finals[i], finals[j]) for j in range(5)]).sum(0)
+                           for i in range(5)])  # [5, B], written out
+    pick = overlap.argmax(0)
+    assert len(set(pick.tolist())) > 1, "the test wants different episodes picked among its images"
+    voted = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype,
+                                                             members=members))
+    got = voted.run_features(feats, protos, agent, nearest=nearest)
+    b = torch.arange(finals.shape[1])
+    assert torch.equal(got.boxes, torch.stack([r.boxes for r in runs])[pick, :, b].transpose(0, 1))
+    assert torch.equal(got.actions, torch.stack([r.actions for r in runs])[pick, :, b].T)
+    finals_d = torch.stack([_distances(loc, feats, runs[0].boxes[-1], protos), *(r.distances[-1] for r in runs[1:])])
+    assert torch.allclose(got.distances[-1], finals_d[pick, b], atol=1e-6)  # every score under the localizer's head
+    two = Localizer(loc.bundle, "cpu", companion=Companion(start.localizer, start.agent, start.prototype,
+                                                           members=())).run_features(feats, protos, agent,
+                                                                                     nearest=nearest)
+    assert torch.equal(two.boxes[-1], runs[0].boxes[-1])  # start vs own alone: every image a tie, the start's
+
+
+def test_with_reward_serves_a_format_5_checkpoint_by_consensus():
+    from models.bundle import Reward, Start
+
+    bundle, _, feats, protos = setup(6, 5)
+    other = tiny_bundle(12)
+    base = Localizer(bundle, "cpu")
+    voters = (tiny_bundle(21).agent_state, tiny_bundle(22).agent_state)
+    served = base.with_reward(Reward(other.embedder.head.state_dict(), protos[0],
+                                     start=Start(protos[1], consensus=voters)))
+    c = served.companion
+    assert c is not None and c.members is not None and len(c.members) == 2 and c.localizer is base
+    assert all(torch.equal(v, voters[i][k]) for i, m in enumerate(c.members) for k, v in m.state_dict().items())
+    agent = base.bundle.new_agent(other.agent_state).eval()
+    want = Localizer(served.bundle, "cpu", companion=Companion(base, base.agent(), protos[1], members=tuple(
+        base.agent(v) for v in voters)))
+    assert torch.equal(served.run_features(feats, protos[0], agent).boxes,
+                       want.run_features(feats, protos[0], agent).boxes)

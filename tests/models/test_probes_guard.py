@@ -129,6 +129,7 @@ class _Scripted(Guard):
         self.faithfulness = {"ordacc": 90.0, "spearman": spearman}
         self.counts = {"labeled": labeled, "synthetic": n - labeled} if labeled else {"synthetic": n}
         self.base, self.checkpoints, self._base_hits, self._best, self._falling = None, [], None, None, 0
+        self._voters, self._scored_by, self.loc = None, {}, None
 
     def _hits(self, agent_state):
         h = self.hits[agent_state]
@@ -176,6 +177,12 @@ def test_on_a_photo_bundle_pasted_probes_alone_do_not_activate():
     forced.start("start")
     forced.observe(20, "better")
     assert forced.decide("auto")["activate"] == 20
+    # served by consensus (a format-5 start, ``pair_with``) too: pasted probes still do not activate on their own
+    voted = _Scripted({"start": base, "better": better}, n, channels=3)
+    voted.start("start")
+    voted.observe(20, "better")
+    voted._voters = []  # what ``pair_with`` sets for a companion with members (no network here to rebuild)
+    assert voted.decide("auto")["activate"] is None
 
     agree = better.clone()
     agree[:8] = True  # the 8 labeled examples: all right after, fewer before

@@ -4,6 +4,7 @@ probes confirm it, and a checkpoint carries the repaired head and prototype (for
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from models.bundle import (
     policy_from_bytes,
     policy_to_bytes,
 )
+from models.core.boxes import paired_iou
 from models.data.types import exemplar_crops
 from models.experiments.datasets import GlyphKind
 from models.guard import synthetic_probes
@@ -172,10 +174,22 @@ def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still
     with pytest.raises(PolicyMismatch, match="dimension"):
         checkpoint_from_bytes(policy_to_bytes(agent, bundle_name=bundle.name, reward=short), bundle)
 
-    obj3["format_version"] = 5
+    # format 5: the start votes with the job's earlier checkpoints (the consensus rule), an empty tuple included
+    earlier = ({k: v + 3 for k, v in agent.items()}, {k: v + 4 for k, v in agent.items()})
+    for voters in ((), earlier):
+        voted = policy_to_bytes(agent, bundle_name=bundle.name, reward=Reward(head, proto, start=replace(
+            start, consensus=voters)))
+        obj5 = torch.load(io.BytesIO(voted), weights_only=True)
+        assert obj5["format_version"] == 5 and len(obj5["reward"]["start"]["consensus"]) == len(voters)
+        st = checkpoint_from_bytes(voted, bundle)[2].start
+        assert st.consensus is not None and len(st.consensus) == len(voters)
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(st.consensus, voters, strict=True) for k in agent)
+    assert checkpoint_from_bytes(paired, bundle)[2].start.consensus is None  # format 4: the two heads' agreement
+
+    obj3["format_version"] = 6
     buf = io.BytesIO()
     torch.save(obj3, buf)
-    with pytest.raises(ValueError, match="format 5"):
+    with pytest.raises(ValueError, match="format 6"):
         checkpoint_from_bytes(buf.getvalue(), bundle)
 
 
@@ -188,3 +202,27 @@ def test_too_few_probes_for_repair_are_refused_and_a_job_then_keeps_the_bundle_h
     setup = guarded_setup(bundle, proto, crops, unl.images[:8], None, synthetic=8, generator_seed=0,
                           repair=RepairConfig(epochs=2))
     assert setup.repair is None and setup.reward == "bundle head" and setup.bundle is bundle
+
+
+def test_with_a_consensus_start_the_guard_scores_each_checkpoint_with_the_ones_before_it_voting(bundle, glyph_job):
+    """A format-5 start (``Start.consensus``): the guard scores checkpoint k as its file will serve it, in the
+    consensus of the start, the checkpoints observed before k and k itself (``Localizer.with_reward``)."""
+    crops, unl, _ = glyph_job
+    proto = Localizer(bundle, "cpu").prototype(crops)
+    start = Start(proto, consensus=())
+    setup = guarded_setup(bundle, proto, crops, unl.images[:24], None, synthetic=24, generator_seed=3, start=start,
+                          repair=RepairConfig(epochs=3, min_gain=-100.0))
+    assert setup.reward == "repaired head" and setup.guard.loc.companion.members == ()
+    g = torch.Generator().manual_seed(0)
+    states = [{k: v + 0.3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+               for k, v in bundle.agent_state.items()} for _ in range(3)]
+    base = Localizer(bundle, "cpu")
+    for i, state in enumerate(states):
+        rec = setup.guard.observe(25 * (i + 1), state)
+        served = base.with_reward(Reward(setup.repair.head, setup.prototype, setup.bundle.refine,
+                                         replace(start, consensus=tuple(states[:i]))))
+        assert len(setup.guard.loc.companion.members) == i
+        boxes = served.run_features(setup.guard.feats, setup.prototype, served.agent(state)).boxes[-1]
+        hits = paired_iou(boxes, setup.guard.probes.boxes) >= 0.5
+        assert rec["select"]["corloc"] == round(float(hits[setup.guard.select].float().mean() * 100), 2)
+        assert rec["held"]["corloc"] == round(float(hits[setup.guard.held].float().mean() * 100), 2)

@@ -6,10 +6,12 @@ the head it started with."""
 import io
 import uuid
 
+import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 from service_fixtures import make_test_settings, migrate
+from sqlalchemy import select
 from test_worker_adapt_quality import SHIPPED, _png, _upload
 
 from app.inference import BundleRegistry
@@ -106,14 +108,17 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     assert any(abs(p.score - w.score) > 1e-2 for p, w in zip(plain, expected, strict=True))
 
 
-def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_the_pair(tmp_path):
+@pytest.mark.parametrize("rule", ["agree", "consensus"])
+def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_the_pair(tmp_path, rule):
     """``QLOC_PAIR_START=always`` (photo bundles' default, here on the digit bundle to stay fast): a job whose repair
-    was kept writes format-4 checkpoints carrying its start (the bundle's agent and head, the set's prototype), says
-    so in their metrics, and localize with one answers each image with the checkpoint's box or the start's, as
-    ``Localizer.with_reward`` pairs them."""
+    was kept writes checkpoints carrying its start (the bundle's agent and head, the set's prototype), says so in
+    their metrics, and localize with one answers each image as ``Localizer.with_reward`` serves it: with
+    ``QLOC_PAIR_RULE=agree`` (format 4, the default) the checkpoint's box or the start's; with ``consensus`` (format
+    5) the last checkpoint carries every earlier one's agent, and each box is the start's or one of theirs."""
     from app.main import create_app
 
-    s, bundle, crops, unlabeled, probe = _glyph_service(tmp_path, 8, pair_start="always", default_iterations=20)
+    s, bundle, crops, unlabeled, probe = _glyph_service(tmp_path, 8, pair_start="always", default_iterations=20,
+                                                        pair_rule=rule, checkpoint_every=5, early_stop_patience=0)
     ctx = WorkerContext.create(s)
     try:
         with TestClient(create_app(s)) as client:
@@ -125,7 +130,8 @@ def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_
             job = client.get(f"/v1/adaptations/{r.json()['id']}").json()
             assert job["validation"]["reward"] == "repaired head", job["validation"]["repair"]
             ckpt = client.get(f"/v1/checkpoints/{job['checkpoint_id']}").json()
-            assert ckpt["metrics"]["answers"] == "paired with its start"
+            assert ckpt["metrics"]["answers"] == ("paired with its start" if rule == "agree"
+                                                  else "consensus of its start and its job's checkpoints")
             adapted = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": ckpt["id"]},
                                   files=_upload([_png(im) for im in probe])).json()
     finally:
@@ -133,10 +139,21 @@ def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_
     with ctx.session_factory() as session:
         row = session.get(Checkpoint, uuid.UUID(ckpt["id"]))
         data = BlobStore(s.storage_dir).read_verified(row.blob, row.sha256)
-    assert torch.load(io.BytesIO(data), weights_only=True)["format_version"] == 4
+    assert torch.load(io.BytesIO(data), weights_only=True)["format_version"] == (4 if rule == "agree" else 5)
     agent, _, reward = checkpoint_from_bytes(data, bundle)
     st = reward.start
     assert st is not None and st.agent is None and st.head is None and not st.refine  # the bundle's own policy
+    with ctx.session_factory() as session:  # the job's checkpoints, oldest first: the consensus' earlier voters
+        rows = session.scalars(select(Checkpoint).where(Checkpoint.job_id == row.job_id)
+                               .order_by(Checkpoint.iteration)).all()
+        earlier = [checkpoint_from_bytes(BlobStore(s.storage_dir).read_verified(r.blob, r.sha256), bundle)[0]
+                   for r in rows[:-1]]
+    assert rows[-1].id == row.id and len(rows) == 4
+    if rule == "consensus":
+        assert len(st.consensus) == 3
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(st.consensus, earlier, strict=True) for k in a)
+    else:
+        assert st.consensus is None
     base = Localizer(bundle, "cpu")
     assert torch.allclose(st.prototype, base.prototype(crops), atol=1e-4)  # the set's prototype, the bundle's head
     pils = [Image.open(io.BytesIO(_png(im))) for im in probe]  # what the API decoded
@@ -144,6 +161,8 @@ def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_
     expected = paired.localize(pils, reward.prototype, agent)
     alone = Localizer(bundle.with_head(reward.head, refine=True), "cpu").localize(pils, reward.prototype, agent)
     start = base.localize(pils, st.prototype)
-    for got, want, a, b in zip(adapted["results"], expected, alone, start, strict=True):
+    voters = [Localizer(bundle.with_head(reward.head, refine=True), "cpu").localize(pils, reward.prototype, e)
+              for e in (earlier if rule == "consensus" else [])]
+    for i, (got, want, a, b) in enumerate(zip(adapted["results"], expected, alone, start, strict=True)):
         assert torch.allclose(torch.tensor(got["box"]), torch.tensor(want.box), atol=1e-3), (got, want)
-        assert want.box in (a.box, b.box)  # each image: the checkpoint's own answer or the start's
+        assert want.box in (a.box, b.box, *(v[i].box for v in voters))  # the start's, or a checkpoint's answer
