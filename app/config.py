@@ -181,10 +181,11 @@ class Settings(BaseSettings):
     start's, the job's earlier checkpoints' and the checkpoint's own, that overlaps the others most
     (``models.inference.Companion.members``; one more episode per earlier checkpoint, the backbone still once).
     Measured 2026-11-30 (BENCHMARKS.md, "Consensus of a job's checkpoints"): on held-out photo classes (cut-outs on
-    wallpapers, 21 jobs of fresh test seeds) the last checkpoint served by consensus gained more than paired (+7.2
-    against +4.9) but its worst job fell further (-8.3 against -4.2); on the real photographs it lost far more
-    (test 52.5 -> 30.6 against 45.9 paired): it follows the adapted checkpoints where they all drifted to the
-    same wrong boxes. So it stays opt-in. The guard scores checkpoints as they are served."""
+    wallpapers, 25 jobs of fresh test seeds) the last checkpoint served by consensus gained more than paired (+6.8
+    against +4.8) but its worst job fell further (-8.3 against -4.2); on the real photographs it lost far more
+    (test 52.5 -> 27.9 against 45.9 paired): it follows the adapted checkpoints where they all drifted to the
+    same wrong boxes; and a photo takes 3x as long (7 earlier checkpoints: 148 ms against 49 paired). So it stays
+    opt-in. The guard scores checkpoints as they are served."""
     probe_style: Literal["photos", "rect", "soft"] = "rect"
     """How a job's synthetic probes are made (``models.data.probes.PROBE_STYLES``): ``rect``, the exemplar crop pasted
     as a rectangle over the job's image, the starting policy's answer covered by another image's rectangle; ``soft``,
