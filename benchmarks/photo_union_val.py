@@ -48,29 +48,26 @@ from models.core.boxes import paired_iou as iou_of
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
 from models.data.probes import PROBE_STYLES
-from models.data.types import exemplar_crops
+from models.data.types import LabeledImages, exemplar_crops
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
 from models.inference import Companion, Localizer
-from models.repair import FeatureScorer, RepairConfig, guarded_setup
+from models.repair import FeatureScorer, Guarded, RepairConfig, guarded_setup
 
 
 def pick(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
     return torch.where((db < da)[:, None], b, a)
 
 
-def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str = "val",
-        probe_style: str = "rect") -> dict:
-    t0 = time.perf_counter()
+def photo_job(bundle, kind: PhotoKind, seed: int, settings: Settings, pair_rule: str | None,
+              probe_style: str = "rect") -> tuple[LabeledImages, LabeledImages, torch.Tensor, Guarded, dict[int, dict]]:
+    """An adaptation job on ``kind``'s 64 unlabeled images as the worker runs it (5 exemplars with their boxes as the
+    labeled examples; its checkpoints paired with the start by ``pair_rule``, ``None``: alone) -> (exemplars,
+    unlabeled images, prototype, the job's setup, each checkpoint's agent state)."""
     ex = kind.draw(bundle, "exemplars", 5, seed)
     unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
-    # "test" only once the rule is chosen on val; "adapt": the job's own unlabeled images (what a user who localizes
-    # the images the job adapted on gets; the train split's objects, more of them than val's or test's 2-7)
-    val = unl if split == "adapt" else kind.draw(bundle, split, n_val, seed)
     proto = prototype_of(bundle, ex)
-    # as the worker pairs an RGB bundle's job (QLOC_PAIR_RULE: by consensus, format 5, or the two heads' agreement)
-    pair = (Start(proto, consensus=() if settings.pair_rule == "consensus" else None)
-            if settings.pair_start != "never" else None)
+    pair = None if pair_rule is None else Start(proto, consensus=() if pair_rule == "consensus" else None)
     setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
                           generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex,
                           start=pair, probe_style=probe_style)
@@ -84,6 +81,19 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
                       batch_size=min(settings.adapt_batch_size, len(unl)), checkpoint_every=settings.checkpoint_every)
     adapt(setup.bundle, setup.prototype, unl.images, cfg, device=bundle.device, on_checkpoint=on_checkpoint,
           should_stop=lambda: setup.guard.should_stop, scorer=setup.scorer)
+    return ex, unl, proto, setup, states
+
+
+def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str = "val",
+        probe_style: str = "rect") -> dict:
+    t0 = time.perf_counter()
+    # as the worker pairs an RGB bundle's job (QLOC_PAIR_RULE: the two heads' agreement, or by consensus)
+    ex, unl, proto, setup, states = photo_job(bundle, kind, seed, settings,
+                                              settings.pair_rule if settings.pair_start != "never" else None,
+                                              probe_style)
+    # "test" only once the rule is chosen on val; "adapt": the job's own unlabeled images (what a user who localizes
+    # the images the job adapted on gets; the train split's objects, more of them than val's or test's 2-7)
+    val = unl if split == "adapt" else kind.draw(bundle, split, n_val, seed)
     decision = setup.guard.decide("auto")
     last = max(states)
     base_loc, rep_loc = Localizer(bundle, "cpu"), Localizer(setup.bundle, "cpu")
@@ -163,14 +173,20 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def job_parser(description: str | None, splits: tuple[str, ...] = ("val", "test")) -> argparse.ArgumentParser:
+    """The options of a benchmark of photo jobs (``photo_job``): classes, seeds, images per job, the split."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--classes", nargs="+", default=["birds", "fish", "fruit", "vegetables", "flowers"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--n-val", type=int, default=48, help="images evaluated per job")
-    p.add_argument("--split", choices=("val", "test", "adapt"), default="val",
+    p.add_argument("--split", choices=splits, default="val",
                    help="val (where the rule is chosen); test: once, for the rule chosen on val; adapt: the job's "
                         "own 64 unlabeled images (their objects are the train split's, the exemplars' among them)")
+    return p
+
+
+def main() -> None:
+    p = job_parser(__doc__, ("val", "test", "adapt"))
     p.add_argument("--probe-style", choices=PROBE_STYLES, default="rect",
                    help="how probes are made (models.data.probes.PROBE_STYLES)")
     a = p.parse_args()

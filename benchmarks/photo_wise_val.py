@@ -19,25 +19,22 @@ service's defaults, the guard observing and stopping early):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from photo_union_val import job_parser, photo_job
 
 from app.config import Settings
-from models.adapt import AdaptConfig, adapt
 from models.bundle import Reward, Start, load_bundle
 from models.core.boxes import pairwise_iou
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
-from models.data.types import exemplar_crops
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
 from models.inference import Localizer
-from models.repair import RepairConfig, guarded_setup
 
 ALPHAS = (0.25, 0.5, 0.75)
 
@@ -57,23 +54,8 @@ def medoid(boxes: torch.Tensor) -> torch.Tensor:
 
 def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str) -> dict:
     t0 = time.perf_counter()
-    ex = kind.draw(bundle, "exemplars", 5, seed)
-    unl = kind.draw(bundle, "unlabeled", 64, seed, after=5)
+    ex, _, proto, setup, states = photo_job(bundle, kind, seed, settings, "agree")  # the guard scores paired
     val = kind.draw(bundle, split, n_val, seed)
-    proto = prototype_of(bundle, ex)
-    setup = guarded_setup(bundle, proto, exemplar_crops(ex), unl.images, None, synthetic=settings.synthetic_probes,
-                          generator_seed=seed, repair=RepairConfig(epochs=settings.repair_epochs), labeled=ex,
-                          start=Start(proto))
-    states: dict[int, dict] = {}
-
-    def on_checkpoint(state: dict) -> None:
-        states[state["iteration"]] = state["agent"]
-        setup.guard.observe(state["iteration"], state["agent"])
-
-    cfg = AdaptConfig(iterations=settings.default_iterations, lr=settings.default_learning_rate, seed=seed,
-                      batch_size=min(settings.adapt_batch_size, len(unl)), checkpoint_every=settings.checkpoint_every)
-    adapt(setup.bundle, setup.prototype, unl.images, cfg, device=bundle.device, on_checkpoint=on_checkpoint,
-          should_stop=lambda: setup.guard.should_stop, scorer=setup.scorer)
     last = max(states)
     s0 = {k: v.detach().cpu() for k, v in bundle.agent_state.items()}
     base_loc, rep_loc = Localizer(bundle, "cpu"), Localizer(setup.bundle, "cpu")
@@ -112,11 +94,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--classes", nargs="+", default=["birds", "fish", "fruit", "vegetables", "flowers"])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--n-val", type=int, default=48, help="images evaluated per job")
-    p.add_argument("--split", choices=("val", "test"), default="val")
+    p = job_parser(__doc__)
     p.add_argument("--merge", nargs="+", help="summarize these outputs' rows instead of running")
     a = p.parse_args()
     if a.merge:
