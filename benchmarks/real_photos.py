@@ -25,9 +25,11 @@ Nothing here is chosen on the test half (nor on val: every setting below is fixe
   when nothing is activated); ``guarded_last`` is the job's last checkpoint alone (what ``activate=true`` gave
   before ``QLOC_PAIR_START``); ``guarded_paired``: that checkpoint paired with the starting policy
   (``Localizer.with_reward`` with the job's ``Start``: what ``activate=true`` serves on a photo bundle's job whose
-  repair was kept; the checkpoint alone where it was not); ``guarded_unanimous``: the same pair where the frozen
-  backbone features must prefer the checkpoint's box too (``Companion(judge=..., agree=True)``, the judge
-  ``models.repair.FeatureScorer``'s reference from the exemplar crops; not served); one run per ``--guard-seeds``;
+  repair was kept, by ``QLOC_PAIR_RULE``: the two heads' agreement, or with ``consensus`` the consensus of the start
+  and the job's checkpoints; the checkpoint alone where it was not); ``guarded_unanimous``: the same pair where the
+  frozen backbone features must prefer the checkpoint's box too (``Companion(judge=..., agree=True)``, the judge
+  ``models.repair.FeatureScorer``'s reference from the exemplar crops; not served; the consensus rule ignores a
+  judge); one run per ``--guard-seeds``;
 - ``template``: template matching (``models.experiments.baselines.template_matching``, NCC) at the bundle's input
   size (each photo resized to 224 x 224 as the agent sees it): the exemplar crops cut from their photos resized
   the same way, at long sides ``TEMPLATE_FRACTIONS`` x 224 (a fixed geometric range: the default scales are
@@ -88,7 +90,7 @@ span the benchmark's object sizes (LABELING.md: boxes from 4 % to 98 % of the im
 ANSWER_METHODS = ("greedy", "nearest", "best16", "instances")
 BASELINES = ("template", "ranking", "ranking_eq")
 SEEDED = ("adapted_greedy", "adapted_nearest", "guarded", "guarded_synthetic", "guarded_last", "guarded_paired",
-          "guarded_unanimous", "guarded_wise", "guarded_medoid")
+          "guarded_unanimous")
 METHODS = ANSWER_METHODS + SEEDED + BASELINES
 
 
@@ -111,6 +113,7 @@ class Options:
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
@@ -294,15 +297,12 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
     images01, _ = preprocess(unl, spec)
     prepped = {s: preprocess([p.image for p in photos], spec) for s, photos in data.items()}
 
-    def boxes_of(state, nearest: bool | None, served: Localizer | None = None, prototype=None) -> dict[str, Tensor]:
+    def evaluate_agent(state, nearest: bool | None, served: Localizer | None = None, prototype=None):
         lc = served or loc
         ag = lc.agent(state)
         pr = proto if prototype is None else prototype
-        return {s: torch.tensor([r.box for r in lc.localize_batch(b, k, pr, ag, nearest=nearest)])
-                for s, (b, k) in prepped.items()}
-
-    def evaluate_agent(state, nearest: bool | None, served: Localizer | None = None, prototype=None):
-        return {s: _metrics(b, data[s]) for s, b in boxes_of(state, nearest, served, prototype).items()}
+        return {s: _metrics(torch.tensor([r.box for r in lc.localize_batch(b, k, pr, ag, nearest=nearest)]),
+                            data[s]) for s, (b, k) in prepped.items()}
 
     per = {"adapted_greedy": [], "adapted_nearest": []}
     secs = []
