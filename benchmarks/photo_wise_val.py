@@ -12,7 +12,8 @@ service's defaults, the guard observing and stopping early):
   head and prototype; ``wise_head_a``: agent and head both interpolated, the prototype made with that head;
 - ``wise_paired_a``: ``wise_a`` paired with the start, as localize pairs a checkpoint;
 - ``swa``: the mean of every checkpoint's agent (start included) on the repaired head;
-- ``medoid``: per image, the box of {start, each checkpoint} with the highest mean IoU with the others.
+- ``medoid``: per image, the box of {start, each checkpoint} with the highest mean IoU with the others
+  (``models.inference.consensus``, what ``QLOC_PAIR_RULE=consensus`` serves).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/photo_wise_val.py --seeds 0 1 --classes birds fish fruit
 """
@@ -29,12 +30,11 @@ from photo_union_val import job_parser, photo_job
 
 from app.config import Settings
 from models.bundle import Reward, Start, load_bundle
-from models.core.boxes import pairwise_iou
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
-from models.inference import Localizer
+from models.inference import Localizer, consensus
 
 ALPHAS = (0.25, 0.5, 0.75)
 
@@ -42,14 +42,6 @@ ALPHAS = (0.25, 0.5, 0.75)
 def lerp(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], t: float) -> dict[str, torch.Tensor]:
     return {k: torch.lerp(a[k].float(), b[k].float(), t).to(a[k].dtype) if a[k].is_floating_point() else b[k]
             for k in a}
-
-
-def medoid(boxes: torch.Tensor) -> torch.Tensor:
-    """``boxes [M, B, 4]`` (M answers per image) -> ``[B, 4]``: each image's answer with the highest summed IoU with
-    the others (ties: the first, the start)."""
-    ious = torch.stack([pairwise_iou(boxes[:, b], boxes[:, b]) for b in range(boxes.shape[1])])  # [B, M, M]
-    best = ious.sum(-1).argmax(-1)
-    return boxes[best, torch.arange(boxes.shape[1])]
 
 
 def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str) -> dict:
@@ -87,7 +79,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
            else s0[k] for k in s0}
     row["swa"] = corloc(boxes(rep_loc, setup.prototype, swa), val.boxes)
     answers = torch.stack([start, *(boxes(rep_loc, setup.prototype, states[i]) for i in sorted(states))])
-    row["medoid"] = corloc(medoid(answers), val.boxes)
+    row["medoid"] = corloc(answers[consensus(answers), torch.arange(answers.shape[1])], val.boxes)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
