@@ -167,7 +167,7 @@ class Settings(BaseSettings):
     pair_start: Literal["photos", "always", "never"] = "photos"
     """Where a job's own reward repair was kept, its checkpoints carry the policy the job started from (format 4) and
     are served *paired* with it: each image keeps the checkpoint's answer only where both heads (the repaired one
-    and the start's) prefer it, and the start's answer elsewhere (``models.inference.Companion.agree``). ``photos``
+    and the start's) prefer it, and the start's answer elsewhere (``models.companion.Companion.agree``). ``photos``
     (the default): on RGB bundles' jobs, where a checkpoint alone lost up to 27 points on held-out photo classes
     and 67 on a class of real photographs, and the pair kept more of the gain and lost far less (20 held-out-class jobs:
     +4.6 against +1.7 alone, worst −4.2 against −27; real photographs: 45.9 against 24.6 alone, the start 52.5);
@@ -179,7 +179,7 @@ class Settings(BaseSettings):
     """How a paired checkpoint (``pair_start``) answers. ``agree`` (the default): its own box only where both heads
     prefer it, the start's elsewhere (format 4). ``consensus`` (format 5): each image gets the answer, among the
     start's, the job's earlier checkpoints' and the checkpoint's own, that overlaps the others most
-    (``models.inference.Companion.members``; one more episode per earlier checkpoint, the backbone still once).
+    (``models.companion.Companion.members``; one more episode per earlier checkpoint, the backbone still once).
     Measured 2026-11-30 (BENCHMARKS.md, "Consensus of a job's checkpoints"): on held-out photo classes (cut-outs on
     wallpapers, 25 jobs of fresh test seeds) the last checkpoint served by consensus gained more than paired (+6.8
     against +4.8) but its worst job fell further (-8.3 against -4.2); on the real photographs it lost far more

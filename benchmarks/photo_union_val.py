@@ -44,6 +44,7 @@ import torch
 from app.config import Settings
 from models.adapt import AdaptConfig, adapt
 from models.bundle import Reward, Start, load_bundle
+from models.companion import Companion
 from models.core.boxes import paired_iou as iou_of
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
@@ -51,7 +52,7 @@ from models.data.probes import PROBE_STYLES
 from models.data.types import LabeledImages, exemplar_crops
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
-from models.inference import Companion, Localizer
+from models.inference import Localizer
 from models.repair import FeatureScorer, Guarded, RepairConfig, guarded_setup
 
 
@@ -120,7 +121,7 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     # the rule before the eighth session (labeled examples: at least as many right as at the start), on paired scores
     agree_rule = setup.guard.decide("auto", labeled_rule="agree")
     guard_agree = served_by(agree_rule)
-    # the same pick as a Localizer serves it (models.inference.Companion): the start as it was served
+    # the same pick as a Localizer serves it (models.companion.Companion): the start as it was served
     served = Localizer(setup.bundle, "cpu", companion=Companion(base_loc, base_loc.agent(None), proto))
     picked = served.run_features(feats, setup.prototype, served.agent(states[last])).boxes[-1]
     with torch.no_grad():

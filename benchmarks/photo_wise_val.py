@@ -13,7 +13,7 @@ service's defaults, the guard observing and stopping early):
 - ``wise_paired_a``: ``wise_a`` paired with the start, as localize pairs a checkpoint;
 - ``swa``: the mean of every checkpoint's agent (start included) on the repaired head;
 - ``medoid``: per image, the box of {start, each checkpoint} with the highest mean IoU with the others
-  (``models.inference.consensus``, what ``QLOC_PAIR_RULE=consensus`` serves).
+  (``models.companion.consensus``, what ``QLOC_PAIR_RULE=consensus`` serves).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/photo_wise_val.py --seeds 0 1 --classes birds fish fruit
 """
@@ -30,11 +30,12 @@ from photo_union_val import job_parser, photo_job
 
 from app.config import Settings
 from models.bundle import Reward, Start, load_bundle
+from models.companion import consensus
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
-from models.inference import Localizer, consensus
+from models.inference import Localizer
 
 ALPHAS = (0.25, 0.5, 0.75)
 

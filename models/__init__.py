@@ -9,7 +9,8 @@
 3. ``bundle`` (files, identity by sha256), ``rollout`` (the box environment, search), ``compiled`` (the
    one-image greedy episode compiled ahead), ``instances`` (several objects per image: episodes from coarse
    windows, NMS), ``refine`` (an answer refined on a repaired reward)
-4. ``inference`` (the one ``preprocess`` and ``Localizer``)
+4. ``inference`` (the one ``preprocess`` and ``Localizer``), ``companion`` (a policy whose answers compete with a
+   localizer's own: what a paired checkpoint serves)
 5. ``features`` (backbone features, prototypes), ``policy`` (the policy-gradient step)
 6. ``evaluate`` (OrdAcc, CorLoc, ranking baseline), ``adapt`` (stage 3), ``guard`` (probes decide)
 7. ``train`` (stages 1 and 2), ``repair`` (reward repair at test time: stage 1 on probes, head only; the

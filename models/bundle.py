@@ -14,10 +14,10 @@ reward: the checkpoint's answers are refined on its head (``models.refine``), as
 a format-2 reward is served without refinement, as it was written. Format 4 adds ``"start"`` to the reward:
 ``{"prototype": [D], "agent"?, "head"?, "refine"?}``, the policy its job started from as that policy was served
 (no ``agent``: the bundle's own; no ``head``: the bundle's head): the checkpoint is served *paired* with it, each
-image keeping the checkpoint's answer only where both heads prefer it (``models.inference.Companion.agree``).
+image keeping the checkpoint's answer only where both heads prefer it (``models.companion.Companion.agree``).
 Format 5 adds ``"consensus"`` to the start: the agents of the job's checkpoints before this one (oldest first), and
 the checkpoint is served by the *consensus* of its own answer, the start's and theirs instead: each image's answer
-is the one that overlaps the others most (``models.inference.Companion.members``).
+is the one that overlaps the others most (``models.companion.Companion.members``).
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
 
 A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
@@ -265,7 +265,7 @@ class Start:
     consensus: tuple[dict[str, Tensor], ...] | None = None
     """Format 5: the agents of the job's checkpoints written before the one that carries this (oldest first). Given
     (even empty), the checkpoint answers each image with the consensus of the start's answer, these agents' and its
-    own (``models.inference.Companion.members``); ``None``: the two heads' agreement (format 4)."""
+    own (``models.companion.Companion.members``); ``None``: the two heads' agreement (format 4)."""
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,13 @@ import torch
 from torch import Tensor
 
 from models.bundle import Bundle
+from models.companion import Companion
 from models.core.boxes import paired_iou
 from models.data.probes import PROBE_STYLES, erase_boxes, fill_boxes, paste_probes
 from models.data.types import LabeledImages
 from models.evaluate import ranking_metrics, training_candidates
 from models.features import features_of
-from models.inference import Companion, Localizer
+from models.inference import Localizer
 from models.nets.agent import Agent
 
 VERDICTS = ("improved", "no better", "worse", "reward unreliable")
@@ -154,7 +155,7 @@ class Guard:
     def pair_with(self, companion: Companion | None) -> None:
         """Score the checkpoints observed from now on as localize serves a paired checkpoint: each probe's answer the
         checkpoint's only where both heads prefer it, else ``companion``'s, the job's start as it is served
-        (``models.inference.Companion.agree``; ``None``: alone). A companion with ``members`` (the consensus rule,
+        (``models.companion.Companion.agree``; ``None``: alone). A companion with ``members`` (the consensus rule,
         format 5) scores each checkpoint in the consensus of the start, the checkpoints observed before it and
         itself, as its file will carry them. Call it after ``use_reward``, which resets it."""
         self.loc = Localizer(self.bundle, self.bundle.device, companion=companion)

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from models.bundle import Bundle, Start
+from models.companion import feature_distances, start_companion
 from models.core.metrics import spearman
 from models.core.ordinal import sample_pairs
 from models.core.templates import box_ncc, make_templates
@@ -56,7 +57,7 @@ from models.data.types import LabeledImages
 from models.evaluate import ranking, ranking_metrics, training_candidates
 from models.features import features_of, with_features
 from models.guard import Guard, GuardConfig, synthetic_probes
-from models.inference import Localizer, exemplar_canvas, feature_distances, normalize, start_companion
+from models.inference import Localizer, exemplar_canvas, normalize
 from models.nets.embedding import RoIEmbedder
 from models.rollout import BoxEnv, EmbeddingDistance, Scorer
 from models.train.embedding import EmbeddingTrainConfig, train_embedding

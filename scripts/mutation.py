@@ -55,6 +55,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "templates": ("models/core/templates.py", TEMPLATE_TESTS + ["tests/models/test_calibration.py"]),
     "matching": ("models/core/matching.py", TEMPLATE_TESTS),
     "instances": ("models/instances.py", ["tests/models/test_instances.py"]),
+    "companion": ("models/companion.py", ["tests/models/test_companion.py"]),
     "batching": ("app/batching.py", ["tests/app/test_app_batching.py"]),
 }
 

@@ -1,4 +1,4 @@
-"""``models.inference.Companion``: a localizer whose greedy answers compete, image by image, with another policy's.
+"""``models.companion.Companion``: a localizer whose greedy answers compete, image by image, with another policy's.
 
 The companion (an adaptation job's starting policy, with its own head and prototype) answers as it would alone;
 each image then keeps whichever of the two answers is nearer the localizer's prototype under the localizer's
@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_rollout_inference_behaviour import images, setup, tiny_bundle
 
-from models.inference import Companion, Localizer, normalize, preprocess
+from models.companion import Companion
+from models.inference import Localizer, normalize, preprocess
 from models.rollout import Rollout
 
 
@@ -124,7 +125,7 @@ def test_a_judge_picks_by_the_cosine_of_the_answers_backbone_features(nearest):
 
 
 def test_feature_distances_is_one_minus_the_cosine_over_channels_and_cells():
-    from models.inference import feature_distances
+    from models.companion import feature_distances
 
     g = torch.Generator().manual_seed(0)
     roi, ref = torch.randn(3, 2, 4, 5, 5, generator=g), torch.randn(4, 5, 5, generator=g)
@@ -209,7 +210,7 @@ def test_agree_with_a_judge_needs_the_judge_to_prefer_the_own_answer_too():
 
 
 def test_consensus_picks_the_answer_that_overlaps_the_others_most_and_ties_go_to_the_first():
-    from models.inference import consensus
+    from models.companion import consensus
 
     a = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]])
     b = torch.tensor([[1.0, 1.0, 11.0, 11.0], [20.0, 20.0, 30.0, 30.0]])

@@ -2,8 +2,8 @@
 
 Roles, lowest first (``models/__init__.py`` says the same):
 0 ``config``, ``core`` (pure tensor math) and ``plots``; 1 ``backbones`` and ``data``; 2 ``nets`` and
-``presets``; 3 ``bundle``, ``rollout``, ``instances`` and ``refine``; 4 ``inference``; 5 ``features`` and ``policy``;
-6 ``evaluate`` and ``adapt``; 7 ``train``; 8 ``experiments``; 9 ``cli``.
+``presets``; 3 ``bundle``, ``rollout``, ``instances`` and ``refine``; 4 ``inference`` and ``companion``;
+5 ``features`` and ``policy``; 6 ``evaluate`` and ``adapt``; 7 ``train``; 8 ``experiments``; 9 ``cli``.
 So data never imports training, training never imports experiments or the CLI, and the production
 path (``inference``, ``adapt``) never imports a trainer. ``app`` and ``worker`` are never imported.
 """
@@ -23,7 +23,7 @@ RANKS = {
     "backbones": 1, "data": 1,
     "nets": 2, "presets": 2,
     "bundle": 3, "rollout": 3, "compiled": 3, "instances": 3, "refine": 3,
-    "inference": 4, "verifier": 4,
+    "inference": 4, "companion": 4, "verifier": 4,
     "features": 5, "policy": 5, "calibration": 5,
     "evaluate": 6, "adapt": 6, "guard": 6,
     "train": 7, "repair": 7,
