@@ -1,7 +1,8 @@
-"""What the local engine reads beside the model, on the batch it ran: each answer's NCC features with its set's
-templates (``read_ncc``; the route's verdict then reads nothing itself), the known-kinds check's probabilities of
-a set that has one (``read_kinds``: one pass of the bundle's verifier over every such call's boxes), and
-``rerank=auto``'s second look (``SecondLook``: which answers are doubtful, ``doubtful_answers``; with
+"""What the local engine reads beside the model, on the batch it ran: the known-kinds check's probabilities of a set
+that has one (``read_kinds``: one pass of the bundle's verifier over every such call's boxes; they are its verdict's
+confidences), each other answer's NCC features with its set's templates (``read_ncc``; the route's verdict then reads
+nothing itself), and ``rerank=auto``'s second look (``SecondLook``: which answers are doubtful by those same
+confidences, ``doubtful_answers``; with
 ``rerank=templates``, template matching's window on them, ``template_windows``), grouped by set of templates across
 the calls of a batch (concurrent requests on one set: one read). ``app.serving.run_prepared`` calls them;
 ``answer_rows`` is also the verdict's layout.
@@ -66,14 +67,22 @@ def _by_templates(calls: list[Prepared], members: list[int], *, fit: bool = Fals
 
 
 def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, boxes: Tensor,
-                     distances: Tensor, answer_ncc: dict[int, NccFeatures]) -> Tensor:
+                     distances: Tensor, answer_ncc: dict[int, NccFeatures], answer_kind: dict[int, Tensor]) -> Tensor:
     """The engine's second look (``SecondLook``): which of the batch's answers (``boxes [B, 4]`` input pixels,
-    ``distances [B]``) are doubtful -> ``[B]`` bool. Reads the NCC features of the answers of the calls that look
-    again (one read, and one confidence, per set of templates and calibration) and keeps them in ``answer_ncc``
-    (call index -> ``[n, 1]`` features), so that ``read_ncc`` does not read them again."""
+    ``distances [B]``) are doubtful -> ``[B]`` bool, by the confidence the route's verdict gives them: a call with a
+    known-kinds check (``Prepared.kind``), the check's probability (one verifier pass per verifier, kept in
+    ``answer_kind``: call index -> ``[n, 1]``, so that ``read_kinds`` reads only the instances); any other, its
+    calibration's on the answers' NCC features (one read, and one confidence, per set of templates and calibration,
+    kept in ``answer_ncc``: call index -> ``[n, 1]`` features, so that ``read_ncc`` does not read them again)."""
     pick = torch.zeros(len(boxes), dtype=torch.bool)
     looking = [i for i, c in enumerate(calls) if c.second_look is not None and counts[i]]
-    for members in _by_templates(calls, looking, fit=True):
+    for members in _by_verifier(calls, [i for i in looking if calls[i].kind is not None]):
+        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+        emb = calls[members[0]].kind[0].embed_boxes(batch[rows].cpu(), boxes[rows][:, None])  # type: ignore[index]
+        for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
+            answer_kind[i] = calls[i].kind[1].probability(emb[at:at + counts[i]])  # type: ignore[index]
+            pick[starts[i]:starts[i] + counts[i]] = answer_kind[i][:, 0] < calls[i].second_look.below  # type: ignore[union-attr]
+    for members in _by_templates(calls, [i for i in looking if calls[i].kind is None], fit=True):
         rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
         look = calls[members[0]].second_look
         pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes[rows][:, None])  # type: ignore[union-attr]
@@ -120,7 +129,8 @@ def _rows_on_input(members: list[int], starts: list[int], counts: list[int], sca
 def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
              results: list[Localization], answer_ncc: dict[int, NccFeatures] | None = None
              ) -> list[NccFeatures | None]:
-    """Each call's answers read by its ``templates`` (``None`` without): one ``Templates.ncc`` per set of
+    """Each call's answers read by its ``templates`` (``None`` without, or with a known-kinds check: the verdict's
+    confidences are then the check's, ``read_kinds``): one ``Templates.ncc`` per set of
     templates for all the images of the calls that share it (concurrent requests on one set: one pass), on the
     batch the model read. What the route's verdict would read on the same images, without preprocessing them
     again or paying the pass's fixed cost per request. ``answer_ncc``: the answers' features already read
@@ -128,7 +138,8 @@ def read_ncc(calls: list[Prepared], starts: list[int], counts: list[int], batch:
     box is read on its own: the same features)."""
     known = answer_ncc or {}
     out: list[NccFeatures | None] = [None] * len(calls)
-    for members in _by_templates(calls, [i for i, c in enumerate(calls) if c.templates is not None and counts[i]]):
+    reading = [i for i, c in enumerate(calls) if c.templates is not None and c.kind is None and counts[i]]
+    for members in _by_templates(calls, reading):
         rows, boxes = _rows_on_input(members, starts, counts, scales, results)
         templates = calls[members[0]].templates
         if all(i in known for i in members):
@@ -158,19 +169,40 @@ def _with_instances(templates: Templates, images01: Tensor, boxes: Tensor, resul
     return pos, neg
 
 
+def _by_verifier(calls: list[Prepared], members: list[int]) -> list[list[int]]:
+    """The calls ``members`` (each with a ``kind`` check) grouped by the verifier their check was made with."""
+    groups: dict[int, list[int]] = {}
+    for i in members:
+        groups.setdefault(id(calls[i].kind[0]), []).append(i)  # type: ignore[index]
+    return list(groups.values())
+
+
 def read_kinds(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, scales: Tensor,
-               results: list[Localization]) -> list[Tensor | None]:
+               results: list[Localization], answer_kind: dict[int, Tensor] | None = None) -> list[Tensor | None]:
     """Each call's ``kind`` check's probabilities ``[n, 1 + K]`` on its answers' rows of boxes (``answer_rows``;
     ``None`` without a check): one verifier pass per verifier over the rows of every call that has one (concurrent
-    requests on sets of one bundle: one small CNN pass), on the batch the model read."""
+    requests on sets of one bundle: one small CNN pass), on the batch the model read. ``answer_kind``: the answers'
+    probabilities already read (``doubtful_answers``); where every call of a verifier has them, only the instances
+    are read (each box is read on its own: the same probabilities)."""
+    known = answer_kind or {}
     out: list[Tensor | None] = [None] * len(calls)
-    groups: dict[int, list[int]] = {}
-    for i, c in enumerate(calls):
-        if c.kind is not None and counts[i]:
-            groups.setdefault(id(c.kind[0]), []).append(i)
-    for members in groups.values():
+    for members in _by_verifier(calls, [i for i, c in enumerate(calls) if c.kind is not None and counts[i]]):
         rows, boxes = _rows_on_input(members, starts, counts, scales, results)
-        emb = calls[members[0]].kind[0].embed_boxes(batch[rows].cpu(), boxes)  # type: ignore[index]
-        for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
-            out[i] = calls[i].kind[1].probability(emb[at:at + counts[i]])  # type: ignore[index]
+        verifier = calls[members[0]].kind[0]  # type: ignore[index]
+        if all(i in known for i in members):
+            width = boxes.shape[1]
+            more = [j for j, r in enumerate(rows) if results[r].instances] if width > 1 else []
+            emb = verifier.embed_boxes(batch[[rows[j] for j in more]].cpu(), boxes[more, 1:]) if more else None
+            at_more = {j: k for k, j in enumerate(more)}
+            for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
+                p = known[i].expand(-1, width).clone()
+                mine = [j for j in range(at, at + counts[i]) if j in at_more]
+                if mine and emb is not None:
+                    p[[j - at for j in mine], 1:] = calls[i].kind[1].probability(  # type: ignore[index]
+                        emb[[at_more[j] for j in mine]])
+                out[i] = p
+        else:
+            emb = verifier.embed_boxes(batch[rows].cpu(), boxes)
+            for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
+                out[i] = calls[i].kind[1].probability(emb[at:at + counts[i]])  # type: ignore[index]
     return out

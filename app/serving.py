@@ -302,11 +302,13 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
             torch.tensor(counts), dim=0)  # [B, D]: each image its call's prototype
     starts = list(accumulate(counts, initial=0))[:-1]
     answer_ncc: dict[int, NccFeatures] = {}
+    answer_kind: dict[int, Tensor] = {}
     looks = [c.second_look for c in calls if c.second_look is not None]  # where the engine takes it (``prepare``)
     look_again = None
     if looks:
         def look_again(boxes: Tensor, distances: Tensor) -> Tensor:
-            return doubtful_answers(calls, starts, counts, batch, boxes.cpu(), distances.cpu(), answer_ncc)
+            return doubtful_answers(calls, starts, counts, batch, boxes.cpu(), distances.cpu(), answer_ncc,
+                                    answer_kind)
 
     look_again_extra = None
     if any(lk.template_bar is not None for lk in looks):
@@ -325,7 +327,7 @@ def run_prepared(calls: list[Prepared]) -> list[LocalizeAnswer]:
                                              look_again_instances=max((lk.candidates for lk in looks), default=1),
                                              look_again_extra=look_again_extra, extra_boxes=extra_boxes)
     features = read_ncc(calls, starts, counts, batch, scales, results, answer_ncc)
-    kinds = read_kinds(calls, starts, counts, batch, scales, results)
+    kinds = read_kinds(calls, starts, counts, batch, scales, results, answer_kind)
     answers = []
     for c, at, n, f, kd in zip(calls, starts, counts, features, kinds, strict=True):  # per call: its answers
         mine = results[at:at + n]

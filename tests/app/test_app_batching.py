@@ -779,3 +779,69 @@ def test_the_engine_reads_each_sets_kind_check_with_the_batch_as_the_verdict_wou
             assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances], abs=1e-9)
     other = dataclasses.replace(calls[2], kind=None)
     assert local.localize(other).kind is None
+
+
+def test_the_engines_second_look_on_a_set_with_a_kind_check_goes_by_the_checks_confidence(backends, settings,
+                                                                                           monkeypatch):
+    """A set of a kind the bundle's verifier knows is answered with the check's probabilities as confidences; the
+    engine's second look must judge its answers doubtful by those too (not by the NCC fit, which the verdict does not
+    use for it): with the NCC fit saying every answer is sure and the check between them, the doubtful answers are
+    those under the bar by the check, each with the candidates a ``max_instances=4`` call finds for it; the
+    probabilities the engine passes on (answers read once, then only the instances) equal those the verdict reads
+    itself, and no NCC features are read for such calls."""
+    import dataclasses
+
+    import torch
+
+    from app.calibration import RERANK_CANDIDATES, judge
+    from app.inference import BundleRegistry
+    from app.serving import SecondLook
+    from models.calibration import Calibration
+    from models.core.platt import PlattFit
+    from models.core.templates import Templates
+    from models.verifier import KindCheck, KindVerifier
+
+    bundles, local, held = backends
+    loaded = bundles.get(settings.default_bundle)
+    spec = loaded.localizer.spec
+    torch.manual_seed(0)
+    v = KindVerifier(1, ["a", "b", "background"]).freeze()
+    v.sha256 = "engine test"
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    g = torch.Generator().manual_seed(2)
+    t = Templates((torch.rand(3, 1, 16, 16, generator=g) * 255).round() / 255, None, spec.size, spec.channels,
+                  tuple(spec.fill))
+    r = torch.nn.functional.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(5)), dim=-1)
+    check = KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, "engine test")
+    sure = PlattFit(["ncc"], [0.0], [1.0], [0.0], 10.0)  # the NCC fit: every answer 0.99995
+    cal = Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {}, sure, None, t, check)
+    plain = make_call(loaded, 21, n=6, templates=t, kind=check)
+
+    def verdicts(call, answer, **kw):
+        return judge(answer.results, call.images, cal.to_dict(), threshold=0.5, min_confidence=None, loaded=None,
+                     prototype=call.prototype, negatives=None, rerank="false", verifier=v, **kw)
+
+    conf = sorted(j.confidence for j in verdicts(plain, local.localize(plain)))
+    assert conf[0] < conf[-1] and conf[-1] < 0.9999
+    bar = (conf[2] + conf[3]) / 2  # three doubtful by the check, none by the NCC fit
+    looking = dataclasses.replace(plain, second_look=SecondLook(cal, bar, RERANK_CANDIDATES))
+    calls = [looking, make_call(loaded, 22, n=2, templates=t, kind=check, max_instances=1)]
+    answers = queued_behind_a_held_batch(held, loaded, calls)
+    assert held.batch_calls == [1, len(calls)]
+    answer = answers[0]
+    assert answer.looked and answer.ncc is None and answers[1].ncc is None  # the check's calls read no NCC
+    by_check = [j.confidence for j in verdicts(looking, answer)]
+    doubtful = [c < bar for c in by_check]
+    assert sum(doubtful) == 3 and [r.instances is not None for r in answer.results] == doubtful
+    alone = local.localize(dataclasses.replace(looking, second_look=None, max_instances=RERANK_CANDIDATES))
+    for got, want, d in zip(answer.results, alone.results, doubtful, strict=True):
+        assert got.box == pytest.approx(want.box, abs=1e-3)
+        if d:
+            assert [x for i in got.instances for x in i.box] == pytest.approx(
+                [x for i in want.instances for x in i.box], abs=1e-3)
+    engine = verdicts(looking, answer, kind=answer.kind)
+    assert [j.confidence for j in engine] == pytest.approx(by_check, abs=1e-9)
+    for e, h in zip(engine, verdicts(looking, answer), strict=True):
+        assert (e.instances is None) == (h.instances is None)
+        if e.instances is not None:
+            assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances], abs=1e-9)

@@ -273,3 +273,154 @@ def test_with_reward_serves_a_format_5_checkpoint_by_consensus():
         base.agent(v) for v in voters)))
     assert torch.equal(served.run_features(feats, protos[0], agent).boxes,
                        want.run_features(feats, protos[0], agent).boxes)
+
+
+# ``compete`` against scripted localizers: every rule's comparisons, ties and episode mixing on answers written out.
+# B = 4 images and T = 2 steps (T + 1 != B: a mask laid along the wrong axis fails to broadcast).
+
+
+class _Embedder:
+    """Embeds a box ``(x1, y1, x2, y2)`` as ``[y1]`` and reads its RoI feature as ``[x1, y1]`` (one channel, 1 x 2)."""
+
+    def embed(self, feats, boxes):  # boxes [B, K, 4] -> [B, K, 1]
+        return boxes[..., 1:2].clone()
+
+    def roi(self, feats, boxes):  # [B, K, 4] -> [B, K, 1, 1, 2]
+        return boxes[..., None, None, :2].clone()
+
+
+class _Scripted:
+    """A stand-in ``Localizer`` for ``compete``: ``bundle`` maps each agent to its scripted ``Rollout``; its head
+    scores a box by its ``x1`` (``box_distances``), a companion's by its ``y1`` (``_Embedder``); every construction
+    and run is recorded in ``log``."""
+
+    def __init__(self, bundle, device="cpu", *, fast_episode=True, log=None):
+        self.bundle, self.device, self.fast_episode = bundle, device, fast_episode
+        self.embedder, self.log = _Embedder(), bundle["log"]
+        self.log.append(("made", device, fast_episode))
+
+    def run_features(self, feats, prototype, agent, nearest=None):
+        self.log.append(("run", agent, nearest))
+        return self.bundle[agent]
+
+    def box_distances(self, feats, boxes, prototype):
+        return boxes[:, 0].clone()
+
+
+def _episode(finals, before=None, distances=None):
+    """A scripted greedy ``Rollout`` of T = 2 steps whose final boxes are ``finals [B, 4]`` (the box before them
+    ``before``, default the whole 100-px image), every other field distinct per episode."""
+    b = finals.shape[0]
+    whole = torch.tensor([0.0, 0.0, 100.0, 100.0]).expand(b, 4)
+    boxes = torch.stack([whole, whole if before is None else before, finals])
+    tag = float(finals.sum())
+    d = finals[:, 0].clone() if distances is None else distances
+    return Rollout(boxes, torch.full((2, b), int(tag) % 9), torch.full((2, b), -tag), torch.full((2, b), tag),
+                   torch.zeros(2, b), torch.stack([torch.full((b,), float("nan"))] * 2 + [d]))
+
+
+def _compete(mine_ro, theirs_ro, **kw):
+    from models.companion import compete
+
+    log = []
+    runs = {"log": log, "own": mine_ro, "start": theirs_ro, **kw.pop("runs", {})}  # one bundle: the members' too
+    mine, theirs = _Scripted(runs, "mine's device", fast_episode=False), _Scripted(runs)
+    c = Companion(theirs, "start", kw.pop("prototype", torch.tensor([0.0])), **kw)
+    return compete(mine, c, mine_ro, torch.zeros(4, 1, 1, 1), torch.tensor([0.0]), True), log  # feats: unread
+
+
+def _boxes(*x1s, y1=0.0):
+    return torch.tensor([[x, y1, x + 10.0, y1 + 10.0] for x in x1s])
+
+
+def test_compete_nearer_rule_takes_whole_episodes_and_ties_keep_the_own():
+    mine_ro = _episode(_boxes(5, 5, 5, 5), distances=torch.tensor([5.0, 5.0, 5.0, 5.0]))
+    theirs_ro = _episode(_boxes(3, 5, 7, 4))  # x1 = its distance under mine's head: nearer, tie, farther, nearer
+    got, log = _compete(mine_ro, theirs_ro)
+    take = torch.tensor([True, False, False, True])
+    for field, m, t in zip(got, mine_ro, theirs_ro, strict=True):
+        if m is None:
+            assert field is None
+            continue
+        want = torch.where(take.view(1, -1, *([1] * (m.dim() - 2))), t, m)
+        n = len(want) - 1 if field is got.distances else len(want)
+        assert torch.equal(field[:n].nan_to_num(-1), want[:n].nan_to_num(-1))
+    assert got.distances[-1].tolist() == [3.0, 5.0, 5.0, 4.0]  # the taken answer scored under mine's head
+    assert ("run", "start", True) in log  # the companion runs as asked (nearest)
+
+
+def test_compete_agree_keeps_the_own_only_where_both_heads_strictly_prefer_it():
+    # own answers: x1 5 (distance 5 under the own head), y1 0 (distance |0 - prototype| under the companion's)
+    mine_ro = _episode(_boxes(5, 5, 5, 5, 5, y1=0.0), distances=torch.full((5,), 5.0))
+    theirs_ro = _episode(torch.tensor([[9.0, 3, 19, 13], [5, 3, 15, 13], [9, 0, 19, 10], [1, 3, 11, 13],
+                                       [9, 3, 19, 13]]))
+    proto = torch.tensor([[0.0], [0.0], [0.0], [0.0], [3.0]])  # the companion's, per image
+    got, _ = _compete(mine_ro, theirs_ro, agree=True, prototype=proto)
+    # 0: both heads prefer the own -> own; 1: the own head ties (5, 5) -> theirs; 2: the companion's head ties
+    # (0, 0) -> theirs; 3: the own head prefers theirs (1 < 5); 4: the companion's prefers theirs (0 < 3)
+    assert got.boxes[-1].tolist() == [mine_ro.boxes[-1][0].tolist(), *theirs_ro.boxes[-1][1:].tolist()]
+    assert got.actions.T.tolist() == [mine_ro.actions[:, 0].tolist(), *theirs_ro.actions[:, 1:].T.tolist()]
+    assert got.distances[-1].tolist() == [5.0, 5.0, 9.0, 1.0, 9.0]
+
+
+def test_compete_agree_with_a_judge_needs_the_judge_to_strictly_prefer_the_own_too():
+    # own answers: RoI feature [5, 1], distance 5 under the own head, 0 under the companion's (prototype y1 = 1)
+    mine_ro = _episode(_boxes(5, 5, 5, 5, y1=1.0), distances=torch.full((4,), 5.0))
+    theirs_ro = _episode(torch.tensor([[9.0, 2, 19, 12], [10, 2, 20, 12], [9, 3, 19, 13], [2, 5, 12, 15]]))
+    got, _ = _compete(mine_ro, theirs_ro, agree=True, judge=torch.tensor([5.0, 1.0]), prototype=torch.tensor([1.0]))
+    # 0, 2: both heads and the judge (own parallel to it) prefer the own -> own; 1: [10, 2] is parallel to the own
+    # [5, 1], the judge ties -> theirs; 3: the own head prefers theirs (2 < 5), whatever the judge says -> theirs
+    assert got.boxes[-1][:, 0].tolist() == [5.0, 10.0, 5.0, 2.0]
+    got, _ = _compete(mine_ro, theirs_ro, agree=True, judge=torch.tensor([9.0, 2.0]), prototype=torch.tensor([1.0]))
+    assert got.boxes[-1][:, 0].tolist() == [9.0, 10.0, 5.0, 2.0]  # image 0: the judge now prefers theirs
+
+
+def test_compete_judge_alone_takes_the_companion_only_where_the_judge_strictly_prefers_it():
+    mine_ro = _episode(_boxes(5, 5, 5, y1=1.0))
+    theirs_ro = _episode(torch.tensor([[9.0, 1.0, 19.0, 11.0], [10.0, 2.0, 20.0, 12.0], [1.0, 1.0, 11.0, 11.0]]))
+    got, _ = _compete(mine_ro, theirs_ro, judge=torch.tensor([9.0, 1.0]))
+    # image 0: theirs parallel to the judge -> theirs; 1: [10, 2] and own [5, 1] tie -> own; 2: [1, 1] farther -> own
+    assert got.boxes[-1][:, 0].tolist() == [9.0, 5.0, 5.0]
+    assert got.distances[-1].tolist() == [9.0, mine_ro.distances[-1][1].item(), mine_ro.distances[-1][2].item()]
+
+
+def test_compete_consensus_votes_on_final_boxes_runs_members_as_asked_and_scores_under_the_own_head():
+    # the votes are on the final boxes, not on the step before them (there the start's equal the own answers, and the
+    # others all sit on one far box)
+    far = _boxes(50, 50, 50, 50)
+    own = _episode(_boxes(0, 0, 30, 60), before=far)
+    start = _episode(_boxes(0, 60, 30, 0), before=_boxes(0, 0, 30, 60))
+    m1 = _episode(_boxes(1, 61, 60, 90), before=far)
+    m2 = _episode(_boxes(90, 1, 61, 61), before=far)
+    got, log = _compete(own, start, members=("m1", "m2"), runs={"m1": m1, "m2": m2})
+    from models.core.boxes import paired_iou
+
+    finals = torch.stack([start.boxes[-1], m1.boxes[-1], m2.boxes[-1], own.boxes[-1]])
+    votes = torch.stack([sum(paired_iou(finals[i], finals[j]) for j in range(4)) for i in range(4)])
+    pick = votes.argmax(0)
+    assert len(set(pick.tolist())) > 1, "the test wants different picks among its images"
+    runs = [start, m1, m2, own]
+    b = torch.arange(4)
+    assert torch.equal(got.boxes, torch.stack([r.boxes for r in runs])[pick, :, b].transpose(0, 1))
+    assert torch.equal(got.actions, torch.stack([r.actions for r in runs])[pick, :, b].T)
+    start_d = start.boxes[-1][:, 0]  # the companion's answer scored under the own head (x1)
+    want_d = torch.stack([start_d, m1.distances[-1], m2.distances[-1], own.distances[-1]])[pick, b]
+    assert torch.equal(got.distances[-1], want_d)
+    assert [e for e in log if e[0] == "run"] == [("run", "start", True), ("run", "m1", True), ("run", "m2", True)]
+    made = [e for e in log if e[0] == "made"]  # mine, the companion's, then the one the members run on
+    assert made[2:] == [("made", "mine's device", False)]  # the own bundle (the runs above), device, episode mode
+
+
+def test_start_companion_keeps_the_base_device_episode_mode_and_the_start_refine():
+    from models.bundle import Start
+    from models.companion import start_companion
+
+    bundle, _, _, protos = setup(2, 1)
+    head = tiny_bundle(9).embedder.head.state_dict()
+    for fast in (True, False):
+        base = Localizer(bundle, "cpu", fast_episode=fast)
+        for refine in (True, False):
+            c = start_companion(base, Start(protos[0], head=head, refine=refine))
+            assert c.localizer.fast_episode is fast and c.localizer.device == base.device
+            assert c.localizer.bundle.refine is refine and c.agree and c.members is None
+            assert torch.equal(c.localizer.embedder.head.state_dict()["net.1.weight"], head["net.1.weight"])
