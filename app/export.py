@@ -24,8 +24,14 @@ def _score(r: LocalizationResult | InstanceResult) -> float:
 
 
 def _detections(r: LocalizationResult) -> list[LocalizationResult | InstanceResult]:
-    """What an image's answer exports: its instances (``max_instances``), else its one answer."""
-    return list(r.instances) if r.instances is not None else [r]
+    """What an image's answer exports: its instances (``max_instances``), else its one answer; with instances, the
+    answer first too where a second look moved it to a box not among them (``rerank=templates``' window, which
+    instances never list), so that an export holds every box the JSON answer gives."""
+    if r.instances is None:
+        return [r]
+    if r.reranked and all(list(i.box) != list(r.box) for i in r.instances):
+        return [r, *r.instances]
+    return list(r.instances)
 
 
 def coco(results: list[LocalizationResult], *, image_ids: list[int], category_id: int, category_name: str,

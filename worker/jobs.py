@@ -311,18 +311,22 @@ class AdaptationRun:
             validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
                           "message": decision["message"], **(self.setup.record if self.setup is not None else {})}
         calibrations = self._calibrations({ckpt_id, self.last_checkpoint_id}) if outcome == JobState.SUCCEEDED else {}
-        with self.ctx.session_factory.begin() as s:
+        with self.ctx.session_factory.begin() as s:  # one transaction: the outcome, and the activation it reports
             for cid, cal in calibrations.items():  # with the outcome: a served checkpoint is calibrated at once
                 s.execute(update(Checkpoint).where(Checkpoint.id == cid).values(calibration=cal))
+            if ckpt_id is not None and not jobstates.activate_job_result(
+                    s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id, base_checkpoint_id=job.base_checkpoint_id):
+                log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
+                         self.job_id, ckpt_id)
+                validation = {**(validation or {}), "activated_iteration": None,
+                              "message": f"{validation['message']} Not activated: the set's active checkpoint "  # type: ignore[index]
+                                         "changed while the job ran (that choice stands; activate this job's "
+                                         "checkpoint to serve it)."}
             if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,
                                         progress_iteration=self.iteration, mean_reward=self.mean_reward,
                                         checkpoint_id=self.last_checkpoint_id, error=error, verdict=verdict,
                                         validation=validation):
                 raise LeaseLost
-            if ckpt_id is not None and not jobstates.activate_job_result(
-                    s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id, base_checkpoint_id=job.base_checkpoint_id):
-                log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
-                         self.job_id, ckpt_id)
         log.info("job %s %s (attempt %d)", self.job_id, outcome, self.attempt)
         return outcome.value
 

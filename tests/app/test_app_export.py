@@ -102,3 +102,26 @@ def test_labelstudio_not_found_answers_have_an_empty_result(client):
     r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=labelstudio&label=cat", files=files(png_bytes(seed=1)))
     assert r.status_code == 200
     assert r.json()[0]["predictions"][0]["result"] == []
+
+
+def test_exports_hold_a_second_looks_window_that_instances_do_not_list():
+    """With ``max_instances``, a doubtful answer moved by ``rerank=templates`` to template matching's window (never
+    among the instances) is exported too, first; an answer moved to one of its instances is exported once."""
+    from app.export import coco, labelstudio
+    from app.schemas import InstanceResult, LocalizationResult
+
+    inst = [InstanceResult(box=[10.0, 10.0, 30.0, 30.0], score=1.0, confidence=0.3, found=False),
+            InstanceResult(box=[50.0, 50.0, 70.0, 70.0], score=2.0, confidence=0.7, found=True)]
+    window = LocalizationResult(filename="a.png", width=100, height=100, box=[40.0, 0.0, 60.0, 20.0], score=3.0,
+                                confidence=0.9, found=True, reranked=True, instances=inst)
+    moved = window.model_copy(update={"box": [50.0, 50.0, 70.0, 70.0], "confidence": 0.7})  # to instance 2
+    kept = window.model_copy(update={"reranked": None, "box": [10.0, 10.0, 30.0, 30.0], "confidence": 0.3,
+                                     "found": False})
+    out = coco([window, moved, kept], image_ids=[1, 2, 3], category_id=1, category_name="x", only_found=True)
+    assert [(a["image_id"], a["bbox"]) for a in out["annotations"]] == [
+        (1, [40.0, 0.0, 20.0, 20.0]), (1, [50.0, 50.0, 20.0, 20.0]), (2, [50.0, 50.0, 20.0, 20.0]),
+        (3, [50.0, 50.0, 20.0, 20.0])]
+    tasks = labelstudio([window, moved], label="x", from_name="label", to_name="image", model_version="v")
+    assert [[(r["value"]["x"], r["value"]["y"]) for r in t["predictions"][0]["result"]] for t in tasks] == [
+        [(40.0, 0.0), (50.0, 50.0)], [(50.0, 50.0)]]
+    assert len({r["id"] for r in tasks[0]["predictions"][0]["result"]}) == 2

@@ -88,6 +88,33 @@ def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
     assert r.json()["checkpoint_id"] == base
 
 
+def test_a_checkpoint_activated_while_the_job_ran_stands_and_the_job_says_it_did_not_activate(client, ctx,
+                                                                                                monkeypatch):
+    """A user activates another checkpoint while a job (``activate=true``) runs: that choice stands, and the job's
+    record says its checkpoint was not activated (``validation.activated_iteration`` null, the message says why)."""
+    first = new_job(client, iterations="2")
+    assert run_adaptation_job(ctx, uuid.UUID(first["id"]), worker="test") == "succeeded"
+    set_id, (earlier,) = first["exemplar_set_id"], [c.id for c in checkpoints_of(ctx, first["id"])][-1:]
+    job = new_job(client, set_id, iterations="2")  # starts from ``earlier``, the active one
+    base = job["params"]["base_checkpoint_id"]
+    finish = AdaptationRun.finish
+
+    def the_user_rolls_back_first(run, *args, **kwargs):  # after the iterations, before the job's outcome
+        assert client.post(f"/v1/checkpoints/{first['params']['base_checkpoint_id']}/activate").status_code == 200
+        return finish(run, *args, **kwargs)
+
+    monkeypatch.setattr(AdaptationRun, "finish", the_user_rolls_back_first)
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    assert base == str(earlier)
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    es = client.get(f"/v1/exemplar-sets/{set_id}").json()
+    assert es["active_checkpoint_id"] == first["params"]["base_checkpoint_id"]  # the rollback stands
+    assert polled["validation"]["activated_iteration"] is None
+    assert "Not activated: the set's active checkpoint changed while the job ran" in polled["validation"]["message"]
+    (last,) = [c for c in checkpoints_of(ctx, job["id"]) if c.iteration == 2]
+    assert not client.get(f"/v1/checkpoints/{last.id}").json()["active"]
+
+
 def test_a_finished_job_is_never_run_again(client, ctx):
     job = new_job(client, iterations="2")
     job_id = uuid.UUID(job["id"])
