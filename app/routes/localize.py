@@ -97,8 +97,9 @@ def localize(
         "server's setting (QLOC_LOCALIZE_NEAREST) if set, else the bundle's own (on for photo bundles)."))] = None,
     keep: Annotated[bool, Query(description=(
         "Also add the posted images to the set's image pool (`/v1/exemplar-sets/{id}/images`), for adaptation "
-        "jobs on the pool; their ids come back in `kept`. Opt-in, under the pool's caps: a pool without room for "
-        "them answers 409 before anything is computed or stored; only an answered request stores its images."))]
+        "jobs on the pool; their ids come back in `kept` (with `format=coco` / `labelstudio`, in the `X-Qloc-Kept` "
+        "header, comma-separated, in upload order). Opt-in, under the pool's caps: a pool without room for them "
+        "answers 409 before anything is computed or stored; only an answered request stores its images."))]
     = False,
     min_confidence: Annotated[float | None, Query(ge=0.0, le=1.0, description=(
         "Raise the set's threshold for this request: an answer whose calibrated `confidence` is below it comes "
@@ -146,12 +147,38 @@ def localize(
     # client's latency felt). The set and checkpoint are read on every request (no cache): a checkpoint
     # activated by a worker process, or a set deleted by another API process, is seen at once.
     opts = AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label)
+    check_format_options(opts, set(request.query_params), trajectory=trajectory)
     with request.app.state.session_factory() as session:
         done = localize_files(session, set_id, serving.settings, serving.inference, caller, serving.metrics,
                               serving.store, files, RunOptions(checkpoint, trajectory, samples, nearest, keep,
                                                                max_instances), opts,
                               bundles=serving.bundles, local=serving.local, turns=serving.turns)
     return formatted(done, opts)
+
+
+KEPT_HEADER = "X-Qloc-Kept"
+"""``keep=true`` with ``format=coco`` / ``labelstudio``: the kept images' pool ids, comma-separated, in upload order."""
+
+
+def check_format_options(opts: AnswerOptions, given: set[str], *, trajectory: bool) -> None:
+    """422 for what the asked ``format`` would drop: another format's parameters (``image_ids`` and ``category_id``
+    are COCO's, ``label`` Label Studio's), a trajectory (JSON only), repeated COCO image ids."""
+    others = {"coco": {"label"}, "labelstudio": {"image_ids", "category_id"},
+              "json": {"image_ids", "category_id", "label"}}[opts.format]
+    wrong = sorted(others & given)
+    if wrong:
+        owner = {"image_ids": "coco", "category_id": "coco", "label": "labelstudio"}
+        raise unprocessable(", ".join(f"{n} is for format={owner[n]}" for n in wrong)
+                            + f": not used with format={opts.format} (drop it, or ask for that format)")
+    if trajectory and opts.format != "json":
+        raise unprocessable(f"trajectory=true is answered only with format=json: format={opts.format} has no "
+                            "place for it")
+    if opts.format == "coco" and opts.image_ids:
+        ids = opts.ids(0)
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise unprocessable(f"image_ids repeats {', '.join(map(str, twice))}: COCO image ids must be unique, "
+                                "one per file")
 
 
 @dataclass(frozen=True)
@@ -183,12 +210,15 @@ class Localized:
 def formatted(done: Localized, opts: AnswerOptions) -> Response:
     """A localize answer in the asked format (``json``: ``LocalizeResponse``)."""
     es, ckpt, results = done.exemplar_set, done.checkpoint, done.results
+    # keep=true: the pool ids of the kept images, which only the JSON body has room for, in a header of the others
+    kept = None if done.kept is None else {KEPT_HEADER: ",".join(str(k) for k in done.kept)}
     if opts.format == "coco":
         return JSONResponse(export.coco(results, image_ids=opts.ids(len(results)), category_id=opts.category_id,
-                                        category_name=es.name or "object", only_found=opts.min_confidence is not None))
+                                        category_name=es.name or "object", only_found=opts.min_confidence is not None),
+                            headers=kept)
     if opts.format == "labelstudio":
         return JSONResponse(export.labelstudio(results, label=opts.label or es.name or "object", from_name="label",
-                                               to_name="image", model_version=str(ckpt.id)))
+                                               to_name="image", model_version=str(ckpt.id)), headers=kept)
     body = LocalizeResponse(
         exemplar_set_id=es.id, checkpoint_id=ckpt.id, bundle=es.bundle, samples=done.samples,
         nearest=done.nearest, refined=done.refined, kept=done.kept, results=results)

@@ -1,14 +1,16 @@
-"""Query parameters and form fields a route does not take are refused, not ignored.
+"""Query parameters and form fields a route does not take are refused, not ignored; so is one value sent twice.
 
 FastAPI drops what a route does not declare, so a misspelt ``?max_instance=4`` would answer with one box and no
-word why, and ``-F lr=0.01`` would run a job at the default rate. ``known_parameters`` (a dependency of the v1
-routers, ``app.main``) answers 422 naming the unknown names and listing the ones the route takes. Form fields are
+word why, and ``-F lr=0.01`` would run a job at the default rate; and of ``?samples=1&samples=2`` it keeps one.
+``known_parameters`` (a dependency of the v1 routers, ``app.main``) answers 422 naming the unknown names and listing
+the ones the route takes, or naming a parameter or field given more than once that takes one value. Form fields are
 checked on routes that take a form (a form sent to one that takes none is not read). Label Studio's routes (its
 own protocol, whose callers add what they like) and the health probes are left as they are."""
 
 from __future__ import annotations
 
 from fastapi import HTTPException, Request, status
+from fastapi._compat import field_annotation_is_sequence
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
@@ -19,23 +21,28 @@ UNKNOWN_PARAMETER = {422: invalid("Invalid fields or parameters, or one the rout
 FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 
-def _names(dependant: Dependant) -> tuple[set[str], set[str]]:
-    """The query parameters and body fields of ``dependant`` and of its sub-dependencies, by their aliases."""
+def _names(dependant: Dependant) -> tuple[set[str], set[str], set[str]]:
+    """The query parameters and body fields of ``dependant`` and of its sub-dependencies, by their aliases, and those
+    of them that take several values (a list: ``files``)."""
+    params = [*dependant.query_params, *dependant.body_params]
     query, body = {p.alias for p in dependant.query_params}, {p.alias for p in dependant.body_params}
+    lists = {p.alias for p in params if field_annotation_is_sequence(p.field_info.annotation)}
     for sub in dependant.dependencies:
-        q, b = _names(sub)
+        q, b, m = _names(sub)
         query |= q
         body |= b
-    return query, body
+        lists |= m
+    return query, body, lists
 
 
-def _declared(route: APIRoute) -> tuple[frozenset[str], frozenset[str]]:
-    """The route's query parameters and body (form) fields, by the names a client sends; worked out on its first
-    request and kept on the route (an ``APIRoute`` is not hashable, so no cache keyed by it)."""
+def _declared(route: APIRoute) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """The route's query parameters, body (form) fields and those of either that take several values, by the names
+    a client sends; worked out on its first request and kept on the route (an ``APIRoute`` is not hashable, so no
+    cache keyed by it)."""
     known = route.__dict__.get("_qloc_parameters")
     if known is None:
-        query, body = _names(route.dependant)
-        known = route.__dict__["_qloc_parameters"] = (frozenset(query), frozenset(body))
+        query, body, lists = _names(route.dependant)
+        known = route.__dict__["_qloc_parameters"] = (frozenset(query), frozenset(body), frozenset(lists))
     return known
 
 
@@ -52,12 +59,24 @@ async def known_parameters(request: Request) -> None:
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
-    query, body = _declared(route)
+    query, body, lists = _declared(route)
     unknown = sorted(set(request.query_params) - query)
     if unknown:
         raise _refuse("query parameter", unknown, query, route, request.method)
+    _once("query parameter", request.query_params.multi_items(), lists)
     if body and request.headers.get("content-type", "").lower().startswith(FORMS):
         form = await request.form()  # parsed already by FastAPI (it closes its files): the same object, cached
         unknown = sorted(set(form) - body)
         if unknown:
             raise _refuse("form field", unknown, body, route, request.method)
+        _once("form field", form.multi_items(), lists)
+
+
+def _once(kind: str, items: list[tuple[str, object]], lists: frozenset[str]) -> None:
+    """422 if a name that takes one value (not in ``lists``) comes more than once among ``items``."""
+    seen: set[str] = set()
+    for name, _ in items:
+        if name in seen and name not in lists:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"{kind} {name!r} given more than once: it takes one value (send it once)")
+        seen.add(name)

@@ -54,3 +54,41 @@ def test_the_spec_documents_the_422(client):
     spec = client.get("/openapi.json").json()
     assert "422" in spec["paths"]["/v1/bundles"]["get"]["responses"]
     assert "does not take" in spec["paths"]["/v1/bundles"]["get"]["responses"]["422"]["description"]
+
+
+def test_a_parameter_or_field_sent_twice_is_422_naming_it_and_nothing_is_written(client, settings):
+    set_id = register_set(client)
+    r = client.post(f"{URL}/{set_id}/localize?samples=1&samples=2", files=files(png_bytes()))
+    assert r.status_code == 422 and "query parameter 'samples' given more than once" in r.json()["detail"], r.text
+    before = snapshot(settings)
+    r = client.post(URL, files=files(png_bytes(), png_bytes(seed=1)), data={"name": ["a", "b"]})
+    assert r.status_code == 422 and "form field 'name' given more than once" in r.json()["detail"], r.text
+    assert snapshot(settings) == before
+    r = client.post(URL, files=files(png_bytes(), png_bytes(seed=1)), data={"name": "a"})  # files: a list
+    assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize("query, message", [
+    ("image_ids=5", "image_ids is for format=coco: not used with format=json"),
+    ("format=labelstudio&category_id=3", "category_id is for format=coco: not used with format=labelstudio"),
+    ("format=coco&label=x", "label is for format=labelstudio: not used with format=coco"),
+    ("format=coco&trajectory=true", "trajectory=true is answered only with format=json"),
+    ("format=coco&image_ids=11,11", "image_ids repeats 11: COCO image ids must be unique"),
+])
+def test_what_the_asked_format_would_drop_is_422(client, settings, query, message):
+    set_id = register_set(client)
+    before = snapshot(settings)
+    r = client.post(f"{URL}/{set_id}/localize?{query}&keep=true", files=files(png_bytes(), png_bytes(seed=1)))
+    assert r.status_code == 422 and message in r.json()["detail"], r.text
+    assert snapshot(settings) == before  # keep=true stored nothing
+
+
+def test_keep_with_an_export_format_gives_the_kept_ids_in_a_header(client):
+    set_id = register_set(client)
+    r = client.post(f"{URL}/{set_id}/localize?format=coco&keep=true", files=files(png_bytes(), png_bytes(seed=1)))
+    assert r.status_code == 200, r.text
+    kept = r.headers["X-Qloc-Kept"].split(",")
+    listed = client.get(f"{URL}/{set_id}/images").json()
+    assert len(kept) == 2 and {i["id"] for i in listed["data"]} == set(kept)
+    r = client.post(f"{URL}/{set_id}/localize?format=coco", files=files(png_bytes()))
+    assert "X-Qloc-Kept" not in r.headers
