@@ -137,10 +137,12 @@ def list_exemplar_sets(session: Session, *, owner: str | None, limit: int, offse
     return list(session.scalars(stmt.limit(limit).offset(offset))), count
 
 
-def has_unfinished_jobs(session: Session, *, set_id: uuid.UUID) -> bool:
-    stmt = select(func.count()).select_from(AdaptationJob).where(
-        AdaptationJob.exemplar_set_id == set_id, AdaptationJob.status.not_in(FINISHED_STATES))
-    return bool(session.scalar(stmt))
+def unfinished_jobs(session: Session, *, set_id: uuid.UUID) -> list[tuple[uuid.UUID, bool]]:
+    """The set's queued or running jobs, oldest first -> (id, whether a cancel was asked for)."""
+    stmt = (select(AdaptationJob.id, AdaptationJob.cancel_requested)
+            .where(AdaptationJob.exemplar_set_id == set_id, AdaptationJob.status.not_in(FINISHED_STATES))
+            .order_by(AdaptationJob.created_at, AdaptationJob.id))
+    return [(r.id, bool(r.cancel_requested)) for r in session.execute(stmt)]
 
 
 def delete_exemplar_set(session: Session, *, set_id: uuid.UUID) -> None:

@@ -70,8 +70,8 @@ def parse_label_config(config: str, *, set_name: str | None) -> Target:
     The label is the one named like the exemplar set (case-insensitive); without such a label, a config with
     exactly one RectangleLabels tag holding exactly one label uses that label."""
     if not isinstance(config, str) or not config.strip():
-        raise Refused(422, "label_config is empty: Label Studio sends the project's labeling config; it needs a "
-                           "<RectangleLabels> tag on an <Image>")
+        raise Refused(422, "the labeling config is empty (/setup's `schema`, a task's `label_config`): Label Studio "
+                           "sends the project's; it needs a <RectangleLabels> tag on an <Image>")
     if "<!DOCTYPE" in config.upper() or "<!ENTITY" in config.upper():
         raise Refused(422, "label_config must not contain a DOCTYPE or entities")
     try:

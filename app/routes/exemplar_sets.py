@@ -246,8 +246,15 @@ def delete_exemplar_set(set_id: uuid.UUID, session: SessionDep, store: StoreDep,
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
-    if crud.has_unfinished_jobs(session, set_id=set_id):
-        raise HTTPException(status.HTTP_409_CONFLICT, "the set has queued or running adaptation jobs: cancel them")
+    jobs = crud.unfinished_jobs(session, set_id=set_id)
+    if jobs:
+        shown = ", ".join(f"{j}{' (cancel requested: ending)' if asked else ''}" for j, asked in jobs[:5])
+        more = f", and {len(jobs) - 5} more" if len(jobs) > 5 else ""
+        waiting = all(asked for _, asked in jobs)
+        raise HTTPException(status.HTTP_409_CONFLICT, (
+            f"the set has {len(jobs)} queued or running adaptation job{'s' if len(jobs) > 1 else ''} ({shown}{more}): "
+            + ("wait until they have ended (GET /v1/adaptations/{job_id}), then delete again" if waiting else
+               "cancel them (POST /v1/adaptations/{job_id}/cancel) and wait until they have ended, then delete again")))
     crud.delete_exemplar_set(session, set_id=set_id)
     session.commit()
     store.delete_tree(exemplar_set_prefix(set_id))

@@ -24,13 +24,14 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=HealthStatus)
+@router.api_route("/healthz", methods=["GET", "HEAD"], response_model=HealthStatus)
 def healthz() -> HealthStatus:
-    """The process is up."""
+    """The process is up (``HEAD`` too: probes that send it)."""
     return HealthStatus(status="ok")
 
 
-@router.get("/readyz", response_model=ReadyStatus, responses={503: {"model": ReadyStatus}})
+@router.api_route("/readyz", methods=["GET", "HEAD"], response_model=ReadyStatus,
+                  responses={503: {"model": ReadyStatus}})
 def readyz(request: Request, response: Response, session: SessionDep, settings: SettingsDep, queue: QueueDep,
            bundles: BundlesDep) -> ReadyStatus:
     """Ready to serve: the database and the broker answer, the default bundle is loaded (with

@@ -4,12 +4,13 @@ FastAPI drops what a route does not declare, so a misspelt ``?max_instance=4`` w
 word why, and ``-F lr=0.01`` would run a job at the default rate; and of ``?samples=1&samples=2`` it keeps one.
 ``known_parameters`` (a dependency of the v1 routers, ``app.main``) answers 422 naming the unknown names and listing
 the ones the route takes, or naming a parameter or field given more than once that takes one value. Form fields are
-checked on routes that take a form (a form sent to one that takes none is not read). Label Studio's routes (its
+checked on routes that take a form (a form sent to one that takes none is not read); a body of another type sent to
+one of them (JSON, say) is a 415 saying it takes multipart/form-data. Label Studio's routes (its
 own protocol, whose callers add what they like) and the health probes are left as they are."""
 
 from __future__ import annotations
 
-from fastapi import HTTPException, Request, status
+from fastapi import HTTPException, Request, params, status
 from fastapi._compat import field_annotation_is_sequence
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
@@ -60,16 +61,30 @@ async def known_parameters(request: Request) -> None:
     if not isinstance(route, APIRoute):
         return
     query, body, lists = _declared(route)
+    ctype = request.headers.get("content-type", "").lower()
+    if body and _takes_a_form(route) and not ctype.startswith(FORMS) and _has_body(request):
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
+            f"{request.method} {route.path} takes multipart/form-data (curl -F files=@image.png -F name=value), got "
+            f"{ctype.split(';')[0] or 'a body without a Content-Type'}"))
     unknown = sorted(set(request.query_params) - query)
     if unknown:
         raise _refuse("query parameter", unknown, query, route, request.method)
     _once("query parameter", request.query_params.multi_items(), lists)
-    if body and request.headers.get("content-type", "").lower().startswith(FORMS):
+    if body and ctype.startswith(FORMS):
         form = await request.form()  # parsed already by FastAPI (it closes its files): the same object, cached
         unknown = sorted(set(form) - body)
         if unknown:
             raise _refuse("form field", unknown, body, route, request.method)
         _once("form field", form.multi_items(), lists)
+
+
+def _takes_a_form(route: APIRoute) -> bool:
+    """Whether the route's body is a form (files and form fields), not JSON."""
+    return all(isinstance(p.field_info, params.Form) for p in route.dependant.body_params)
+
+
+def _has_body(request: Request) -> bool:
+    return request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
 
 
 def _once(kind: str, items: list[tuple[str, object]], lists: frozenset[str]) -> None:

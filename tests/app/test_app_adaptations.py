@@ -1,9 +1,27 @@
 """Adaptation jobs through the API without a worker: creation, idempotency, polling, cancel, enqueueing."""
 
+import uuid
+from contextlib import contextmanager
+
 from kombu import Connection
 from service_fixtures import files, png_bytes, row_counts
+from sqlalchemy import create_engine, update
+from sqlalchemy.orm import Session
+
+from app.tables import AdaptationJob
 
 from app.queue import ADAPT_TASK
+
+
+@contextmanager
+def client_db(settings):
+    """A session on the API's database, committed on leaving."""
+    engine = create_engine(settings.database_url)
+    try:
+        with Session(engine) as s, s.begin():
+            yield s
+    finally:
+        engine.dispose()
 
 
 def make_set(client):
@@ -71,6 +89,24 @@ def test_cancel_queued_job(client):
     r = client.post(f"/v1/adaptations/{job['id']}/cancel")
     assert r.status_code == 202 and r.json()["status"] == "canceled" and r.json()["cancel_requested"]
     assert client.get(f"/v1/adaptations/{job['id']}").json()["status"] == "canceled"
+
+
+def test_deleting_a_set_with_unfinished_jobs_is_409_naming_them_and_deletes_nothing(client, settings):
+    es = make_set(client)
+    url = f"/v1/exemplar-sets/{es['id']}"
+    jobs = [client.post(f"{url}/adaptations", files=files(png_bytes(seed=i)), data={"iterations": "3"}).json()["id"]
+            for i in range(2)]
+    before = row_counts(settings.database_url)
+    r = client.delete(url)
+    assert r.status_code == 409 and f"2 queued or running adaptation jobs ({jobs[0]}, {jobs[1]})" in r.json()["detail"]
+    assert "POST /v1/adaptations/{job_id}/cancel" in r.json()["detail"]
+    assert row_counts(settings.database_url) == before
+    with client_db(settings) as s:  # a cancel asked of a running job: it ends at its next iteration
+        s.execute(update(AdaptationJob).where(AdaptationJob.id.in_([uuid.UUID(j) for j in jobs]))
+                  .values(status="running", cancel_requested=True))
+    r = client.delete(url)
+    assert r.status_code == 409 and f"{jobs[0]} (cancel requested: ending)" in r.json()["detail"]
+    assert "wait until they have ended" in r.json()["detail"]
 
 
 def test_unreachable_broker_is_503_and_the_job_is_failed(tmp_path, bundle_dir):

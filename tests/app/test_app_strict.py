@@ -92,3 +92,14 @@ def test_keep_with_an_export_format_gives_the_kept_ids_in_a_header(client):
     assert len(kept) == 2 and {i["id"] for i in listed["data"]} == set(kept)
     r = client.post(f"{URL}/{set_id}/localize?format=coco", files=files(png_bytes()))
     assert "X-Qloc-Kept" not in r.headers
+
+
+def test_a_json_body_to_a_form_route_is_415_saying_it_takes_a_form(client, settings):
+    before = snapshot(settings)
+    r = client.post(URL, json={"name": "cat"})
+    assert r.status_code == 415, r.text
+    assert "takes multipart/form-data" in r.json()["detail"] and "application/json" in r.json()["detail"]
+    assert snapshot(settings) == before
+    set_id = register_set(client)
+    r = client.post(f"{URL}/{set_id}/adaptations", data={"source": "pool"})  # a form without files: read as one
+    assert r.status_code == 422 and "pool" in r.json()["detail"], r.text
