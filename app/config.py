@@ -242,6 +242,19 @@ class Settings(BaseSettings):
     token (a JWT, exchanged for an access token). Unset: the ``access_token`` Label Studio's ``/setup`` gives."""
     labelstudio_fetch_timeout: float = Field(10.0, gt=0, le=300)
     """Seconds one task image fetch (connect, and each read) may take before the prediction is refused (422)."""
+    labelstudio_fetch_hosts: Annotated[list[str] | None, NoDecode] = None
+    """The hosts (``name`` or ``name:port``; comma-separated in the environment) that task image URLs may point at,
+    redirects included, besides Label Studio's own address; a URL elsewhere is refused (422) before any request.
+    Unset (the default): any host, as Label Studio's own ML backends fetch (a task may hold any public URL). Set it
+    where the API can reach services that callers of ``/predict`` must not (a private network, cloud metadata):
+    a task's URL is otherwise fetched from inside."""
+
+    @field_validator("labelstudio_fetch_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [h.strip().lower() for h in v.split(",") if h.strip()]
+        return v
 
     @field_validator("api_keys", mode="before")
     @classmethod

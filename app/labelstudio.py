@@ -202,6 +202,10 @@ def _looks_like_jwt(token: str) -> bool:
     return token.count(".") == 2 and token.startswith("eyJ")
 
 
+class HostRefused(Exception):
+    """A fetch (or a redirect) to a host ``ImageFetcher.hosts`` does not hold."""
+
+
 class ImageFetcher:
     """Task images for one request: ``fetch(url, where)`` -> bytes, or ``Refused`` naming ``where`` (the task).
 
@@ -210,12 +214,14 @@ class ImageFetcher:
     fetched from ``access.url`` with its token; ``data:`` URIs are decoded. At most ``max_bytes`` per image,
     ``timeout`` seconds per connect and per read. Use as a context manager (it holds one HTTP client)."""
 
-    def __init__(self, access: Access, *, max_bytes: int, timeout: float):
+    def __init__(self, access: Access, *, max_bytes: int, timeout: float, hosts: list[str] | None = None):
         self.access = access
         self.max_bytes = max_bytes
         self.timeout = timeout
+        self.hosts = None if hosts is None else {h.lower() for h in hosts}
         self._client = httpx.Client(timeout=timeout, follow_redirects=True, max_redirects=5,
-                                    headers={"User-Agent": "qloc-labelstudio"})
+                                    headers={"User-Agent": "qloc-labelstudio"},
+                                    event_hooks={"request": [self._allowed]})
         self._auth: dict[str, str] | None = None
         self._auth_lock = threading.Lock()
 
@@ -227,6 +233,19 @@ class ImageFetcher:
 
     def close(self) -> None:
         self._client.close()
+
+    def _allowed(self, request: httpx.Request) -> None:
+        """Every request the client sends (redirects too): refused unless its host is Label Studio's or among
+        ``hosts`` (``QLOC_LABELSTUDIO_FETCH_HOSTS``; ``None``: any)."""
+        if self.hosts is None:
+            return
+        url = request.url
+        if self.access.url is not None and _origin(str(url)) == _origin(self.access.url):
+            return
+        host = (url.host or "").lower()
+        if host in self.hosts or f"{host}:{url.port}" in self.hosts:
+            return
+        raise HostRefused(f"{url.scheme}://{url.netloc.decode()} is not among QLOC_LABELSTUDIO_FETCH_HOSTS")
 
     def _too_large(self, where: str) -> Refused:
         return Refused(413, f"{where}: the image is larger than {self.max_bytes} bytes")
@@ -303,6 +322,9 @@ class ImageFetcher:
                     if len(buf) > self.max_bytes:
                         raise self._too_large(where)
                 return bytes(buf)
+        except HostRefused as e:
+            raise Refused(422, f"{where}: {shown(full)}: {e} (the hosts task images may come from, besides Label "
+                               "Studio's own address)") from e
         except httpx.TimeoutException as e:
             raise Refused(422, f"{where}: {shown(full)} did not answer within {self.timeout:g} s") from e
         except httpx.HTTPError as e:

@@ -30,6 +30,10 @@ MODEL_TESTS = ["tests/models/test_rollout_inference_behaviour.py", "tests/models
 WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_leases.py",
                 "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_records.py"]
 
+# localize_batch's several instances and second look, the paired checkpoints, batches against images apart
+INFERENCE_TESTS = ["tests/models/test_instances.py", "tests/models/test_companion.py",
+                   "tests/models/test_inference_batching.py", "tests/models/test_multi.py"]
+
 TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_templates_math.py"]
 
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
@@ -46,7 +50,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "ordinal": ("models/core/ordinal.py", CORE_TESTS),
     "reinforce": ("models/core/reinforce.py", CORE_TESTS),
     "rollout": ("models/rollout.py", MODEL_TESTS),
-    "inference": ("models/inference.py", MODEL_TESTS),
+    "inference": ("models/inference.py", MODEL_TESTS + INFERENCE_TESTS),
     "adapt": ("models/adapt.py", MODEL_TESTS),
     "jobs": ("worker/jobs.py", WORKER_TESTS),
     "platt": ("models/core/platt.py", ["tests/models/test_platt.py", "tests/models/test_calibration.py"]),

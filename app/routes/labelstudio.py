@@ -248,8 +248,8 @@ def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: 
     model_version = None
     chunk = settings.max_files_per_request
     access = _access(request, settings, set_id, body.project)
-    with ImageFetcher(access, max_bytes=settings.max_file_bytes,
-                      timeout=settings.labelstudio_fetch_timeout) as fetcher:
+    with ImageFetcher(access, max_bytes=settings.max_file_bytes, timeout=settings.labelstudio_fetch_timeout,
+                      hosts=settings.labelstudio_fetch_hosts) as fetcher:
         for start in range(0, len(urls), chunk):
             part = urls[start:start + chunk]
             try:
@@ -343,7 +343,7 @@ def webhook(set_id: uuid.UUID, event: WebhookEvent, request: Request, response: 
     uploads: list[UploadFile] = []
     problems: list[str] = []
     with ImageFetcher(_access(request, settings, set_id, project), max_bytes=settings.max_file_bytes,
-                      timeout=settings.labelstudio_fetch_timeout) as fetcher:
+                      timeout=settings.labelstudio_fetch_timeout, hosts=settings.labelstudio_fetch_hosts) as fetcher:
         uploads, problems = _project_images(fetcher, project, es, settings.max_files_per_request)
     if problems:
         log.warning("Label Studio webhook for set %s: %d project image(s) not read: %s", set_id, len(problems),

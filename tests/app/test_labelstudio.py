@@ -374,3 +374,36 @@ def test_webhook_falls_back_on_the_pool(api):  # noqa: F811
     r = client.post(f"/v1/labelstudio/{sid}/webhook", json={"action": "START_TRAINING", "project": {"id": 3}})
     assert r.status_code == 201, r.text
     assert r.json()["source"] == "pool" and r.json()["num_images"] == 1
+
+
+def test_fetch_hosts_limit_task_urls_and_their_redirects_to_the_hosts_given(tmp_path, bundle_dir, fake_ls):
+    """``QLOC_LABELSTUDIO_FETCH_HOSTS``: a task URL (or a redirect) to another host is refused before any request
+    reaches it; Label Studio's own address and the hosts given are fetched."""
+    import httpx
+
+    from app.labelstudio import Access, ImageFetcher, Refused
+
+    here = fake_ls.url.split("//", 1)[1]  # 127.0.0.1:<port>
+    with ImageFetcher(Access(None, None), max_bytes=10**6, timeout=5, hosts=["example.invalid"]) as f:
+        with pytest.raises(Refused, match="is not among QLOC_LABELSTUDIO_FETCH_HOSTS") as e:
+            f.fetch(f"{fake_ls.url}/any/a.png", "task 1")
+        assert e.value.status == 422 and fake_ls.seen == []
+    with ImageFetcher(Access(None, None), max_bytes=10**6, timeout=5, hosts=[here]) as f:
+        assert f.fetch(f"{fake_ls.url}/any/a.png", "task 1") == IMAGES["a.png"]
+    with ImageFetcher(Access(fake_ls.url, None), max_bytes=10**6, timeout=5, hosts=[]) as f:  # Label Studio's own
+        assert f.fetch("/data/upload/1/b.png", "task 2") == IMAGES["b.png"]
+    # a redirect is a request too: an allowed host that redirects elsewhere is refused there
+    transport_seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        transport_seen.append(str(request.url))
+        return httpx.Response(302, headers={"Location": "http://169.254.169.254/latest/meta-data/"})
+
+    f = ImageFetcher(Access(None, None), max_bytes=10**6, timeout=5, hosts=["allowed.example"])
+    f._client = httpx.Client(transport=httpx.MockTransport(handler), follow_redirects=True,
+                             event_hooks={"request": [f._allowed]})
+    with f, pytest.raises(Refused, match="169.254.169.254"):
+        f.fetch("http://allowed.example/a.png", "task 3")
+    assert transport_seen == ["http://allowed.example/a.png"]
+    settings = make_test_settings(tmp_path, bundle_dir, labelstudio_fetch_hosts="a.example, B.example:81")
+    assert settings.labelstudio_fetch_hosts == ["a.example", "b.example:81"]
