@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -118,11 +119,12 @@ def faithfulness(bundle: Bundle, prototype: Tensor, probes: LabeledImages, seed:
 
 
 def repair_reward(bundle: Bundle, crops: list[Tensor], train: LabeledImages, val: LabeledImages,
-                  cfg: RepairConfig | None = None) -> Repair:
+                  cfg: RepairConfig | None = None, *, should_stop: Callable[[], bool] | None = None) -> Repair:
     """Train a copy of ``bundle``'s head on the probes ``train``, choose its epoch and decide on ``val``.
 
     ``crops``: the exemplar crops ``[C, h, w]`` in [0, 1] (the set's); ``train`` / ``val``: labeled probes at
-    the bundle's input size, disjoint. Returns the ``Repair`` (the repaired copy only if kept)."""
+    the bundle's input size, disjoint. Returns the ``Repair`` (the repaired copy only if kept). ``should_stop``:
+    asked before every training batch (``models.train.embedding.Interrupted`` when it says so)."""
     cfg = cfg or RepairConfig()
     if len(train) < MIN_TRAIN_PROBES or len(val) < 2:
         raise ValueError(f"reward repair needs at least {MIN_TRAIN_PROBES} training probes and 2 validation probes, "
@@ -140,7 +142,7 @@ def repair_reward(bundle: Bundle, crops: list[Tensor], train: LabeledImages, val
                                 anchor="shuffle_exemplar", group_size=min(5, batch // 2), recon_weight=0.0,
                                 head_only=True, eval_every=max(1, cfg.epochs // 6), seed=cfg.seed)
     summary = train_embedding(repaired, with_features(repaired, train, crops=True), val, ecfg,
-                              val_exemplars=exemplars)
+                              val_exemplars=exemplars, should_stop=should_stop)
     new_proto = Localizer(repaired, repaired.device).prototype(crops).to(repaired.device)
     after = faithfulness(repaired, new_proto, val, cfg.seed)
     kept = after["ordacc"] - before["ordacc"] > cfg.min_gain and after["spearman"] < before["spearman"]
@@ -338,7 +340,8 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
                   agent_state: dict[str, Tensor] | None, *, synthetic: int, generator_seed: int,
                   labeled: LabeledImages | None = None, repair: RepairConfig | None = None,
                   guard_cfg: GuardConfig | None = None, choice: bool = False, choice_margin: float = DEFAULT_MARGIN,
-                  repaired: Repair | None = None, start: Start | None = None, probe_style: str = "rect") -> Guarded:
+                  repaired: Repair | None = None, start: Start | None = None, probe_style: str = "rect",
+                  should_stop: Callable[[], bool] | None = None) -> Guarded:
     """The reward and the guard of one adaptation job on ``images01 [N, C, S, S]``, the starting policy scored.
 
     With ``repair``: the head learns on ``synthetic`` probes (the starting policy's answers erased), its epoch
@@ -355,7 +358,8 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
     guard reports its faithfulness. The guard decides on its own probes as without the choice. ``repaired``:
     a ``Repair`` already made by this call's arguments (benchmarks comparing settings on one repair). ``start``: the
     starting policy as it is served (``bundle``'s head if the start has none of its own), to pair the checkpoints
-    with where the repair is kept (``Guarded.start``): the guard then scores them paired, as localize serves them."""
+    with where the repair is kept (``Guarded.start``): the guard then scores them paired, as localize serves them.
+    ``should_stop``: asked during repair's training (``models.train.embedding.Interrupted`` when it says so)."""
     def gen(k: int) -> torch.Generator:
         return torch.Generator().manual_seed(generator_seed * 7919 + k)
 
@@ -368,7 +372,8 @@ def guarded_setup(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images
         else:
             train = synthetic_probes(bundle, prototype, crops, images01, agent_state, synthetic, gen(1),
                                      style=probe_style)
-            rep = repair_reward(bundle, crops, train, val, replace(repair, seed=generator_seed))
+            rep = repair_reward(bundle, crops, train, val, replace(repair, seed=generator_seed),
+                                should_stop=should_stop)
         if rep.kept:
             erase = ranking(rep.bundle, LabeledImages(images01, torch.zeros(len(images01), 4)), rep.prototype)
     kept = rep is not None and rep.kept

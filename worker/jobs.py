@@ -37,6 +37,7 @@ from models.data.probes import erase_boxes
 from models.guard import Guard, GuardConfig
 from models.inference import Localizer, preprocess
 from models.repair import Guarded, RepairConfig, guarded_setup, pairs_start, probe_style
+from models.train.embedding import Interrupted
 from worker.context import WorkerContext
 from worker.probes import set_examples
 
@@ -152,7 +153,12 @@ class AdaptationRun:
             pair = Start(prototype.float(), agent_state, start_reward.head if start_reward else None,
                          start_reward.refine if start_reward else False,
                          consensus=() if self.ctx.settings.pair_rule == "consensus" else None)
-        self.setup = self._setup(bundle, prototype, images01, agent_state, pair)
+        try:
+            self.setup = self._setup(bundle, prototype, images01, agent_state, pair)
+        except Interrupted:
+            if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
+                raise LeaseLost from None
+            return self.finish(JobState.CANCELED, error="canceled on request")
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
                             else start_reward.head if start_reward is not None else None)
@@ -192,7 +198,8 @@ class AdaptationRun:
                               guard_cfg=GuardConfig(patience=ctx.settings.early_stop_patience,
                                                     labeled_rule=ctx.settings.labeled_rule),
                               choice=ctx.settings.reward_choice, start=start,
-                              probe_style=probe_style(ctx.settings.probe_style, bundle))
+                              probe_style=probe_style(ctx.settings.probe_style, bundle),
+                              should_stop=self.should_stop)  # a cancel during repair's training: honoured there
         if setup.repair is not None:
             log.info("job %s: reward repair %s (probe OrdAcc %s -> %s)", self.job_id,
                      "kept" if setup.repair.kept else "not kept", setup.repair.record["before"]["ordacc"],

@@ -64,13 +64,19 @@ class EmbeddingTrainConfig:
     at test time, ``models.repair``)."""
 
 
+class Interrupted(Exception):  # noqa: N818 -- a request honoured, not a failure
+    """Training stopped because its caller's ``should_stop`` said so (a canceled job): the weights are half-trained."""
+
+
 def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cfg: EmbeddingTrainConfig, *,
                     val_exemplars: LabeledImages | None = None, candidates: Tensor | None = None,
-                    on_log: Callable[[dict], None] | None = None) -> dict:
+                    on_log: Callable[[dict], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> dict:
     """Train ``bundle.embedder`` in place (best validation state restored) -> summary metrics.
 
     ``candidates [K, 4]``: the boxes pairs are drawn from (default ``training_candidates``); validation
-    uses the same. With ``val_exemplars``, model selection uses ``ranking_metrics`` with their prototype."""
+    uses the same. With ``val_exemplars``, model selection uses ``ranking_metrics`` with their prototype.
+    ``should_stop``: asked before every batch; true raises ``Interrupted`` (the embedder is then left half-trained)."""
     if cfg.anchor not in EMBEDDING_ANCHORS:
         raise ValueError(f"anchor must be one of {EMBEDDING_ANCHORS}, got {cfg.anchor!r}")
     if cfg.recon_weight > 0 and train.feats is not None:
@@ -104,6 +110,8 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
             else:  # several kinds: each batch holds one kind, so every anchor is of the image's own kind
                 batches = class_batches(train.classes, bs, cfg.drop_last, gen)
             for idx in batches:
+                if should_stop is not None and should_stop():
+                    raise Interrupted(f"stopped at epoch {epoch} of {cfg.epochs}")
                 gt = train.boxes[idx]
                 pairs = sample_pairs(gt, cands, P, generator=gen)
                 if train.feats is not None:

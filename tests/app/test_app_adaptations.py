@@ -8,9 +8,8 @@ from service_fixtures import files, png_bytes, row_counts
 from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 
-from app.tables import AdaptationJob
-
 from app.queue import ADAPT_TASK
+from app.tables import AdaptationJob
 
 
 @contextmanager

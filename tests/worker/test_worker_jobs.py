@@ -212,6 +212,30 @@ def test_cancel_is_honoured_between_iterations(client, ctx):
     assert client.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 409
 
 
+def test_cancel_is_honoured_during_the_reward_repair(client, ctx, monkeypatch):
+    """A cancel that arrives while the job repairs its reward (stage-1 training on the probes, tens of seconds with
+    the service's defaults) stops that training at its next batch: no iteration runs, no checkpoint is written."""
+    import models.train.embedding as training
+
+    job = new_job(client, iterations="50")
+    batches = []
+    loss = training.triplet_loss
+    monkeypatch.setattr(training, "triplet_loss", lambda *a, **k: batches.append(1) or loss(*a, **k))
+    setup = AdaptationRun._setup
+
+    def cancel_then_set_up(self, *args, **kwargs):
+        assert client.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 202  # the job runs: a request
+        self._last_sync = 0.0  # read the flag at the next check rather than after progress_every_s
+        return setup(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdaptationRun, "_setup", cancel_then_set_up)
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "canceled"
+    assert batches == []  # stopped before its first training batch
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    assert polled["status"] == "canceled" and polled["error"] == "canceled on request"
+    assert polled["progress"]["iteration"] == 0 and checkpoints_of(ctx, job["id"]) == []
+
+
 def test_soft_time_limit_fails_the_job_and_keeps_checkpoints(client, ctx, monkeypatch):
     job = new_job(client)
     save = AdaptationRun.save_checkpoint
