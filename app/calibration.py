@@ -50,8 +50,23 @@ policies but lost up to 4.5 points on adapted ones."""
 
 
 def doubtful(confidence: float | None, threshold: float) -> bool:
-    """``rerank=auto`` looks again at this answer: its confidence is below ``SECOND_LOOK_BELOW`` x ``threshold``."""
+    """``rerank=auto`` looks again at this answer: its confidence is below ``SECOND_LOOK_BELOW`` x ``threshold``
+    (for a set whose confidences are a known-kinds check's, ``doubtful_by_pixels`` must say so too)."""
     return confidence is not None and confidence < SECOND_LOOK_BELOW * threshold
+
+
+def doubtful_by_pixels(cal: Calibration, images: list[Image.Image], results: list, threshold: float) -> list[bool]:
+    """The second look's other condition on a set with a known-kinds check: the calibration's NCC fit doubts each
+    answer too (``doubtful`` on the fit's confidence of its NCC features with the exemplars). The check doubts an
+    answer whether the box is wrong or the object absent; the look is for wrong boxes, and on validation digits (a
+    second look wherever the check doubts: precision of `found` against other digits 0.990 -> 0.977, the worst
+    digit 0.969 -> 0.923; recall 0.974 -> 0.977; CorLoc 99.6 either way; BENCHMARKS.md, "Known kinds") both must
+    doubt. ``results``: ``Localization`` answers in the pixels of ``images``."""
+    boxes = torch.tensor([[list(r.box)] for r in results], dtype=torch.float32)  # [n, 1, 4]
+    scores = torch.tensor([float(r.score) for r in results], dtype=torch.float64)
+    pos, neg = _read_ncc(cal.templates, images, boxes)  # type: ignore[arg-type]
+    conf = cal.confidence(scores, ncc=pos[:, 0], ncc_negatives=None if neg is None else neg[:, 0])
+    return [doubtful(c, threshold) for c in conf.tolist()]
 
 
 TEMPLATE_BAR = 0.8

@@ -1,10 +1,9 @@
 """What the local engine reads beside the model, on the batch it ran: the known-kinds check's probabilities of a set
 that has one (``read_kinds``: one pass of the bundle's verifier over every such call's boxes; they are its verdict's
 confidences), each other answer's NCC features with its set's templates (``read_ncc``; the route's verdict then reads
-nothing itself), and ``rerank=auto``'s second look (``SecondLook``: which answers are doubtful by those same
-confidences, ``doubtful_answers``; with
-``rerank=templates``, template matching's window on them, ``template_windows``), grouped by set of templates across
-the calls of a batch (concurrent requests on one set: one read). ``app.serving.run_prepared`` calls them;
+nothing itself), and ``rerank=auto``'s second look (``SecondLook``: which answers are doubtful, ``doubtful_answers``;
+with ``rerank=templates``, template matching's window on them, ``template_windows``), grouped by set of templates
+across the calls of a batch (concurrent requests on one set: one read). ``app.serving.run_prepared`` calls them;
 ``answer_rows`` is also the verdict's layout.
 """
 
@@ -69,11 +68,13 @@ def _by_templates(calls: list[Prepared], members: list[int], *, fit: bool = Fals
 def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int], batch: Tensor, boxes: Tensor,
                      distances: Tensor, answer_ncc: dict[int, NccFeatures], answer_kind: dict[int, Tensor]) -> Tensor:
     """The engine's second look (``SecondLook``): which of the batch's answers (``boxes [B, 4]`` input pixels,
-    ``distances [B]``) are doubtful -> ``[B]`` bool, by the confidence the route's verdict gives them: a call with a
-    known-kinds check (``Prepared.kind``), the check's probability (one verifier pass per verifier, kept in
-    ``answer_kind``: call index -> ``[n, 1]``, so that ``read_kinds`` reads only the instances); any other, its
-    calibration's on the answers' NCC features (one read, and one confidence, per set of templates and calibration,
-    kept in ``answer_ncc``: call index -> ``[n, 1]`` features, so that ``read_ncc`` does not read them again)."""
+    ``distances [B]``) are doubtful -> ``[B]`` bool: those whose calibration's confidence on their NCC features is
+    under the call's bar (one read, and one confidence, per set of templates and calibration, kept in ``answer_ncc``:
+    call index -> ``[n, 1]`` features, so that ``read_ncc`` does not read them again), and, for a call with a
+    known-kinds check (``Prepared.kind``), whose check's probability is under it too (``app.calibration.
+    doubtful_by_pixels``: the same rule where the route takes the second look). The check's probabilities are read
+    first (one verifier pass per verifier, kept in ``answer_kind``: call index -> ``[n, 1]``, so that ``read_kinds``
+    reads only the instances), and the NCC features of such a call only where the check doubts."""
     pick = torch.zeros(len(boxes), dtype=torch.bool)
     looking = [i for i, c in enumerate(calls) if c.second_look is not None and counts[i]]
     for members in _by_verifier(calls, [i for i in looking if calls[i].kind is not None]):
@@ -81,16 +82,20 @@ def doubtful_answers(calls: list[Prepared], starts: list[int], counts: list[int]
         emb = calls[members[0]].kind[0].embed_boxes(batch[rows].cpu(), boxes[rows][:, None])  # type: ignore[index]
         for i, at in zip(members, accumulate([counts[i] for i in members], initial=0), strict=False):
             answer_kind[i] = calls[i].kind[1].probability(emb[at:at + counts[i]])  # type: ignore[index]
-            pick[starts[i]:starts[i] + counts[i]] = answer_kind[i][:, 0] < calls[i].second_look.below  # type: ignore[union-attr]
-    for members in _by_templates(calls, [i for i in looking if calls[i].kind is None], fit=True):
-        rows = [r for i in members for r in range(starts[i], starts[i] + counts[i])]
+    checked = {i: [starts[i] + k for k in range(counts[i])
+                   if i not in answer_kind or answer_kind[i][k, 0] < calls[i].second_look.below]  # type: ignore[union-attr]
+               for i in looking}
+    for members in _by_templates(calls, [i for i in looking if checked[i]], fit=True):
+        rows = [r for i in members for r in checked[i]]
         look = calls[members[0]].second_look
         pos, neg = calls[members[0]].templates.ncc(batch[rows].cpu(), boxes[rows][:, None])  # type: ignore[union-attr]
         conf = look.calibration.confidence(distances[rows].double(), ncc=pos[:, 0],  # type: ignore[union-attr]
                                            ncc_negatives=None if neg is None else neg[:, 0])
         below = torch.tensor([calls[i].second_look.below for i in members], dtype=conf.dtype)  # type: ignore[union-attr]
-        pick[rows] = conf < below.repeat_interleave(torch.tensor([counts[i] for i in members]))
-        answer_ncc.update(zip(members, _per_call(pos, neg, [counts[i] for i in members]), strict=True))
+        pick[rows] = conf < below.repeat_interleave(torch.tensor([len(checked[i]) for i in members]))
+        for i, f in zip(members, _per_call(pos, neg, [len(checked[i]) for i in members]), strict=True):
+            if calls[i].kind is None:  # every row read: what read_ncc would read (a check's calls read none)
+                answer_ncc[i] = f
     return pick
 
 

@@ -22,6 +22,7 @@ from app.calibration import (
     Judged,
     decoded,
     doubtful,
+    doubtful_by_pixels,
     judge,
     matched_windows,
     second_look,
@@ -41,6 +42,7 @@ from app.schemas import CocoResults, InstanceResult, LabelStudioTask, Localizati
 from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeAnswer, LocalizeCall, on_its_way
 from app.storage import BlobStore
 from app.tables import Checkpoint, ExemplarSet
+from models.verifier import KindVerifier
 
 router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"], responses=UNAUTHORIZED)
 
@@ -293,6 +295,13 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         extra_boxes=matched_windows(fit.templates, [im.image for im in images], decoded_scales)  # type: ignore[union-attr]
         if windows and run.max_instances >= RERANK_CANDIDATES else None)
 
+    def verifier() -> KindVerifier | None:  # the set's bundle's known-kinds verifier, where its calibration has a check
+        return bundles.verifier(es.bundle) if bundles is not None and fit is not None and fit.kind is not None else None
+
+    def by_kind(answer: LocalizeAnswer) -> bool:
+        """Whether the verdict's confidences are the set's known-kinds check's (``app.calibration.judge``)."""
+        return fit is not None and fit.kind is not None and (answer.kind is not None or fit.kind_applies(verifier()))
+
     def answered(call: LocalizeCall) -> tuple[LocalizeAnswer, list[Judged]]:
         try:
             answer = inference.localize(call)
@@ -308,8 +317,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
                            calibration_key=calibration_key, ncc=answer.ncc,
                            template_bar=TEMPLATE_BAR if rerank == "templates" else None,
                            kind=answer.kind,  # read by the engine with its batch; else read here
-                           verifier=bundles.verifier(es.bundle) if answer.kind is None and bundles is not None
-                           and fit is not None and fit.kind is not None else None)
+                           verifier=verifier() if answer.kind is None else None)
         return answer, judged
 
     answer, judged = answered(call)
@@ -325,6 +333,10 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
             verdicts = [judged[i] for i in doubt]
         else:
             doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
+            if doubt and by_kind(answer):  # the check doubts; the NCC fit must doubt the box too (as the engine)
+                pixels = doubtful_by_pixels(fit, [call.images[i] for i in doubt],  # type: ignore[arg-type]
+                                            [answer.results[i] for i in doubt], es.threshold)
+                doubt = [i for i, d in zip(doubt, pixels, strict=True) if d]
             verdicts = []
             if doubt:
                 again_images, again_scales = [call.images[i] for i in doubt], [decoded_scales[i] for i in doubt]

@@ -781,14 +781,15 @@ def test_the_engine_reads_each_sets_kind_check_with_the_batch_as_the_verdict_wou
     assert local.localize(other).kind is None
 
 
-def test_the_engines_second_look_on_a_set_with_a_kind_check_goes_by_the_checks_confidence(backends, settings,
-                                                                                           monkeypatch):
+def test_the_engines_second_look_on_a_set_with_a_kind_check_needs_the_check_and_the_ncc_fit_to_doubt(
+        backends, settings, monkeypatch):
     """A set of a kind the bundle's verifier knows is answered with the check's probabilities as confidences; the
-    engine's second look must judge its answers doubtful by those too (not by the NCC fit, which the verdict does not
-    use for it): with the NCC fit saying every answer is sure and the check between them, the doubtful answers are
-    those under the bar by the check, each with the candidates a ``max_instances=4`` call finds for it; the
-    probabilities the engine passes on (answers read once, then only the instances) equal those the verdict reads
-    itself, and no NCC features are read for such calls."""
+    engine's second look takes an answer only where the check doubts it *and* the calibration's NCC fit does
+    (``app.calibration.doubtful_by_pixels``: the check also doubts answers on images without the object): with an NCC
+    fit that doubts everything, the doubtful answers are those under the bar by the check, each with the candidates
+    a ``max_instances=4`` call finds for it; with one sure of everything, none. The probabilities the engine passes
+    on (answers read once, then only the instances) equal those the verdict reads itself; no NCC features are
+    passed on for such calls (the verdict does not read them)."""
     import dataclasses
 
     import torch
@@ -813,35 +814,44 @@ def test_the_engines_second_look_on_a_set_with_a_kind_check_goes_by_the_checks_c
                   tuple(spec.fill))
     r = torch.nn.functional.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(5)), dim=-1)
     check = KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, "engine test")
-    sure = PlattFit(["ncc"], [0.0], [1.0], [0.0], 10.0)  # the NCC fit: every answer 0.99995
-    cal = Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {}, sure, None, t, check)
+
+    def calibration(bias: float) -> Calibration:  # an NCC fit of the same confidence for every answer
+        return Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {},
+                           PlattFit(["ncc"], [0.0], [1.0], [0.0], bias), None, t, check)
+
+    unsure, sure = calibration(-10.0), calibration(10.0)
     plain = make_call(loaded, 21, n=6, templates=t, kind=check)
 
     def verdicts(call, answer, **kw):
-        return judge(answer.results, call.images, cal.to_dict(), threshold=0.5, min_confidence=None, loaded=None,
+        return judge(answer.results, call.images, unsure.to_dict(), threshold=0.5, min_confidence=None, loaded=None,
                      prototype=call.prototype, negatives=None, rerank="false", verifier=v, **kw)
 
     conf = sorted(j.confidence for j in verdicts(plain, local.localize(plain)))
-    assert conf[0] < conf[-1] and conf[-1] < 0.9999
-    bar = (conf[2] + conf[3]) / 2  # three doubtful by the check, none by the NCC fit
-    looking = dataclasses.replace(plain, second_look=SecondLook(cal, bar, RERANK_CANDIDATES))
-    calls = [looking, make_call(loaded, 22, n=2, templates=t, kind=check, max_instances=1)]
-    answers = queued_behind_a_held_batch(held, loaded, calls)
-    assert held.batch_calls == [1, len(calls)]
-    answer = answers[0]
-    assert answer.looked and answer.ncc is None and answers[1].ncc is None  # the check's calls read no NCC
-    by_check = [j.confidence for j in verdicts(looking, answer)]
-    doubtful = [c < bar for c in by_check]
-    assert sum(doubtful) == 3 and [r.instances is not None for r in answer.results] == doubtful
-    alone = local.localize(dataclasses.replace(looking, second_look=None, max_instances=RERANK_CANDIDATES))
-    for got, want, d in zip(answer.results, alone.results, doubtful, strict=True):
-        assert got.box == pytest.approx(want.box, abs=1e-3)
-        if d:
-            assert [x for i in got.instances for x in i.box] == pytest.approx(
-                [x for i in want.instances for x in i.box], abs=1e-3)
-    engine = verdicts(looking, answer, kind=answer.kind)
-    assert [j.confidence for j in engine] == pytest.approx(by_check, abs=1e-9)
-    for e, h in zip(engine, verdicts(looking, answer), strict=True):
-        assert (e.instances is None) == (h.instances is None)
-        if e.instances is not None:
-            assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances], abs=1e-9)
+    assert conf[0] < conf[-1]
+    bar = (conf[2] + conf[3]) / 2  # three doubtful by the check
+    for cal, n_doubtful in ((unsure, 3), (sure, 0)):
+        looking = dataclasses.replace(plain, second_look=SecondLook(cal, bar, RERANK_CANDIDATES))
+        calls = [looking, make_call(loaded, 22, n=2, templates=t, kind=check, max_instances=1)]
+        if cal is unsure:  # with another call, in one batch
+            answers = queued_behind_a_held_batch(held, loaded, calls)
+            assert held.batch_calls == [1, len(calls)]
+        else:
+            answers = [local.localize(c) for c in calls]
+        answer = answers[0]
+        assert answer.looked and answer.ncc is None and answers[1].ncc is None  # none passed on for the check's calls
+        by_check = [j.confidence for j in verdicts(looking, answer)]
+        doubtful = [c < bar and cal is unsure for c in by_check]
+        assert sum(doubtful) == n_doubtful and [r.instances is not None for r in answer.results] == doubtful
+        alone = local.localize(dataclasses.replace(looking, second_look=None, max_instances=RERANK_CANDIDATES))
+        for got, want, d in zip(answer.results, alone.results, doubtful, strict=True):
+            assert got.box == pytest.approx(want.box, abs=1e-3)
+            if d:
+                assert [x for i in got.instances for x in i.box] == pytest.approx(
+                    [x for i in want.instances for x in i.box], abs=1e-3)
+        engine = verdicts(looking, answer, kind=answer.kind)
+        assert [j.confidence for j in engine] == pytest.approx(by_check, abs=1e-9)
+        for e, h in zip(engine, verdicts(looking, answer), strict=True):
+            assert (e.instances is None) == (h.instances is None)
+            if e.instances is not None:
+                assert [i.confidence for i in e.instances] == pytest.approx([i.confidence for i in h.instances],
+                                                                            abs=1e-9)

@@ -221,3 +221,59 @@ def test_a_digit_set_on_the_default_bundle_is_found_on_its_digit_and_not_on_othe
     assert int((found[:16] & right).sum()) >= 14
     assert int(found[16:].sum()) <= 1  # of 16 other digits
     assert new_set(glyphs("K", "train", 5, seed=1000))["kind"] is None
+
+
+@pytest.mark.parametrize("ncc_bias", [-20.0, 20.0])
+def test_a_digit_sets_answers_do_not_depend_on_which_path_takes_the_second_look(tmp_path, ncc_bias):
+    """On a set with a known-kinds check, ``max_instances=1`` takes the second look in the engine's forward pass and
+    ``max_instances=2`` in a second call of the route (as with workers or a GPU): both take it only where the check
+    and the calibration's NCC fit both doubt the answer. The set's NCC fit is set to doubt every answer (then the
+    check decides: some images are looked at again) or none (then none is, whatever the check says); either way
+    every image gets the same answer by both paths: 4s, 4s on a wider canvas, other digits."""
+    import json
+
+    import torch
+    from fastapi.testclient import TestClient
+    from sqlalchemy import create_engine, text
+
+    from app.config import Settings
+    from app.main import create_app
+    from models.data.types import exemplar_crops
+    from models.experiments.cmnist import cmnist
+
+    def png(t):
+        return _png((t[0].numpy() * 255).round().astype(np.uint8))
+
+    settings = make_test_settings(tmp_path, SHIPPED, default_bundle=Settings().default_bundle)
+    migrate(settings.database_url)
+    crops = [("files", (f"{i}.png", png(c), "image/png")) for i, c in enumerate(exemplar_crops(
+        cmnist(4, "train", 3, seed=1000)))]
+    with TestClient(create_app(settings)) as client:
+        es = client.post("/v1/exemplar-sets", files=crops).json()
+    assert es["kind"] == "4"
+    engine = create_engine(settings.database_url)
+    with engine.begin() as c:  # before any localize reads it (parsed calibrations are cached per set)
+        cal = json.loads(c.execute(text("SELECT calibration FROM exemplar_sets")).scalar_one())
+        cal["ncc"]["bias"], cal["ncc"]["weights"] = ncc_bias, [0.0] * len(cal["ncc"]["weights"])
+        c.execute(text("UPDATE exemplar_sets SET calibration = :c"), {"c": json.dumps(cal)})
+    engine.dispose()
+    fours = cmnist(4, "test", 3, seed=3).images
+    wide = torch.cat([fours, torch.zeros_like(fours)], dim=-1)  # 168 x 84, the 4 on the left
+    others = torch.cat([cmnist(d, "test", 1, seed=3).images for d in (1, 7)])  # 8 files: the tests' limit
+    uploads = [("files", (f"{i}.png", png(im), "image/png")) for i, im in enumerate([*fours, *wide, *others])]
+    with TestClient(create_app(settings)) as client:
+        url = f"/v1/exemplar-sets/{es['id']}/localize"
+
+        def looks() -> float:  # second looks so far (reranked or kept)
+            return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+                       if line.startswith("qloc_localize_second_looks_total{"))
+
+        r = client.post(url, files=uploads)
+        assert r.status_code == 200, r.text
+        one, by_engine = r.json()["results"], looks()
+        two = client.post(f"{url}?max_instances=2", files=uploads).json()["results"]
+        by_route = looks() - by_engine
+    for a, b in zip(one, two, strict=True):
+        assert a["box"] == pytest.approx(b["box"], abs=1e-2) and a["found"] == b["found"], (a, b)
+        assert a.get("reranked") == b.get("reranked") and a["confidence"] == pytest.approx(b["confidence"], abs=1e-6)
+    assert by_engine == by_route and (by_engine > 0) == (ncc_bias < 0)  # the NCC fit sure of every answer: no look
