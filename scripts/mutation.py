@@ -30,9 +30,11 @@ MODEL_TESTS = ["tests/models/test_rollout_inference_behaviour.py", "tests/models
 WORKER_TESTS = ["tests/worker/test_worker_jobs.py", "tests/worker/test_worker_leases.py",
                 "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_records.py"]
 
-# localize_batch's several instances and second look, the paired checkpoints, batches against images apart
+# localize_batch's several instances and second look, the paired checkpoints, batches against images apart, the refined
+# answer, the compiled episode
 INFERENCE_TESTS = ["tests/models/test_instances.py", "tests/models/test_companion.py",
-                   "tests/models/test_inference_batching.py", "tests/models/test_multi.py"]
+                   "tests/models/test_inference_batching.py", "tests/models/test_multi.py",
+                   "tests/models/test_refine.py", "tests/models/test_compiled.py"]
 
 TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_templates_math.py"]
 

@@ -424,3 +424,17 @@ def test_start_companion_keeps_the_base_device_episode_mode_and_the_start_refine
             assert c.localizer.fast_episode is fast and c.localizer.device == base.device
             assert c.localizer.bundle.refine is refine and c.agree and c.members is None
             assert torch.equal(c.localizer.embedder.head.state_dict()["net.1.weight"], head["net.1.weight"])
+
+
+def test_with_reward_keeps_the_device_and_episode_mode_and_refines_as_the_reward_says():
+    from models.bundle import Reward
+
+    bundle, _, _, protos = setup(2, 1)
+    head = tiny_bundle(9).embedder.head.state_dict()
+    for fast in (True, False):
+        base = Localizer(bundle, "cpu", fast_episode=fast)
+        for refine in (True, False):
+            served = base.with_reward(Reward(head, protos[0], refine=refine))
+            assert served.fast_episode is fast and served.device == base.device and served.companion is None
+            assert served.bundle.refine is refine
+    assert Localizer(bundle, "cpu").fast_episode is True  # compiled / CUDA-graph episodes unless told otherwise

@@ -250,3 +250,64 @@ def test_instance_settings_out_of_range_are_refused(bad):
                                          r"must be in \(0, 1\], start_scale >= 1"):
         InstanceConfig(**bad)
     InstanceConfig(per_side=1, sides=1, starts=0, nms_iou=1.0, start_scale=1.0, max_fraction=1.0)  # the edges pass
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_localize_batch_gives_find_instances_in_the_pixels_of_the_images_as_given(k):
+    """``localize_batch(max_instances=k, instance_config=...)`` on images of other sizes than the input: the instances
+    are ``find_instances``' (with that config, the agent's final answer a candidate) written out, scaled to each
+    image's pixels, with their distances as scores; template windows (``extra_boxes``, input pixels, NaN: none)
+    come last, scaled the same way and scored on the same maps."""
+    loc = Localizer(tiny_bundle(6), "cpu")
+    ims = [images(1, 1, 20 + i, size=60 + 20 * i, width=120 - 15 * i)[0] for i in range(3)]
+    protos = torch.randn(3, 16, generator=torch.Generator().manual_seed(5)) * 3
+    batch, scales = preprocess(ims, loc.spec)
+    assert not torch.allclose(scales, torch.ones_like(scales))
+    agent, cfg = loc.agent(), InstanceConfig(starts=3, nms_iou=0.5, per_side=5)
+    extra = torch.tensor([[4.0, 6.0, 20.0, 30.0], [float("nan")] * 4, [10.0, 10.0, 40.0, 25.0]])
+    got = loc.localize_batch(batch, scales, protos, agent, max_instances=k, instance_config=cfg, extra_boxes=extra)
+    with torch.no_grad():
+        feats = loc.embedder.features(normalize(batch, loc.spec))
+        ro = loc.run_features(feats, protos, agent)
+        inst = find_instances(loc.embedder, agent, feats, protos, loc.bundle.config.env, loc.spec.size, k,
+                              ro.boxes[-1], ro.distances[-1], cfg)
+        ok = ~extra.isnan().any(-1)
+        extra_d = loc.box_distances(feats, torch.where(ok[:, None], extra, ro.boxes[-1]), protos)
+    kk = torch.cat([scales, scales], dim=1)
+    for i, r in enumerate(got):
+        want = [((b * kk[i]).tolist(), float(d)) for b, d, v in zip(inst.boxes[i], inst.distances[i], inst.valid[i],
+                                                                    strict=True) if v]
+        if ok[i]:
+            want.append(((extra[i] * kk[i]).tolist(), float(extra_d[i])))
+        assert len(r.instances) == len(want) and [i.template for i in r.instances] == [False] * (len(want) - 1) + [
+            bool(ok[i])]
+        for have, (box, score) in zip(r.instances, want, strict=True):
+            assert list(have.box) == pytest.approx(box, abs=1e-3) and have.score == pytest.approx(score, abs=1e-4)
+    default = loc.localize_batch(batch, scales, protos, agent, max_instances=k)
+    assert any([i.box for i in d.instances] != [i.box for i in g.instances if not i.template]
+               for d, g in zip(default, got, strict=True)), "the test wants the config to change an answer's instances"
+
+
+def test_a_second_look_asks_for_as_many_instances_as_told_and_none_for_one():
+    loc = Localizer(tiny_bundle(6), "cpu")
+    batch, scales = preprocess([x for x in images(3, 1, 9)], loc.spec)
+    protos = torch.randn(3, 16, generator=torch.Generator().manual_seed(4)) * 3
+    asked = []
+
+    def every(boxes, distances):
+        asked.append(len(boxes))
+        return torch.ones(len(boxes), dtype=torch.bool)
+
+    two = loc.localize_batch(batch, scales, protos, loc.agent(), look_again=every, look_again_instances=2)
+    assert asked == [3] and all(1 <= len(r.instances) <= 2 for r in two)
+    assert any(len(r.instances) == 2 for r in two)
+    one = loc.localize_batch(batch, scales, protos, loc.agent(), look_again=every, look_again_instances=1)
+    assert asked == [3] and all(r.instances is None for r in one)  # one candidate is the answer: no look at all
+
+
+def test_localize_gives_one_answer_and_no_instances_unless_asked():
+    loc = Localizer(tiny_bundle(6), "cpu")
+    ims = [x for x in images(2, 1, 9)]
+    proto = torch.randn(16, generator=torch.Generator().manual_seed(4)) * 3
+    assert all(r.instances is None for r in loc.localize(ims, proto))
+    assert all(r.instances for r in loc.localize(ims, proto, max_instances=3))
