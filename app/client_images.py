@@ -34,8 +34,18 @@ def _array_to_png(arr: Any) -> bytes:
     if a.dtype == np.uint16:  # PNG has no 16-bit colour that PIL writes: its 8 bits here, scaled as the API would
         a = np.rint(a / 257.0).astype(np.uint8)
     elif a.dtype != np.uint8:
-        if np.issubdtype(a.dtype, np.floating) and a.size and float(a.max()) <= 1.0 and float(a.min()) >= 0.0:
-            a = a * 255.0
+        if a.size and np.issubdtype(a.dtype, np.floating):
+            if not np.isfinite(a).all():
+                raise ValueError("an image array holds NaN or infinite values")
+            lo, hi = float(a.min()), float(a.max())
+            if lo < 0.0 or hi > 255.0:
+                raise ValueError(f"a float image array is read as [0, 1] (all values within it) or else [0, 255]; "
+                                 f"got values from {lo:g} to {hi:g}: scale it first")
+            if hi <= 1.0:
+                a = a * 255.0
+        elif a.size and (int(a.min()) < 0 or int(a.max()) > 255):
+            raise ValueError(f"an integer image array is read as [0, 255] (or uint16 as 16 bits); got values from "
+                             f"{int(a.min())} to {int(a.max())}: scale it first")
         a = np.clip(np.rint(a), 0, 255).astype(np.uint8)
     return _pil_to_png(Image.fromarray(a))
 

@@ -289,6 +289,20 @@ def test_16_bit_arrays_and_images_are_sent_so_the_api_sees_their_8_bit_scale() -
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)))[..., 0], eight)
 
 
+def test_arrays_outside_the_scales_they_are_read_on_are_refused_not_clipped() -> None:
+    """A float array is read as [0, 1] (all of it within) or else [0, 255]; an integer one as [0, 255]: values
+    outside, NaN or infinity are a ValueError saying so, not an image clipped to black or white."""
+    ramp = np.linspace(0.0, 1.0, 12).reshape(3, 4)
+    as_01 = np.asarray(Image.open(io.BytesIO(encode_image(ramp)[1])))
+    as_255 = np.asarray(Image.open(io.BytesIO(encode_image(ramp * 255)[1])))
+    assert np.array_equal(as_01, as_255) and as_01.max() == 255
+    for bad, message in ((ramp * 2 - 0.5, "from -0.5 to 1.5"), (ramp * 300, "from 0 to 300"),
+                         (np.full((3, 4), np.nan), "NaN"), (np.arange(12).reshape(3, 4) * 30, "from 0 to 330"),
+                         (np.arange(12).reshape(3, 4) - 1, "from -1 to 10")):
+        with pytest.raises(ValueError, match=message):
+            encode_image(bad)
+
+
 @pytest.mark.parametrize("mode", ["LA", "P", "1", "RGBA", "PA"])
 def test_a_pil_image_goes_up_as_the_api_would_see_its_file(mode: str) -> None:
     """A PIL image with transparency or a palette is sent as a PNG in its own mode (PA as RGBA), so the API
