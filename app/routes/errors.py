@@ -23,5 +23,6 @@ UPLOAD_ERRORS = {
     400: error("Not a readable PNG, JPEG or WebP image"),
     413: error("Too many files, a file or image too large, more pixels in all than the request's budget "
                "(QLOC_MAX_REQUEST_PIXELS, from the headers, before decoding), or the request body too large"),
-    415: error("Not a PNG, JPEG or WebP, or an animated PNG or WebP (send the frame to use as a still image)"),
+    415: error("Not a PNG, JPEG or WebP, or an animated PNG or WebP (send the frame to use as a still image), or a "
+               "body that is not multipart/form-data (JSON, say)"),
 }
