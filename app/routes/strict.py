@@ -25,9 +25,9 @@ FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
 def _names(dependant: Dependant) -> tuple[set[str], set[str], set[str]]:
     """The query parameters and body fields of ``dependant`` and of its sub-dependencies, by their aliases, and those
     of them that take several values (a list: ``files``)."""
-    params = [*dependant.query_params, *dependant.body_params]
+    fields = [*dependant.query_params, *dependant.body_params]
     query, body = {p.alias for p in dependant.query_params}, {p.alias for p in dependant.body_params}
-    lists = {p.alias for p in params if field_annotation_is_sequence(p.field_info.annotation)}
+    lists = {p.alias for p in fields if field_annotation_is_sequence(p.field_info.annotation)}
     for sub in dependant.dependencies:
         q, b, m = _names(sub)
         query |= q
