@@ -346,6 +346,35 @@ def pil_image(data):
     return im
 
 
+def toy_verifier(monkeypatch, spec, template_seed):
+    """A small known-kinds verifier (random weights, kinds "a" and "b") served as every bundle's, and templates of
+    three random crops on the bundle's input -> (verifier, templates)."""
+    import torch
+
+    from app.inference import BundleRegistry
+    from models.core.templates import Templates
+    from models.verifier import KindVerifier
+
+    torch.manual_seed(0)
+    v = KindVerifier(1, ["a", "b", "background"]).freeze()
+    v.sha256 = "engine test"
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    g = torch.Generator().manual_seed(template_seed)
+    t = Templates((torch.rand(3, 1, 16, 16, generator=g) * 255).round() / 255, None, spec.size, spec.channels,
+                  tuple(spec.fill))
+    return v, t
+
+
+def toy_check(seed, sha="engine test"):
+    """A set's check of kind "a" against ``toy_verifier`` (``sha``: the verifier file it was made with)."""
+    import torch
+
+    from models.verifier import KindCheck
+
+    r = torch.nn.functional.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)), dim=-1)
+    return KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, sha)
+
+
 def queued_behind_a_held_batch(held, loaded, calls):
     """``calls`` submitted from threads of their own while the engine holds a first batch, so that they wait together;
     then the engine released -> their answers."""
@@ -732,29 +761,14 @@ def test_the_engine_reads_each_sets_kind_check_with_the_batch_as_the_verdict_wou
     another verifier file is left to the route (which then serves the calibrated fit)."""
     import dataclasses
 
-    import torch
-
     from app.calibration import judge
-    from app.inference import BundleRegistry
     from models.calibration import Calibration
     from models.core.platt import PlattFit
-    from models.core.templates import Templates
-    from models.verifier import KindCheck, KindVerifier
 
     bundles, local, held = backends
     loaded = bundles.get(settings.default_bundle)
-    spec = loaded.localizer.spec
-    torch.manual_seed(0)
-    v = KindVerifier(1, ["a", "b", "background"]).freeze()
-    v.sha256 = "engine test"
-    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
-    g = torch.Generator().manual_seed(0)
-    t = Templates((torch.rand(3, 1, 16, 16, generator=g) * 255).round() / 255, None, spec.size, spec.channels,
-                  tuple(spec.fill))
-
-    def check(seed: int, sha: str = "engine test") -> KindCheck:
-        r = torch.nn.functional.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)), dim=-1)
-        return KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, sha)
+    v, t = toy_verifier(monkeypatch, loaded.localizer.spec, 0)
+    check = toy_check
 
     checks = [check(1), check(2), check(3, "another file")]
     calls = [make_call(loaded, 1, n=2, templates=t, kind=checks[0], max_instances=3),
@@ -792,28 +806,15 @@ def test_the_engines_second_look_on_a_set_with_a_kind_check_needs_the_check_and_
     passed on for such calls (the verdict does not read them)."""
     import dataclasses
 
-    import torch
-
     from app.calibration import RERANK_CANDIDATES, judge
-    from app.inference import BundleRegistry
     from app.serving import SecondLook
     from models.calibration import Calibration
     from models.core.platt import PlattFit
-    from models.core.templates import Templates
-    from models.verifier import KindCheck, KindVerifier
 
     bundles, local, held = backends
     loaded = bundles.get(settings.default_bundle)
-    spec = loaded.localizer.spec
-    torch.manual_seed(0)
-    v = KindVerifier(1, ["a", "b", "background"]).freeze()
-    v.sha256 = "engine test"
-    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
-    g = torch.Generator().manual_seed(2)
-    t = Templates((torch.rand(3, 1, 16, 16, generator=g) * 255).round() / 255, None, spec.size, spec.channels,
-                  tuple(spec.fill))
-    r = torch.nn.functional.normalize(torch.randn(3, 64, generator=torch.Generator().manual_seed(5)), dim=-1)
-    check = KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, "engine test")
+    v, t = toy_verifier(monkeypatch, loaded.localizer.spec, 2)
+    check = toy_check(5)
 
     def calibration(bias: float) -> Calibration:  # an NCC fit of the same confidence for every answer
         return Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {},
