@@ -115,6 +115,40 @@ def test_a_checkpoint_activated_while_the_job_ran_stands_and_the_job_says_it_did
     assert not client.get(f"/v1/checkpoints/{last.id}").json()["active"]
 
 
+def test_a_set_made_without_a_calibration_gets_its_kind_check_in_its_jobs_calibrations(client, ctx, monkeypatch):
+    """A set made in workers mode has no calibration (the API fits none): its job's calibration refresh makes the set's
+    known-kinds check with the bundle's verifier from the set's crops, as set creation does in local mode, so the
+    checkpoint it serves judges ``found`` by it; a set with a stored calibration keeps its stored check."""
+    from models.verifier import KindCheck
+
+    made = []
+    check = KindCheck([1.0, 0.0], [[0.0, 1.0]], "4", 0.99, "stub")
+
+    class Verifier:
+        def check(self, crops, negative_crops=None):
+            made.append(len(crops))
+            return check
+
+    monkeypatch.setattr(ctx.bundles, "verifier", lambda name: Verifier())
+
+    def three_crops():  # the NCC fits, which a kind check needs, take two exemplars or more
+        r = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=9 + i) for i in range(3)]))
+        return r.json()["id"]
+
+    job = new_job(client, three_crops())
+    with ctx.session_factory.begin() as s:  # as workers mode makes it
+        s.execute(update(ExemplarSet).where(ExemplarSet.id == uuid.UUID(job["exemplar_set_id"]))
+                  .values(calibration=None))
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    last = checkpoints_of(ctx, job["id"])[-1]
+    assert made == [3] and last.calibration is not None, made
+    assert last.calibration.get("kind") == check.to_dict(), sorted(last.calibration)
+    made.clear()
+    stored = new_job(client, three_crops())  # a set with its calibration (no kind: the API has no verifier)
+    assert run_adaptation_job(ctx, uuid.UUID(stored["id"]), worker="test") == "succeeded"
+    assert made == [] and "kind" not in checkpoints_of(ctx, stored["id"])[-1].calibration
+
+
 def test_a_finished_job_is_never_run_again(client, ctx):
     job = new_job(client, iterations="2")
     job_id = uuid.UUID(job["id"])
