@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import IO
@@ -222,7 +223,10 @@ def decode_image(data: bytes, *, filename: str | None, declared_type: str | None
     except ImageRejected:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageRejected("too_large", f"{name}: {e}") from e
+        # Pillow's own bound (far above ours) refused it before its size was read here: ours is what applies
+        size = re.search(r"\((\d+) pixels\)", str(e))
+        pixels = f"{size.group(1)} pixels" if size else "more pixels than Pillow opens"
+        raise ImageRejected("too_large", f"{name}: {pixels}, the limit is {limits.max_image_pixels}") from e
     except Exception as e:  # PIL raises many types for broken files: SyntaxError, OSError, ValueError...
         raise ImageRejected("bad_image", f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
     return DecodedImage(filename, data if keep_data else b"", image, fmt, full_w, full_h)

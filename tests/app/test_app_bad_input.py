@@ -99,6 +99,17 @@ def test_bad_uploads_are_refused_and_nothing_is_written(client, settings, exempl
     assert snapshot(settings) == before
 
 
+@pytest.mark.parametrize("side", [5_000, 12_000, 20_000])
+def test_an_image_over_the_pixel_limit_is_413_naming_that_limit_whatever_its_size(client, settings, side):
+    """Under Pillow's own decompression-bomb bound and over it (12,000 and 20,000 px a side), the message names the
+    service's limit (``QLOC_MAX_IMAGE_PIXELS``), not Pillow's."""
+    r = client.post("/v1/exemplar-sets", files=files(bomb_png(side, side)))
+    assert r.status_code == 413, r.text
+    detail = r.json()["detail"]
+    assert detail.endswith(f" pixels, the limit is {settings.max_image_pixels}") and "attack" not in detail, detail
+    assert f"{side}x{side} pixels" in detail or f"{side * side} pixels" in detail, detail
+
+
 def test_body_larger_than_all_files_allowed_is_413(client, settings):
     before = snapshot(settings)
     big = b"\x89PNG" + b"\x00" * (settings.max_request_bytes + 10)
