@@ -315,8 +315,14 @@ class AdaptationRun:
             verdict, validation = decision["verdict"], decision["validation"]
             if outcome == JobState.SUCCEEDED and decision["activate"] is not None:
                 ckpt_id = self.checkpoint_ids.get(decision["activate"])
+            message = decision["message"]
+            if job.activate == "true" and ckpt_id is not None:
+                message += (f"; activate=true: the last checkpoint (iteration {decision['activate']}) is activated "
+                            "whatever the probes say")
+            elif job.activate == "false":
+                message += "; activate=false: nothing is activated"
             validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
-                          "message": decision["message"], **(self.setup.record if self.setup is not None else {})}
+                          "message": message, **(self.setup.record if self.setup is not None else {})}
         calibrations = self._calibrations({ckpt_id, self.last_checkpoint_id}) if outcome == JobState.SUCCEEDED else {}
         with self.ctx.session_factory.begin() as s:  # one transaction: the outcome, and the activation it reports
             for cid, cal in calibrations.items():  # with the outcome: a served checkpoint is calibrated at once
@@ -326,7 +332,7 @@ class AdaptationRun:
                 log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
                          self.job_id, ckpt_id)
                 validation = {**(validation or {}), "activated_iteration": None,
-                              "message": f"{validation['message']} Not activated: the set's active checkpoint "  # type: ignore[index]
+                              "message": f"{decision['message']}; not activated: the set's active checkpoint "
                                          "changed while the job ran (that choice stands; activate this job's "
                                          "checkpoint to serve it)."}
             if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,

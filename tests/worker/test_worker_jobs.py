@@ -53,6 +53,8 @@ def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
     assert polled["progress"]["iteration"] == polled["progress"]["total"] == 5
     assert polled["progress"]["mean_reward"] is not None
     assert polled["started_at"] <= polled["finished_at"]
+    assert polled["validation"]["message"].endswith(
+        "; activate=true: the last checkpoint (iteration 5) is activated whatever the probes say")
 
     ckpts = checkpoints_of(ctx, job["id"])
     assert [c.iteration for c in ckpts] == [2, 4, 5]  # every checkpoint_every=2 iterations, and the end
@@ -80,6 +82,8 @@ def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
     assert only.parent_id == ckpts[-1].id
     es = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}").json()
     assert es["active_checkpoint_id"] == str(ckpts[-1].id)  # activate=false
+    message = client.get(f"/v1/adaptations/{second['id']}").json()["validation"]["message"]
+    assert message.endswith("; activate=false: nothing is activated")
 
     # rollback: activate the base checkpoint again
     base = job["params"]["base_checkpoint_id"]
@@ -110,7 +114,8 @@ def test_a_checkpoint_activated_while_the_job_ran_stands_and_the_job_says_it_did
     es = client.get(f"/v1/exemplar-sets/{set_id}").json()
     assert es["active_checkpoint_id"] == first["params"]["base_checkpoint_id"]  # the rollback stands
     assert polled["validation"]["activated_iteration"] is None
-    assert "Not activated: the set's active checkpoint changed while the job ran" in polled["validation"]["message"]
+    assert "; not activated: the set's active checkpoint changed while the job ran" in polled["validation"]["message"]
+    assert "activate=true" not in polled["validation"]["message"]  # it was not
     (last,) = [c for c in checkpoints_of(ctx, job["id"]) if c.iteration == 2]
     assert not client.get(f"/v1/checkpoints/{last.id}").json()["active"]
 
