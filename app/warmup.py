@@ -67,6 +67,15 @@ class EpisodeWarmup:
         return not any(t.is_alive() for t in threads)
 
 
+def _torch_default_cache_dir() -> str | None:
+    """Where inductor caches when ``TORCHINDUCTOR_CACHE_DIR`` is unset (``None``: this torch does not say)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
 def install(bundles: BundleRegistry, settings: Settings, observe: Callable[[str], None] | None = None
             ) -> EpisodeWarmup | None:
     """Compile the episode of every bundle ``bundles`` loads from now on, and of those it has loaded, unless
@@ -74,7 +83,11 @@ def install(bundles: BundleRegistry, settings: Settings, observe: Callable[[str]
     unless ``TORCHINDUCTOR_CACHE_DIR`` says where (a restart then compiles in seconds)."""
     if not settings.compile_episode:
         return None
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((settings.storage_dir / "compile-cache").resolve()))
+    ours = str((settings.storage_dir / "compile-cache").resolve())
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, _torch_default_cache_dir()):
+        # unset, or set by torch itself to its default (inductor writes the variable the first time it looks, which an
+        # import may have done already): ours; a place set by the deployment stays
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
     warmup = EpisodeWarmup(observe)
     bundles.on_load = warmup
     for loaded in bundles.loaded():

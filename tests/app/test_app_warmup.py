@@ -28,8 +28,11 @@ def localize(c: TestClient, set_id: str, seed: int) -> dict:
 
 def test_the_api_compiles_the_one_image_episode_in_the_background_and_answers_the_same(
         tmp_path, bundle_dir, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset below")  # restored after the test
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    cache_dir()  # inductor looked already (an import may have): it set the variable to its default
     settings = make_test_settings(tmp_path, bundle_dir, compile_episode=True)
     migrate(settings.database_url)
     app = create_app(settings)
@@ -59,6 +62,7 @@ def test_a_compile_that_fails_leaves_the_eager_episode_serving(tmp_path, bundle_
     settings = make_test_settings(tmp_path, bundle_dir, compile_episode=True)
     migrate(settings.database_url)
     app = create_app(settings)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")  # a place the deployment set stays
     with TestClient(app) as c:
         assert app.state.warmup.wait(60)
         set_id = c.post("/v1/exemplar-sets", files=files(png_bytes(28, 28))).json()["id"]
