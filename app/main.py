@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import torch
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -123,6 +125,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router, dependencies=[Depends(known_parameters)], responses=UNKNOWN_PARAMETER)
     for module in (health, labelstudio):  # probes, and Label Studio's protocol: what they do not take is ignored
         app.include_router(module.router)
+    app.add_exception_handler(RequestValidationError, validation_error)
     web.install(app)  # the page at / and the API docs, offline
     return app
+
+
+INPUT_SHOWN = 200
+"""Characters of an invalid value a 422 shows back (a 60,000-character header is not echoed whole)."""
+
+
+def _shown(value: object) -> object:
+    if isinstance(value, str | bytes) and len(value) > INPUT_SHOWN:
+        return f"{value[:INPUT_SHOWN]!s}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    return value
+
+
+async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 for invalid parameters (``detail``: a list of ``{type, loc, msg, input, ...}``), with long
+    invalid values cut to their first ``INPUT_SHOWN`` characters."""
+    errors = [{**e, "input": _shown(e["input"])} if "input" in e else e
+              for e in exc.errors()]  # type: ignore[attr-defined]
+    return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
 

@@ -124,3 +124,16 @@ def test_unreachable_broker_is_503_and_the_job_is_failed(tmp_path, bundle_dir):
         assert r.status_code == 503
         jobs = c.get(f"/v1/exemplar-sets/{es['id']}/adaptations").json()["data"]
         assert [j["status"] for j in jobs] == ["failed"] and "enqueue" in jobs[0]["error"]
+
+
+def test_a_422_shows_a_long_invalid_value_cut_short(client, settings):
+    es = make_set(client)
+    before = row_counts(settings.database_url)
+    r = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", headers={"Idempotency-Key": "k" * 60_000},
+                    files=files(png_bytes()))
+    assert r.status_code == 422 and len(r.content) < 2_000, len(r.content)
+    (err,) = r.json()["detail"]
+    assert err["loc"] == ["header", "Idempotency-Key"] and err["input"] == "k" * 200 + "... (60000 characters)"
+    assert row_counts(settings.database_url) == before
+    r = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "x"}, files=files(png_bytes()))
+    assert r.status_code == 422 and r.json()["detail"][0]["input"] == "x"  # short ones as they were
