@@ -17,6 +17,7 @@ import socket
 import uuid
 from typing import Any
 
+import celery.app.trace
 from billiard.einfo import ExceptionWithTraceback
 from celery.exceptions import WorkerLostError
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
@@ -29,6 +30,10 @@ from worker.context import worker_context
 from worker.reaper import Reaper, expire_lease
 
 log = logging.getLogger(__name__)
+
+# A task's return value is not logged with its success: a localize answer or a new set's prototype is data (and
+# long), not a log line (Celery formats this line at each success from the module's constant).
+celery.app.trace.LOG_SUCCESS = "Task %(name)s[%(id)s] succeeded in %(runtime)ss"
 
 
 class JobRequest(Request):

@@ -326,3 +326,18 @@ def test_images_cross_the_wire_as_the_model_sees_them(mode):
     for channels in (1, 3):
         for fill in ((0.0,), (0.5, 0.2, 0.9)):
             assert torch.equal(pil_to_tensor(back, channels, fill), pil_to_tensor(img, channels, fill)), mode
+
+
+def test_the_worker_logs_a_tasks_success_without_its_return_value(caplog):
+    """A localize answer or a new set's prototype is data, not a log line: the success line names the task, its id
+    and run time only."""
+    import logging
+
+    import celery.app.trace as trace
+
+    import worker.celery_app  # noqa: F401 -- sets the line's format
+
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"):
+        trace.info(trace.LOG_SUCCESS, {"id": "1", "name": "qloc.prototype", "return_value": "{'prototype': 'AAAA'}",
+                                       "runtime": 0.5, "args": "()", "kwargs": "{}"})
+    assert "Task qloc.prototype[1] succeeded in 0.5s" in caplog.text and "AAAA" not in caplog.text
