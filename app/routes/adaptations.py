@@ -80,7 +80,7 @@ def create_adaptation(
         "`/v1/exemplar-sets/{id}/images`, as it is when the job is created: images added later are not the job's), "
         "or `both`. Default: `files` when files are posted, else `pool`. A job needs at least one image."))] = None,
     iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1)] = None,
-    learning_rate: Annotated[float | None, Form(gt=0, le=1)] = None,
+    learning_rate: Annotated[float | None, Form(gt=0, le=1, allow_inf_nan=False)] = None,
     seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
     activate: Annotated[Literal["auto", "true", "false"], Form(description=(
         "auto (default): make the best checkpoint the set's active policy only if it beats the starting policy "

@@ -171,7 +171,7 @@ def create_exemplar_set(
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
     negative_files: Annotated[list[UploadFile] | None, File(description=NEGATIVES_DESCRIPTION)] = None,
-    threshold: Annotated[float, Form(ge=0.0, le=1.0, description=THRESHOLD_DESCRIPTION)] = 0.5,
+    threshold: Annotated[float, Form(ge=0.0, le=1.0, allow_inf_nan=False, description=THRESHOLD_DESCRIPTION)] = 0.5,
 ) -> ExemplarSetPublic:
     """Register exemplar crops: their mean embedding becomes the set's prototype.
 
