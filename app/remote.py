@@ -136,11 +136,13 @@ class MadePrototype:
     prototype: bytes
     """float32 little-endian, as stored with the set."""
     prototype_dim: int
+    calibration: dict[str, Any] | None = None
+    """The set's calibration (``app.calibration.calibrate_new_set``), where it was asked for."""
 
 
 def encode_prototype(made: MadePrototype) -> dict[str, Any]:
     return {"bundle": made.bundle, "bundle_sha256": made.bundle_sha256, "prototype": _b64(made.prototype),
-            "prototype_dim": made.prototype_dim}
+            "prototype_dim": made.prototype_dim, "calibration": made.calibration}
 
 
 # --- the API's side
@@ -163,12 +165,20 @@ class WorkerInference:
             call = replace(call, nearest=self.default_nearest)
         return decode_answer(self._ask(LOCALIZE_TASK, encode_call(call)))
 
-    def prototype(self, bundle: str, crops: list[Image.Image], *, explicit: bool) -> MadePrototype:
-        """The prototype of ``crops`` by the bundle installed as ``bundle``. ``explicit``: the client named the
-        bundle (an unknown one is its mistake: 422), else it is the server's default (503)."""
-        out = self._ask(PROTOTYPE_TASK, {"bundle": bundle, "explicit": explicit,
-                                         "crops": [encode_image(c) for c in crops]})
-        return MadePrototype(out["bundle"], out["bundle_sha256"], _unb64(out["prototype"]), int(out["prototype_dim"]))
+    def prototype(self, bundle: str, crops: list[Image.Image], *, explicit: bool,
+                  examples: list[tuple[Image.Image, tuple[float, float, float, float]]] | None = None,
+                  threshold: float | None = None) -> MadePrototype:
+        """The prototype of ``crops`` by the bundle installed as ``bundle``, and with ``threshold`` the new set's
+        calibration too (``examples``: its labeled examples, whole images with their boxes), as local mode fits it.
+        ``explicit``: the client named the bundle (an unknown one is its mistake: 422), else it is the server's
+        default (503)."""
+        payload: dict[str, Any] = {"bundle": bundle, "explicit": explicit, "crops": [encode_image(c) for c in crops]}
+        if threshold is not None:
+            payload.update(threshold=threshold, examples=[{"image": encode_image(im), "box": list(box)}
+                                                          for im, box in examples or []])
+        out = self._ask(PROTOTYPE_TASK, payload)
+        return MadePrototype(out["bundle"], out["bundle_sha256"], _unb64(out["prototype"]), int(out["prototype_dim"]),
+                             out.get("calibration"))  # none from a worker of the version before
 
     def check_bundle(self, bundle: str, *, sha256: str | None, prototype_dim: int) -> None:
         """Refused (409) unless the file installed as ``bundle`` is the one that made a set (``sha256``)."""

@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 from app import warmup
+from app.calibration import calibrate_new_set
 from app.inference import BundleRegistry, LoadedBundle, UnknownBundle, prototype_to_bytes
 from app.remote import (
     RETRY_AFTER,
@@ -84,8 +85,15 @@ def prototype(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
         loaded = get_bundle(ctx.bundles, payload["bundle"], explicit=bool(payload["explicit"]))
     except InferenceRefused as e:
         return refusal(e)
-    proto = loaded.localizer.prototype([decode_image(c) for c in payload["crops"]])
-    return encode_prototype(MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(proto), int(proto.numel())))
+    crops = [decode_image(c) for c in payload["crops"]]
+    proto = loaded.localizer.prototype(crops)
+    calibration = None
+    if payload.get("threshold") is not None:  # the set's calibration, as the API fits it in local mode
+        examples = [(decode_image(e["image"]), tuple(e["box"])) for e in payload.get("examples", [])]
+        calibration = calibrate_new_set(loaded, proto, crops, examples, [], threshold=float(payload["threshold"]),
+                                        verifier=ctx.bundles.verifier(loaded.name)).calibration
+    return encode_prototype(MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(proto), int(proto.numel()),
+                                          calibration))
 
 
 def check_bundle(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:

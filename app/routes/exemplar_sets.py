@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
 
 from app import crud
-from app.calibration import calibrate_new_set
+from app.calibration import NewSetCalibration, calibrate_new_set
 from app.deps import BundlesDep, CallerDep, SessionDep, SettingsDep, StoreDep
 from app.images import DecodedImage
 from app.inference import (
@@ -190,18 +190,19 @@ def create_exemplar_set(
     # A crop from a box is cut from a decode fine enough for it, one image at a time (app.images).
     crops = [im.image if box is None else im.crop(box, max_side=settings.decode_max_side)
              for im, box in zip(images, labels, strict=True)]
+    examples = [(im.image, im.box_to_decoded(box)) for im, box in zip(images, labels, strict=True) if box]
     if remote is None:
         prototype = loaded.localizer.prototype(crops)  # [D]
         made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(prototype), int(prototype.numel()))
-        examples = [(im.image, im.box_to_decoded(box)) for im, box in zip(images, labels, strict=True) if box]
         calibrated = calibrate_new_set(loaded, prototype, crops, examples, [im.image for im in negative_images],
                                        threshold=threshold, verifier=bundles.verifier(loaded.name))
-    else:
-        calibrated = None  # no model here: answers get a confidence once an adaptation job calibrates a checkpoint
+    else:  # no model here: the worker makes the prototype and fits the calibration (as above, without negatives)
         try:
-            made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None)
+            made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None,
+                                    examples=examples, threshold=threshold)
         except InferenceRefused as e:
             raise answer_refusal(e) from e
+        calibrated = None if made.calibration is None else NewSetCalibration(made.calibration, None, 0)
     set_id = uuid.uuid4()
     try:
         blobs = []

@@ -111,6 +111,15 @@ def uploads():
                  palette_png(34), png_bytes(84, 84, "LA", seed=35))
 
 
+def calibrations(database_url: str, *set_ids: str) -> list[dict]:
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return [s.get_one(ExemplarSet, uuid.UUID(i)).calibration for i in set_ids]
+    finally:
+        engine.dispose()
+
+
 def same_answers(a: dict, b: dict) -> None:
     assert a["checkpoint_id"] == b["checkpoint_id"] and a["nearest"] == b["nearest"] and a["samples"] == b["samples"]
     assert a["refined"] == b["refined"]
@@ -119,6 +128,9 @@ def same_answers(a: dict, b: dict) -> None:
         assert (ra["width"], ra["height"], ra["filename"]) == (rb["width"], rb["height"], rb["filename"])
         assert np.allclose(ra["box"], rb["box"], atol=TOL), (ra, rb)
         assert abs(ra["score"] - rb["score"]) < TOL, (ra, rb)
+        assert (ra["confidence"] is None) == (rb["confidence"] is None) and ra["found"] == rb["found"], (ra, rb)
+        assert ra["confidence"] is None or abs(ra["confidence"] - rb["confidence"]) < TOL, (ra, rb)
+        assert ra.get("reranked") == rb.get("reranked"), (ra, rb)
         assert (ra.get("trajectory") is None) == (rb.get("trajectory") is None)
         if ra.get("trajectory") is not None:
             assert np.allclose(ra["trajectory"], rb["trajectory"], atol=TOL)
@@ -148,6 +160,11 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
             protos = prototypes(base.database_url)
             assert protos[es["id"]].shape == (protos[es_local["id"]].size,)
             assert np.allclose(protos[es["id"]], protos[es_local["id"]], atol=1e-5)
+            # and its calibration, fitted on the worker as the API fits it in local mode
+            assert es["calibrated"] and es_local["calibrated"] and es["kind"] == es_local["kind"]
+            remote_cal, local_cal = calibrations(base.database_url, es["id"], es_local["id"])
+            assert remote_cal["version"] == local_cal["version"] and set(remote_cal) == set(local_cal)
+            assert remote_cal["templates"] == local_cal["templates"]  # the crops' NCC templates: the same pixels
             assert remote_app.state.remote is not None and local_app.state.remote is None
 
             url = f"/v1/exemplar-sets/{es['id']}/localize"
