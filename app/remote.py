@@ -5,7 +5,8 @@ Celery task on ``QLOC_LOCALIZE_QUEUE`` (consumed by ``worker/localize.py``), ans
 backend (``QLOC_RESULT_BACKEND``):
 
 - ``qloc.localize``: a ``LocalizeCall`` -> a ``LocalizeAnswer`` (the worker batches concurrent calls);
-- ``qloc.prototype``: exemplar crops -> the prototype of a new set, with the bundle file that made it;
+- ``qloc.prototype``: exemplar crops (and labeled examples) -> the prototype and the calibration of a new set,
+  with the bundle file that made it;
 - ``qloc.check_bundle``: is the set's bundle file still the installed one (before an adaptation job is stored).
 
 A worker's refusal comes back as ``InferenceRefused`` with the status and detail the API would have given
