@@ -362,11 +362,9 @@ def _job_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) -> di
         negatives = None
         if es.negatives is not None and setup.reward == "bundle head":
             negatives = prototype_from_bytes(es.negatives).view(-1, es.prototype_dim)
-        # The set's kind check (it depends on its crops only): the stored one; a set made in workers mode has no
-        # calibration (the API fits none), so its first job makes the check with the bundle's verifier.
-        kind = stored_kind(es.calibration)
-        if es.calibration is None and (verifier := run.ctx.bundles.verifier(es.bundle)) is not None:
-            kind = verifier.check(crops)
+        # The set's kind check (it depends on its crops only): the stored one; a set with no calibration (made in
+        # workers mode by an earlier version) gets it made here, by the bundle's verifier, as set creation makes it.
+        verifier = run.ctx.bundles.verifier(es.bundle) if es.calibration is None else None
         reward = run.reward()  # as localize serves the checkpoints: paired with the job's start where they carry it
         loc = Localizer(setup.bundle, run.ctx.settings.device)
         if reward is not None:
@@ -382,9 +380,9 @@ def _job_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) -> di
             cal = calibrate_policy(loc, setup.prototype, crops, nearest=loc.default_nearest, agent_state=agent,
                                    seed=run.job.seed, backgrounds01=backgrounds, positives=setup.guard.probes,
                                    negative_embeddings=negatives, threshold=es.threshold,
-                                   negative_templates=stored_negative_templates(es.calibration))
-            if cal.templates is not None:  # the set's kind check (``models.verifier``) holds for every policy
-                cal.kind = kind
+                                   negative_templates=stored_negative_templates(es.calibration), verifier=verifier)
+            if cal.templates is not None and verifier is None:  # the set's kind check holds for every policy
+                cal.kind = stored_kind(es.calibration)
             out[cid] = {**cal.to_dict(), "iteration": iteration}
     except Exception:
         log.exception("job %s: calibration refresh failed; its checkpoints use the set's calibration", run.job_id)

@@ -375,6 +375,21 @@ def toy_check(seed, sha="engine test"):
     return KindCheck(r[0].tolist(), r[1:].tolist(), "a", 0.99, sha)
 
 
+def looked_as_alone(local, call, answer, doubtful):
+    """``answer`` (``call`` with a second look) has the boxes of ``call`` run alone, and on its ``doubtful`` images
+    the candidates a ``max_instances=RERANK_CANDIDATES`` call of its own finds."""
+    import dataclasses
+
+    from app.calibration import RERANK_CANDIDATES
+
+    alone = local.localize(dataclasses.replace(call, second_look=None, max_instances=RERANK_CANDIDATES))
+    for got, want, d in zip(answer.results, alone.results, doubtful, strict=True):
+        assert got.box == pytest.approx(want.box, abs=1e-3)
+        if d:
+            assert [x for i in got.instances for x in i.box] == pytest.approx(
+                [x for i in want.instances for x in i.box], abs=1e-3)
+
+
 def queued_behind_a_held_batch(held, loaded, calls):
     """``calls`` submitted from threads of their own while the engine holds a first batch, so that they wait together;
     then the engine released -> their answers."""
@@ -735,12 +750,7 @@ def test_second_looks_of_concurrent_calls_are_taken_in_one_forward_for_the_doubt
         conf = confidences(call, answer, cal)
         doubtful = [c < bar for c in conf]
         assert [r.instances is not None for r in answer.results] == doubtful and any(doubtful)
-        alone = local.localize(dataclasses.replace(call, second_look=None, max_instances=RERANK_CANDIDATES))
-        for r, a, d in zip(answer.results, alone.results, doubtful, strict=True):
-            assert r.box == pytest.approx(a.box, abs=1e-3)
-            if d:
-                assert [v for i in r.instances for v in i.box] == pytest.approx(
-                    [v for i in a.instances for v in i.box], abs=1e-3)
+        looked_as_alone(local, call, answer, doubtful)
     for call, answer in zip(calls[:3], answers[:3], strict=True):  # the features are those read here
         cal = (ca if call.templates is ta else cb).to_dict()
         options = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=call.prototype, negatives=None,
@@ -843,12 +853,7 @@ def test_the_engines_second_look_on_a_set_with_a_kind_check_needs_the_check_and_
         by_check = [j.confidence for j in verdicts(looking, answer)]
         doubtful = [c < bar and cal is unsure for c in by_check]
         assert sum(doubtful) == n_doubtful and [r.instances is not None for r in answer.results] == doubtful
-        alone = local.localize(dataclasses.replace(looking, second_look=None, max_instances=RERANK_CANDIDATES))
-        for got, want, d in zip(answer.results, alone.results, doubtful, strict=True):
-            assert got.box == pytest.approx(want.box, abs=1e-3)
-            if d:
-                assert [x for i in got.instances for x in i.box] == pytest.approx(
-                    [x for i in want.instances for x in i.box], abs=1e-3)
+        looked_as_alone(local, looking, answer, doubtful)
         engine = verdicts(looking, answer, kind=answer.kind)
         assert [j.confidence for j in engine] == pytest.approx(by_check, abs=1e-9)
         for e, h in zip(engine, verdicts(looking, answer), strict=True):
