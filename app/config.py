@@ -61,6 +61,15 @@ class Settings(BaseSettings):
     required with ``inference=workers``."""
     localize_timeout: float = Field(30.0, gt=0, le=3600)
     """Seconds the API waits for a worker's answer (``inference=workers``); then 503 + ``Retry-After``."""
+    set_timeout: float = Field(120.0, gt=0, le=3600)
+    """Seconds a new exemplar set waits for a worker's prototype and calibration (``inference=workers``): a photo
+    set's calibration takes 15-16 s on a 2-core CPU, so ``localize_timeout`` is no bound for it; then 503."""
+    localize_worker_check_s: float = Field(10.0, ge=0, le=3600)
+    """Seconds between the API's checks that some worker consumes ``localize_queue`` (``inference=workers``):
+    a broadcast of Celery's ``active_queues``, each worker answering within a second. Seen by none twice in a
+    row, model calls are refused at once (503 + ``Retry-After`` naming the queue) instead of each waiting
+    ``localize_timeout``, and ``/readyz`` says so; while none is seen, it checks every 2 s. Brokers that cannot
+    broadcast (the SQLAlchemy transport) are not checked. 0: never checked."""
 
     # --- localize in the API process (inference=local): one engine thread, calls batched across requests
     batch_window_ms: float = Field(0.0, ge=0, le=1000)

@@ -82,7 +82,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 app.state.bundles.get(settings.default_bundle)
         except Exception as e:
             log.warning("default bundle %r not loaded: %s", settings.default_bundle, e)
+        if app.state.remote is not None:  # workers mode: is the localize queue consumed (app/remote.py)
+            app.state.remote.consumers.start()
         yield
+        if app.state.remote is not None:
+            app.state.remote.consumers.stop()
         close = getattr(app.state.inference, "close", None)
         if close is not None:  # the local engine thread: answers what waits, then stops
             close()

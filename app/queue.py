@@ -55,7 +55,8 @@ def create_celery(settings: Settings) -> Celery:
     if settings.result_backend:  # QLOC_INFERENCE=workers: the localize tasks answer through it (app/remote.py)
         app.conf.update(
             result_backend=settings.result_backend, result_serializer="json", result_accept_content=["json"],
-            result_expires=int(settings.localize_timeout) + 300,  # an answer nobody read (the API gave up)
+            # an answer nobody read (the API gave up) expires
+            result_expires=int(max(settings.localize_timeout, settings.set_timeout)) + 300,
             result_backend_transport_options={k: v for k, v in settings.broker_transport_options.items()
                                               if k == "global_keyprefix"})
     return app

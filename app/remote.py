@@ -11,8 +11,10 @@ backend (``QLOC_RESULT_BACKEND``):
 
 A worker's refusal comes back as ``InferenceRefused`` with the status and detail the API would have given
 in local mode (409 replaced bundle, 503 bundle unavailable, ...). A call no worker answers within
-``QLOC_LOCALIZE_TIMEOUT`` seconds (none consuming the queue, or all busy) is refused with 503 and
-``Retry-After``; its message expires, so a worker that comes later skips it.
+``QLOC_LOCALIZE_TIMEOUT`` seconds (``QLOC_SET_TIMEOUT`` for a new set's prototype and calibration: all busy,
+or none consuming the queue) is refused with 503 and ``Retry-After``; its message expires, so a worker that
+comes later skips it. Where no worker consumes the queue at all (``ConsumerWatch``: Celery's ``active_queues``
+broadcast, every ``QLOC_LOCALIZE_WORKER_CHECK_S``), calls are refused at once and ``/readyz`` says so.
 
 The wire format (JSON, as every task of the project) is defined here for both sides: images travel as
 their decoded pixels (raw bytes, zlib-compressed; palette images as PNG), so the worker sees the very
@@ -24,6 +26,8 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import threading
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, replace
@@ -149,6 +153,115 @@ def encode_prototype(made: MadePrototype) -> dict[str, Any]:
 # --- the API's side
 
 
+class ConsumerWatch:
+    """Whether any worker consumes the localize queue, as the last broadcasts of Celery's ``active_queues`` saw.
+
+    A daemon thread asks every ``interval_s``, and every ``ABSENT_EVERY_S`` while none is seen, so a worker that
+    starts is seen within seconds. A worker answers from its consumer thread, also while its pool is busy; still,
+    one broadcast without an answer is not taken for an absence: ``MISSES`` in a row are. A new call is refused
+    only on a miss by a broadcast that began after it came (``confirmed_absent``), so a worker that came since the
+    last check is not missed. A broker that cannot broadcast (no fanout: the SQLAlchemy transport) or a broadcast
+    that fails tells nothing: never an absence."""
+
+    MISSES = 2
+    ABSENT_EVERY_S = 2.0
+    REPLY_S = 1.0
+    """Seconds a broadcast waits for the workers' answers (it waits them all out: it cannot know how many)."""
+
+    def __init__(self, celery: Celery, queue: str, interval_s: float):
+        self.celery, self.queue, self.interval_s = celery, queue, interval_s
+        self.workers: list[str] | None = None
+        """Workers consuming the queue at the last broadcast; ``None``: not known (not asked yet, or no answer
+        can tell)."""
+        self.misses = 0
+        self.checked_at: float | None = None
+        self.unknown = "not checked yet"
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._done = threading.Condition()
+        self._began = self._ended = 0
+        """Broadcasts of the thread begun and ended (``confirmed_absent`` waits for one begun after its call)."""
+
+    def check(self) -> None:
+        """One broadcast; its answer replaces the last one."""
+        try:
+            with self.celery.connection_for_read() as conn:
+                if "fanout" not in getattr(conn.transport.implements, "exchange_type", ()):
+                    self.workers, self.misses = None, 0
+                    self.unknown = f"the broker ({conn.transport_cls}) cannot broadcast"
+                    self.checked_at = time.monotonic()
+                    return
+                replies = self.celery.control.inspect(timeout=self.REPLY_S, connection=conn).active_queues() or {}
+        except Exception as e:  # noqa: BLE001 -- the broker's own check (/readyz "broker") reports it
+            log.warning("localize queue: cannot ask the workers: %s", e)
+            self.workers, self.misses, self.unknown = None, 0, f"cannot ask the workers ({type(e).__name__})"
+            self.checked_at = time.monotonic()
+            return
+        workers = sorted(name for name, queues in replies.items()
+                         if any(isinstance(q, dict) and q.get("name") == self.queue for q in queues or ()))
+        self.misses = 0 if workers else self.misses + 1
+        if self.misses == self.MISSES:
+            log.warning("no worker consumes queue %r: model calls are refused until one does", self.queue)
+        elif workers and self.workers == []:
+            log.info("queue %r: consumed again (%s)", self.queue, ", ".join(workers))
+        self.workers, self.checked_at = workers, time.monotonic()
+
+    def absent(self) -> str | None:
+        """Why calls cannot be answered (no worker consumes the queue), or ``None`` when they may be."""
+        if self.misses < self.MISSES or self.checked_at is None:
+            return None
+        if time.monotonic() - self.checked_at > self.interval_s + 2 * self.REPLY_S + self.ABSENT_EVERY_S:
+            return None  # stale (the watch stopped): not evidence
+        return (f"no worker consumes queue {self.queue!r} (none answered the last {self.misses} checks, "
+                f"{time.monotonic() - self.checked_at:.0f} s ago): start a localize worker (README, workers mode); "
+                "retry later")
+
+    def confirmed_absent(self) -> str | None:
+        """``absent()``, where it says so confirmed by a broadcast begun now (callers at once share it): at most
+        ``REPLY_S`` and a round trip more for a call that is refused, nothing for the others."""
+        if self.absent() is None or self._thread is None:
+            return self.absent()
+        with self._done:
+            wanted = self._began + 1
+            self._wake.set()
+            self._done.wait_for(lambda: self._ended >= wanted or self._thread is None, timeout=self.REPLY_S + 5)
+        return self.absent()
+
+    def readiness(self) -> str:
+        """``/readyz``'s entry: ``ok`` (some worker, or not yet two misses), ``error: ...``, or ``unknown: ...``."""
+        why = self.absent()
+        if why is not None:
+            return f"error: {why}"
+        return "ok" if self.workers or self.misses else f"unknown: {self.unknown}"
+
+    def start(self) -> None:
+        if self.interval_s <= 0 or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="qloc-localize-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            with self._done:
+                self._thread = None
+                self._done.notify_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._done:
+                self._wake.clear()
+                self._began += 1
+            self.check()
+            with self._done:
+                self._ended += 1
+                self._done.notify_all()
+            self._wake.wait(self.ABSENT_EVERY_S if self.misses else self.interval_s)
+
+
 class WorkerInference:
     """An ``InferenceBackend`` that sends each call to the localize queue and waits for its answer.
 
@@ -160,6 +273,7 @@ class WorkerInference:
         self.settings, self.celery = settings, celery
         self.timeout = settings.localize_timeout
         self.default_nearest = settings.localize_nearest
+        self.consumers = ConsumerWatch(celery, settings.localize_queue, settings.localize_worker_check_s)
 
     def localize(self, call: LocalizeCall) -> LocalizeAnswer:
         if call.nearest is None and self.default_nearest is not None:  # this server's QLOC_LOCALIZE_NEAREST
@@ -177,7 +291,7 @@ class WorkerInference:
         if threshold is not None:
             payload.update(threshold=threshold, examples=[{"image": encode_image(im), "box": list(box)}
                                                           for im, box in examples or []])
-        out = self._ask(PROTOTYPE_TASK, payload)
+        out = self._ask(PROTOTYPE_TASK, payload, timeout=max(self.timeout, self.settings.set_timeout))
         return MadePrototype(out["bundle"], out["bundle_sha256"], _unb64(out["prototype"]), int(out["prototype_dim"]),
                              out.get("calibration"))  # none from a worker of the version before
 
@@ -189,9 +303,12 @@ class WorkerInference:
         """Raise unless the result backend answers (a real round trip: a read of a key no task has)."""
         self.celery.backend.get_task_meta(f"qloc-ping-{uuid.uuid4()}")
 
-    def _ask(self, task: str, payload: dict[str, Any]) -> dict[str, Any]:
-        queue, timeout = self.settings.localize_queue, self.timeout
+    def _ask(self, task: str, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        queue, timeout = self.settings.localize_queue, timeout or self.timeout
         retry = {"Retry-After": RETRY_AFTER}
+        absent = self.consumers.confirmed_absent()
+        if absent is not None:  # nobody would answer: refused now, not after the timeout
+            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, absent, retry)
         try:  # expires: a message still queued when this call gives up is skipped by the worker that gets it
             res = self.celery.send_task(task, args=[payload], queue=queue, expires=timeout, ignore_result=False)
         except Exception as e:
@@ -199,11 +316,14 @@ class WorkerInference:
             raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE,
                                    "the localize queue is unreachable; retry later", retry) from e
         try:
-            out = res.get(timeout=timeout, propagate=False)
+            out = self._wait(res, timeout)
             failed = not res.successful()
+        except WorkersGone as e:
+            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, str(e), retry) from e
         except CeleryTimeout as e:
             raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, (
-                f"no localize worker answered within {timeout:g} s (QLOC_LOCALIZE_TIMEOUT): all busy, or none "
+                f"no localize worker answered within {timeout:g} s "
+                f"({'QLOC_SET_TIMEOUT' if task == PROTOTYPE_TASK else 'QLOC_LOCALIZE_TIMEOUT'}): all busy, or none "
                 f"consuming queue {queue!r}; retry later"), retry) from e
         except Exception as e:
             log.exception("%s: cannot read the answer of task %s", task, res.id)
@@ -222,6 +342,30 @@ class WorkerInference:
             r = out["refused"]
             raise InferenceRefused(int(r["status"]), str(r["detail"]), r.get("headers"))
         return out
+
+
+    def _wait(self, res: Any, timeout: float) -> Any:
+        """``res``'s answer within ``timeout`` seconds; given up (``WorkersGone``) as soon as the watch sees that no
+        worker consumes the queue: a call sent as the last one went away would otherwise wait the whole timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return res.get(timeout=max(0.01, min(left, WAIT_SLICE_S)), propagate=False)
+            except CeleryTimeout:
+                if left <= WAIT_SLICE_S:
+                    raise
+                absent = self.consumers.absent()
+                if absent is not None:
+                    raise WorkersGone(absent) from None
+
+
+class WorkersGone(Exception):
+    """No worker consumes the localize queue any more (``ConsumerWatch.absent``)."""
+
+
+WAIT_SLICE_S = 1.0
+"""Seconds between looks at ``ConsumerWatch`` while a call waits for its answer."""
 
 
 def get_remote(request: Request) -> WorkerInference | None:

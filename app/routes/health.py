@@ -35,7 +35,8 @@ def healthz() -> HealthStatus:
 def readyz(request: Request, response: Response, session: SessionDep, settings: SettingsDep, queue: QueueDep,
            bundles: BundlesDep) -> ReadyStatus:
     """Ready to serve: the database and the broker answer, the default bundle is loaded (with
-    QLOC_INFERENCE=workers, instead: the result backend answers; the API loads no bundle)."""
+    QLOC_INFERENCE=workers, instead: the result backend answers and a worker consumes the localize queue, as
+    last checked: ``unknown: ...`` where it cannot be told; the API loads no bundle)."""
     checks: dict[str, str] = {}
     try:
         session.execute(text("SELECT 1"))
@@ -55,13 +56,14 @@ def readyz(request: Request, response: Response, session: SessionDep, settings: 
         if remote is not None:
             remote.ping()
             checks["result_backend"] = "ok"
+            checks["localize_workers"] = remote.consumers.readiness()
         else:
             bundles.get(settings.default_bundle)
             checks["bundle"] = "ok"
     except Exception as e:
         log.warning("readiness: %s: %s", "result backend" if remote is not None else "bundle", e)
         checks["result_backend" if remote is not None else "bundle"] = f"error: {e}"
-    ok = all(v == "ok" for v in checks.values())
+    ok = all(v == "ok" or v.startswith("unknown:") for v in checks.values())  # unknown: cannot tell, not a failure
     if not ok:
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
     return ReadyStatus(status="ok" if ok else "unavailable", checks=checks)

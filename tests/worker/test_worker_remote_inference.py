@@ -148,6 +148,7 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
     remote_app, local_app = create_app(workers), create_app(base)
     try:
         with TestClient(remote_app) as w, TestClient(local_app) as loc:
+            worker_seen(w, stack)  # as a deployment's readiness gate: the worker started with the API
             # a set made on the worker: the same prototype and bundle file as one made in the API
             crops = files(png_bytes(28, 28, seed=1), png_bytes(32, 30, "RGB", seed=2))
             r = w.post("/v1/exemplar-sets", files=crops, data={"name": "remote"})
@@ -231,6 +232,7 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
 
             ready = w.get("/readyz").json()
             assert ready["checks"].get("result_backend") == "ok" and "bundle" not in ready["checks"], ready
+            assert ready["checks"]["localize_workers"] == "ok", ready
         log = (stack.log_dir / "localize-worker.log").read_text()  # the worker process did the work
         assert all(f"Task {t}[" in log for t in ("qloc.prototype", "qloc.localize", "qloc.check_bundle")), log
         # everything above ran without the workers-mode API loading a bundle
@@ -242,14 +244,14 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
 
 
 def test_no_localize_worker_answers_503_with_retry_after(base, redis_prefix):
-    w_settings = workers_settings(base, redis_prefix, localize_timeout=1.5)
+    w_settings = workers_settings(base, redis_prefix, localize_timeout=1.5, set_timeout=1.5, localize_worker_check_s=0)
     remote_app, local_app = create_app(w_settings), create_app(base)
     try:
         with TestClient(remote_app) as w, TestClient(local_app) as loc:
             t0 = time.monotonic()
             r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
             assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
-            assert "no localize worker answered within 1.5 s" in r.json()["detail"]
+            assert "no localize worker answered within 1.5 s (QLOC_SET_TIMEOUT)" in r.json()["detail"]
             assert w_settings.localize_queue in r.json()["detail"]
             set_id = loc.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1))).json()["id"]
             r = w.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes(84, 84)))
@@ -261,6 +263,76 @@ def test_no_localize_worker_answers_503_with_retry_after(base, redis_prefix):
     finally:
         remote_app.state.engine.dispose()
         local_app.state.engine.dispose()
+
+
+def worker_seen(client: TestClient, st: Stack) -> None:
+    """Until /readyz says a worker consumes the localize queue."""
+    wait_for(lambda: client.get("/readyz").json()["checks"].get("localize_workers") == "ok", 120,
+             f"/readyz sees the localize worker ({st.logs()})")
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_with_no_worker_on_the_localize_queue_calls_are_refused_at_once_and_readyz_says_so(base, redis_prefix,
+                                                                                            tmp_path):
+    """The API checks by broadcast that some worker consumes the localize queue: with none seen twice, a call
+    waiting is given up and a new one refused at once (not after the 60 s timeout), and /readyz is 503 naming the
+    queue; a worker that starts is seen within seconds, and calls are answered again."""
+    settings = workers_settings(base, redis_prefix, localize_timeout=60, set_timeout=60, localize_worker_check_s=1)
+    app = create_app(settings)
+    st = Stack(settings, tmp_path)
+    try:
+        with TestClient(app) as w:
+            t0 = time.monotonic()  # sent before the watch has seen anything: it waits, until the watch sees no one
+            r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
+            assert r.status_code == 503 and "no worker consumes queue" in r.json()["detail"], r.text
+            assert time.monotonic() - t0 < 15
+
+            def unready():
+                r = w.get("/readyz")
+                return r if r.status_code == 503 else None
+
+            r = wait_for(unready, 15, "/readyz sees no localize worker")
+            entry = r.json()["checks"]["localize_workers"]
+            assert entry.startswith("error: no worker consumes queue") and settings.localize_queue in entry, r.json()
+            assert r.json()["checks"]["result_backend"] == "ok" and r.json()["checks"]["broker"] == "ok"
+            t0 = time.monotonic()
+            r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
+            assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
+            assert settings.localize_queue in r.json()["detail"] and "start a localize worker" in r.json()["detail"]
+            assert time.monotonic() - t0 < 5  # refused at once: the timeout is 60 s
+            assert w.get("/v1/exemplar-sets").json()["count"] == 0
+
+            start_localize_worker(st)  # a worker comes: seen, and the calls are answered
+            worker_seen(w, st)
+            assert w.get("/readyz").status_code == 200
+            r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
+            assert r.status_code == 201, (r.text, st.logs())
+            r = w.post(f"/v1/exemplar-sets/{r.json()['id']}/localize", files=files(png_bytes(84, 84)))
+            assert r.status_code == 200, r.text
+    finally:
+        st.stop()
+        app.state.engine.dispose()
+
+
+def test_the_localize_watch_tells_nothing_where_the_broker_cannot_broadcast(tmp_path, bundle_dir):
+    """The embedded default's SQLAlchemy transport has no fanout: the watch never takes that for an absence."""
+    settings = make_test_settings(tmp_path, bundle_dir, inference="workers", result_backend="cache+memory://")
+    remote = create_app(settings).state.remote
+    remote.consumers.check()
+    remote.consumers.check()
+    assert remote.consumers.absent() is None and remote.consumers.workers is None
+    assert remote.consumers.readiness().startswith("unknown: the broker") and "cannot broadcast" in \
+        remote.consumers.readiness()
 
 
 def test_workers_mode_refuses_to_start_without_a_result_backend(tmp_path, bundle_dir):
