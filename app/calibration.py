@@ -22,7 +22,7 @@ bundle's input as the fit read it. It needs no model, so it holds with ``QLOC_IN
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -186,15 +186,35 @@ def decoded(calibration: dict, key: Hashable | None) -> Calibration:
     return _DECODED.get(key, lambda: Calibration.from_dict(calibration))
 
 
+NegativesScorer = Callable[[list[Image.Image], Tensor], Tensor]
+"""Boxes ``[n, K, 4]`` in the pixels of the images -> the confidences ``[n, K]`` of the set's negatives' fit (the
+boxes embedded by the set's bundle): ``negatives_confidence`` where the bundle is elsewhere (a localize worker)."""
+
+
+def negatives_confidence(loaded: LoadedBundle, prototype: bytes, negatives: bytes, cal: Calibration,
+                         images: list[Image.Image], boxes: Tensor) -> Tensor:
+    """Boxes ``[n, K, 4]`` in the pixels of ``images`` -> ``P(correct)`` ``[n, K]`` by ``cal``'s richest fit with
+    the boxes embedded by ``loaded`` (their distances to ``prototype`` and to the nearest of ``negatives``):
+    one backbone pass per image."""
+    batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given
+    k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
+    proto = prototype_from_bytes(prototype)
+    _, _, conf = score_boxes(loaded.localizer, batch, boxes / k, proto, negatives_from_bytes(negatives, len(proto)),
+                             cal)
+    return conf
+
+
 def judge(results: list, images: list[Image.Image], calibration: dict | None, *, threshold: float,  # noqa: PLR0913
           min_confidence: float | None, loaded: LoadedBundle | None, prototype: bytes,
           negatives: bytes | None, rerank: Rerank = "false", calibration_key: Hashable | None = None,
           ncc: NccFeatures | None = None, template_bar: float | None = None,
-          verifier: KindVerifier | None = None, kind: Tensor | None = None) -> list[Judged]:
+          verifier: KindVerifier | None = None, kind: Tensor | None = None,
+          by_negatives: NegativesScorer | None = None) -> list[Judged]:
     """``results`` (``models.inference.Localization``, boxes in the pixels of ``images``) -> one ``Judged`` each.
 
-    ``loaded`` (the bundle, in local mode) and ``negatives`` (the set's negative embeddings) let the confidence
-    use the negatives' fit of the calibration (``calibration_key``: the row it was read from, see ``decoded``).
+    ``loaded`` (the bundle, in local mode; elsewhere ``by_negatives``, which embeds the boxes there) and
+    ``negatives`` (the set's negative embeddings) let the confidence use the negatives' fit of the calibration
+    (``calibration_key``: the row it was read from, see ``decoded``).
     Without a calibration: confidence None, found True. The results'
     ``instances`` are judged the same way, in the same pass as the answers (the pixels are read once);
     ``min_confidence`` drops those under it. ``rerank`` (``Rerank``; it needs the results' instances: the route
@@ -215,7 +235,8 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
         boxes, scores = answer_rows(results)
         with torch.inference_mode():  # no autograd bookkeeping (torchvision's RoIAlign has a Python layer for it)
             conf = _confidences(decoded(calibration, calibration_key), images, boxes, scores, loaded=loaded,
-                                prototype=prototype, negatives=negatives, ncc=ncc, verifier=verifier, kind=kind)
+                                prototype=prototype, negatives=negatives, ncc=ncc, verifier=verifier, kind=kind,
+                                by_negatives=by_negatives)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
     cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
 
@@ -249,12 +270,13 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
 def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, scores: Tensor, *,
                  loaded: LoadedBundle | None, prototype: bytes, negatives: bytes | None,
                  ncc: NccFeatures | None = None, verifier: KindVerifier | None = None,
-                 kind: Tensor | None = None) -> Tensor:
+                 kind: Tensor | None = None, by_negatives: NegativesScorer | None = None) -> Tensor:
     """Boxes ``[n, K, 4]`` in the pixels of ``images`` with scores ``[n, K]`` -> calibrated ``P(correct)``
     ``[n, K]``: the kind check's (a set of a kind ``verifier`` knows: ``kind`` as the engine read it, else the
     boxes read here on the images resized as the templates were fit, one small CNN pass), else by the richest fit
-    the set allows: the NCC fit (a calibration with templates: no model needed), else the negatives' fit (local
-    mode, a set with negatives: the boxes embedded, one backbone pass per image), else the score's."""
+    the set allows: the NCC fit (a calibration with templates: no model needed), else the negatives' fit (a set
+    with negatives: the boxes embedded, one backbone pass per image, here by ``loaded`` or on a worker by
+    ``by_negatives``), else the score's."""
     if kind is not None and cal.kind is not None:  # read by the engine (its rows may be padded further)
         return kind[:, :scores.shape[1]]
     if cal.kind_applies(verifier):
@@ -264,11 +286,8 @@ def _confidences(cal: Calibration, images: list[Image.Image], boxes: Tensor, sco
         k = scores.shape[1]  # the engine's rows may be padded further (its batch's most instances)
         return cal.confidence(scores.flatten(), ncc=pos[:, :k].flatten(),
                               ncc_negatives=None if neg is None else neg[:, :k].flatten()).view(scores.shape)
-    if loaded is None or negatives is None or cal.negatives is None:
+    if negatives is None or cal.negatives is None or (loaded is None and by_negatives is None):
         return cal.confidence(scores.flatten()).view(scores.shape)
-    batch, scales = preprocess(images, loaded.localizer.spec)  # scales: (w / S, h / S) of the images given
-    k = torch.cat([scales, scales], dim=1)[:, None]  # [n, 1, 4]
-    proto = prototype_from_bytes(prototype)
-    _, _, conf = score_boxes(loaded.localizer, batch, boxes / k, proto, negatives_from_bytes(negatives, len(proto)),
-                             cal)
-    return conf
+    if loaded is None:
+        return by_negatives(images, boxes)  # type: ignore[misc]
+    return negatives_confidence(loaded, prototype, negatives, cal, images, boxes)

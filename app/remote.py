@@ -7,7 +7,9 @@ backend (``QLOC_RESULT_BACKEND``):
 - ``qloc.localize``: a ``LocalizeCall`` -> a ``LocalizeAnswer`` (the worker batches concurrent calls);
 - ``qloc.prototype``: exemplar crops (and labeled examples) -> the prototype and the calibration of a new set,
   with the bundle file that made it;
-- ``qloc.check_bundle``: is the set's bundle file still the installed one (before an adaptation job is stored).
+- ``qloc.check_bundle``: is the set's bundle file still the installed one (before an adaptation job is stored);
+- ``qloc.negatives_confidence``: the confidences of boxes by a set's negatives' fit (its boxes embedded by the
+  set's bundle: sets with negative exemplars and no NCC fit).
 
 A worker's refusal comes back as ``InferenceRefused`` with the status and detail the API would have given
 in local mode (409 replaced bundle, 503 bundle unavailable, ...). A call no worker answers within
@@ -33,10 +35,12 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
+import torch
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from fastapi import Depends, HTTPException, Request, status
 from PIL import Image
+from torch import Tensor
 
 from app.config import Settings
 from app.serving import CheckpointRef, InferenceRefused, LocalizeAnswer, LocalizeCall
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 LOCALIZE_TASK = "qloc.localize"
 PROTOTYPE_TASK = "qloc.prototype"
 BUNDLE_CHECK_TASK = "qloc.check_bundle"
+NEGATIVES_TASK = "qloc.negatives_confidence"
 RETRY_AFTER = "5"
 """Seconds a client is asked to wait after a 503 of the localize queue."""
 
@@ -58,7 +63,7 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: str) -> bytes:
+def unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
@@ -78,11 +83,11 @@ def encode_image(img: Image.Image) -> dict[str, Any]:
 
 def decode_image(data: dict[str, Any]) -> Image.Image:
     if "png" in data:
-        img = Image.open(io.BytesIO(_unb64(data["png"])), formats=["PNG"])
+        img = Image.open(io.BytesIO(unb64(data["png"])), formats=["PNG"])
         img.load()
         return img
     w, h = data["size"]
-    return Image.frombytes(data["mode"], (int(w), int(h)), zlib.decompress(_unb64(data["raw"])))
+    return Image.frombytes(data["mode"], (int(w), int(h)), zlib.decompress(unb64(data["raw"])))
 
 
 def encode_call(call: LocalizeCall) -> dict[str, Any]:
@@ -100,7 +105,7 @@ def decode_call(data: dict[str, Any]) -> LocalizeCall:
     ck = data["checkpoint"]
     return LocalizeCall(
         bundle=data["bundle"], bundle_sha256=data["bundle_sha256"], prototype_dim=int(data["prototype_dim"]),
-        prototype=_unb64(data["prototype"]),
+        prototype=unb64(data["prototype"]),
         checkpoint=None if ck is None else CheckpointRef(uuid.UUID(ck["id"]), ck["blob"], ck["sha256"]),
         images=[decode_image(d) for d in data["images"]], trajectory=bool(data["trajectory"]),
         samples=int(data["samples"]), nearest=data["nearest"], max_instances=int(data.get("max_instances", 1)),
@@ -143,11 +148,15 @@ class MadePrototype:
     prototype_dim: int
     calibration: dict[str, Any] | None = None
     """The set's calibration (``app.calibration.calibrate_new_set``), where it was asked for."""
+    negatives: bytes | None = None
+    """The negative exemplars' embeddings (float32 little-endian ``[J, D]``), where the set has some."""
+    num_negatives: int = 0
 
 
 def encode_prototype(made: MadePrototype) -> dict[str, Any]:
     return {"bundle": made.bundle, "bundle_sha256": made.bundle_sha256, "prototype": _b64(made.prototype),
-            "prototype_dim": made.prototype_dim, "calibration": made.calibration}
+            "prototype_dim": made.prototype_dim, "calibration": made.calibration,
+            "negatives": None if made.negatives is None else _b64(made.negatives), "num_negatives": made.num_negatives}
 
 
 # --- the API's side
@@ -228,11 +237,15 @@ class ConsumerWatch:
         return self.absent()
 
     def readiness(self) -> str:
-        """``/readyz``'s entry: ``ok`` (some worker, or not yet two misses), ``error: ...``, or ``unknown: ...``."""
+        """``/readyz``'s entry: ``ok`` (a worker answered the last check), ``error: ...`` (none, ``absent``), or
+        ``unknown: ...`` (not checked yet, one miss only, or a broker that cannot tell)."""
         why = self.absent()
         if why is not None:
             return f"error: {why}"
-        return "ok" if self.workers or self.misses else f"unknown: {self.unknown}"
+        if self.workers:
+            return "ok"
+        return "unknown: no worker answered the last check; checking again" if self.misses else \
+            f"unknown: {self.unknown}"
 
     def start(self) -> None:
         if self.interval_s <= 0 or self._thread is not None:
@@ -280,20 +293,38 @@ class WorkerInference:
             call = replace(call, nearest=self.default_nearest)
         return decode_answer(self._ask(LOCALIZE_TASK, encode_call(call)))
 
-    def prototype(self, bundle: str, crops: list[Image.Image], *, explicit: bool,
+    def prototype(self, bundle: str, crops: list[Image.Image], *, explicit: bool,  # noqa: PLR0913
                   examples: list[tuple[Image.Image, tuple[float, float, float, float]]] | None = None,
-                  threshold: float | None = None) -> MadePrototype:
+                  threshold: float | None = None, negatives: list[Image.Image] | None = None) -> MadePrototype:
         """The prototype of ``crops`` by the bundle installed as ``bundle``, and with ``threshold`` the new set's
-        calibration too (``examples``: its labeled examples, whole images with their boxes), as local mode fits it.
-        ``explicit``: the client named the bundle (an unknown one is its mistake: 422), else it is the server's
-        default (503)."""
+        calibration too (``examples``: its labeled examples, whole images with their boxes; ``negatives``: its
+        negative exemplars' crops, embedded too), as local mode fits it. ``explicit``: the client named the bundle
+        (an unknown one is its mistake: 422), else it is the server's default (503)."""
         payload: dict[str, Any] = {"bundle": bundle, "explicit": explicit, "crops": [encode_image(c) for c in crops]}
         if threshold is not None:
             payload.update(threshold=threshold, examples=[{"image": encode_image(im), "box": list(box)}
-                                                          for im, box in examples or []])
+                                                          for im, box in examples or []],
+                           negatives=[encode_image(c) for c in negatives or []])
         out = self._ask(PROTOTYPE_TASK, payload, timeout=max(self.timeout, self.settings.set_timeout))
-        return MadePrototype(out["bundle"], out["bundle_sha256"], _unb64(out["prototype"]), int(out["prototype_dim"]),
-                             out.get("calibration"))  # none from a worker of the version before
+        if negatives and "negatives" not in out:  # a worker of the version before: it would drop them silently
+            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, "the localize worker is of an earlier "
+                                   "version that cannot take negative_files; retry when it is upgraded",
+                                   {"Retry-After": RETRY_AFTER})
+        return MadePrototype(out["bundle"], out["bundle_sha256"], unb64(out["prototype"]), int(out["prototype_dim"]),
+                             out.get("calibration"),  # none from a worker of the version before
+                             None if out.get("negatives") is None else unb64(out["negatives"]),
+                             int(out.get("num_negatives", 0)))
+
+    def negatives_confidence(self, call: LocalizeCall, negatives: bytes, calibration: dict[str, Any],
+                             images: list[Image.Image], boxes: Tensor) -> Tensor:
+        """``app.calibration.negatives_confidence`` on a worker: boxes ``[n, K, 4]`` (a tensor, in the pixels of
+        ``images``) of the set of ``call`` (its bundle file and prototype) -> ``[n, K]`` confidences by its
+        negatives' fit of ``calibration`` (refused as localize is: 409 for a replaced bundle file, ...)."""
+        out = self._ask(NEGATIVES_TASK, {
+            "bundle": call.bundle, "bundle_sha256": call.bundle_sha256, "prototype_dim": call.prototype_dim,
+            "prototype": _b64(call.prototype), "negatives": _b64(negatives), "calibration": calibration,
+            "images": [encode_image(im) for im in images], "boxes": boxes.tolist()})
+        return torch.tensor(out["confidence"], dtype=torch.float32).view(boxes.shape[:2])
 
     def check_bundle(self, bundle: str, *, sha256: str | None, prototype_dim: int) -> None:
         """Refused (409) unless the file installed as ``bundle`` is the one that made a set (``sha256``)."""

@@ -20,10 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from app import warmup
 from app.calibration import calibrate_new_set
+from app.calibration import negatives_confidence as calibration_of_negatives
 from app.inference import BundleRegistry, LoadedBundle, UnknownBundle, prototype_to_bytes
 from app.remote import (
     RETRY_AFTER,
@@ -33,8 +37,10 @@ from app.remote import (
     encode_answer,
     encode_prototype,
     refusal,
+    unb64,
 )
 from app.serving import BatchedInference, InferenceRefused, resolve_bundle
+from models.calibration import Calibration
 from worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -87,13 +93,30 @@ def prototype(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
         return refusal(e)
     crops = [decode_image(c) for c in payload["crops"]]
     proto = loaded.localizer.prototype(crops)
-    calibration = None
+    made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(proto), int(proto.numel()))
     if payload.get("threshold") is not None:  # the set's calibration, as the API fits it in local mode
         examples = [(decode_image(e["image"]), tuple(e["box"])) for e in payload.get("examples", [])]
-        calibration = calibrate_new_set(loaded, proto, crops, examples, [], threshold=float(payload["threshold"]),
-                                        verifier=ctx.bundles.verifier(loaded.name)).calibration
-    return encode_prototype(MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(proto), int(proto.numel()),
-                                          calibration))
+        negatives = [decode_image(c) for c in payload.get("negatives", [])]
+        cal = calibrate_new_set(loaded, proto, crops, examples, negatives, threshold=float(payload["threshold"]),
+                                verifier=ctx.bundles.verifier(loaded.name))
+        made = replace(made, calibration=cal.calibration, negatives=cal.negatives, num_negatives=cal.num_negatives)
+    return encode_prototype(made)
+
+
+def negatives_confidence(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
+    """The ``qloc.negatives_confidence`` task: a set's boxes -> their confidences by its negatives' fit
+    (``app.calibration.negatives_confidence``, with the set's bundle file), or a refusal."""
+    try:
+        loaded = resolve_bundle(ctx.bundles, payload["bundle"], sha256=payload["bundle_sha256"],
+                                prototype_dim=int(payload["prototype_dim"]))
+    except InferenceRefused as e:
+        return refusal(e)
+    images = [decode_image(d) for d in payload["images"]]
+    boxes = torch.tensor(payload["boxes"], dtype=torch.float32).view(len(images), -1, 4)
+    with torch.inference_mode():
+        conf = calibration_of_negatives(loaded, unb64(payload["prototype"]), unb64(payload["negatives"]),
+                                        Calibration.from_dict(payload["calibration"]), images, boxes)
+    return {"confidence": conf.tolist()}
 
 
 def check_bundle(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from app.queue import ADAPT_TASK
-from app.remote import BUNDLE_CHECK_TASK, LOCALIZE_TASK, PROTOTYPE_TASK
+from app.remote import BUNDLE_CHECK_TASK, LOCALIZE_TASK, NEGATIVES_TASK, PROTOTYPE_TASK
 from worker import localize as on_worker
 from worker.celery_app import celery_app
 from worker.context import worker_context, worker_name
@@ -44,3 +44,9 @@ def prototype(payload: dict[str, Any]) -> dict[str, Any]:
 def check_bundle(payload: dict[str, Any]) -> dict[str, Any]:
     """Whether a set's bundle file is still the one installed under its name."""
     return on_worker.check_bundle(worker_context(), payload)
+
+
+@celery_app.task(name=NEGATIVES_TASK, **_REQUEST)
+def negatives_confidence(payload: dict[str, Any]) -> dict[str, Any]:
+    """The confidences of a set's boxes by its negative exemplars' fit (the boxes embedded here)."""
+    return on_worker.negatives_confidence(worker_context(), payload)

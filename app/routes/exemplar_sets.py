@@ -53,8 +53,8 @@ BOXES_DESCRIPTION = (
     "as the set's labeled examples (`num_labeled`), which adaptation jobs use to check themselves. "
     "Example: `[[10, 20, 60, 90]]`. Absent (or empty): the files are crops.")
 NEGATIVES_DESCRIPTION = (
-    "Optional: crops of look-alikes the answers should avoid (PNG/JPEG/WebP, checked as `files`; QLOC_INFERENCE=local "
-    "only). Their embeddings are kept with the set (`num_negatives`), not the files. They enter the calibration "
+    "Optional: crops of look-alikes the answers should avoid (PNG/JPEG/WebP, checked as `files`). Their embeddings "
+    "are kept with the set (`num_negatives`), not the files. They enter the calibration "
     "(pasted into its backgrounds as wrong answers) and, through it, every answer's `confidence`: a box nearer a "
     "look-alike than the exemplars gets a lower one; `rerank=true` on localize also picks the visited box the "
     "calibration likes best. The agent's policy itself is not trained on them.")
@@ -182,9 +182,6 @@ def create_exemplar_set(
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else check_crops(images, "files")
     negative_images = read_images(negative_files, settings, keep_data=False) if negative_files else []
     check_crops(negative_images, "negative_files")
-    if negative_images and remote is not None:
-        raise unprocessable("negative_files need the model in the API (QLOC_INFERENCE=local): with "
-                             "QLOC_INFERENCE=workers the answers' nearness to them cannot be measured")
     if remote is None:  # QLOC_INFERENCE=local: the bundle is loaded here; workers: the worker checks it
         loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
     # A crop from a box is cut from a decode fine enough for it, one image at a time (app.images).
@@ -196,13 +193,15 @@ def create_exemplar_set(
         made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(prototype), int(prototype.numel()))
         calibrated = calibrate_new_set(loaded, prototype, crops, examples, [im.image for im in negative_images],
                                        threshold=threshold, verifier=bundles.verifier(loaded.name))
-    else:  # no model here: the worker makes the prototype and fits the calibration (as above, without negatives)
+    else:  # no model here: the worker makes the prototype and fits the calibration, as above
         try:
             made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None,
-                                    examples=examples, threshold=threshold)
+                                    examples=examples, threshold=threshold,
+                                    negatives=[im.image for im in negative_images])
         except InferenceRefused as e:
             raise answer_refusal(e) from e
-        calibrated = None if made.calibration is None else NewSetCalibration(made.calibration, None, 0)
+        calibrated = None if made.calibration is None else NewSetCalibration(made.calibration, made.negatives,
+                                                                             made.num_negatives)
     set_id = uuid.uuid4()
     try:
         blobs = []

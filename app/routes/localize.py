@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Annotated, Literal
+from functools import partial
+from typing import Annotated, Literal, ParamSpec, TypeVar
 
 from fastapi import APIRouter, File, HTTPException, Query, Request, Response, UploadFile, status
 from fastapi.responses import JSONResponse
@@ -33,6 +35,7 @@ from app.deps import Caller, CallerDep, ServingDep
 from app.export import AnswerOptions
 from app.inference import BundleRegistry
 from app.metrics import Metrics
+from app.remote import WorkerInference
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.exemplar_sets import NOT_FOUND, set_bundle, unprocessable
 from app.routes.pool import add_to_pool
@@ -43,6 +46,9 @@ from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, Local
 from app.storage import BlobStore
 from app.tables import Checkpoint, ExemplarSet
 from models.verifier import KindVerifier
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"], responses=UNAUTHORIZED)
 
@@ -229,6 +235,20 @@ def formatted(done: Localized, opts: AnswerOptions) -> Response:
     return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
 
 
+def without_turn(turns: threading.BoundedSemaphore | None, wait: Callable[P, T]) -> Callable[P, T]:
+    """``wait`` (a call that waits for a worker) run with the caller's turn handed back meanwhile."""
+    if turns is None:
+        return wait
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        turns.release()
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            turns.acquire()
+    return call
+
+
 def localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inference: InferenceBackend,  # noqa: PLR0913
                    caller: Caller, metrics: Metrics, store: BlobStore, files: list[UploadFile], run: RunOptions,
                    opts: AnswerOptions, *, bundles: BundleRegistry | None = None, local: bool = True,
@@ -264,7 +284,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
                              "upload order")
     calibration, calibration_key = ((ckpt.calibration, ("checkpoint", ckpt.id)) if ckpt.calibration is not None
                                     else (es.calibration, ("set", es.id)))
-    use_negatives = es.negatives is not None and calibration is not None and local and bundles is not None
+    use_negatives = es.negatives is not None and calibration is not None and (not local or bundles is not None)
     n_samples = settings.localize_samples if samples is None else samples
     images = read_images(files, settings, keep_data=keep)  # decoded downscaled; boxes mapped back below
     if keep:  # a full pool is refused before the work (add_to_pool decides for good after it)
@@ -312,7 +332,11 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         with turn:
             judged = judge(answer.results, call.images, calibration, threshold=es.threshold,
                            min_confidence=opts.min_confidence, prototype=es.prototype,
-                           loaded=set_bundle(bundles, es) if use_negatives and bundles is not None else None,
+                           loaded=set_bundle(bundles, es) if use_negatives and local and bundles is not None
+                           else None,
+                           by_negatives=without_turn(turns, partial(inference.negatives_confidence, call,
+                                                                     es.negatives, calibration))
+                           if use_negatives and isinstance(inference, WorkerInference) else None,
                            negatives=es.negatives if use_negatives else None, rerank=rerank_now,
                            calibration_key=calibration_key, ncc=answer.ncc,
                            template_bar=TEMPLATE_BAR if rerank == "templates" else None,

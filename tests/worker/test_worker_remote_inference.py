@@ -36,7 +36,7 @@ from service_fixtures import (
     png_bytes,
     swapped_settings,
 )
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from app.config import Settings
 from app.db import make_engine, make_sessionmaker
@@ -46,6 +46,8 @@ from app.remote import decode_answer, decode_image, encode_call, encode_image
 from app.serving import LocalInference, LocalizeCall
 from app.storage import BlobStore
 from app.tables import ExemplarSet
+from models.calibration import Calibration
+from models.core.platt import PlattFit
 from models.inference import pil_to_tensor
 from worker import localize as on_worker
 from worker.context import WorkerContext
@@ -111,6 +113,32 @@ def uploads():
                  palette_png(34), png_bytes(84, 84, "LA", seed=35))
 
 
+RATIO = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0),
+                    PlattFit(["log_score", "log_ratio"], [0.0, 0.0], [1.0, 1.0], [0.0, -1.0], 0.0)).to_dict()
+"""A known calibration: the score's fit says 0.5 whatever the box; the negatives' fit d_n / (d_p + d_n)."""
+
+
+def negatives_and_calibrations(database_url: str, *set_ids: str) -> list[tuple[np.ndarray, dict]]:
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return [(np.frombuffer(es.negatives, "<f4"), es.calibration)
+                    for es in (s.get_one(ExemplarSet, uuid.UUID(i)) for i in set_ids)]
+    finally:
+        engine.dispose()
+
+
+def set_calibration(database_url: str, set_ids: list[str], calibration: dict) -> None:
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            s.execute(update(ExemplarSet).where(ExemplarSet.id.in_([uuid.UUID(i) for i in set_ids]))
+                      .values(calibration=calibration))
+            s.commit()
+    finally:
+        engine.dispose()
+
+
 def calibrations(database_url: str, *set_ids: str) -> list[dict]:
     engine = make_engine(database_url)
     try:
@@ -140,6 +168,7 @@ def same_answers(a: dict, b: dict) -> None:
             for ia, ib in zip(ra["instances"], rb["instances"], strict=True):
                 assert np.allclose(ia["box"], ib["box"], atol=TOL) and abs(ia["score"] - ib["score"]) < TOL
                 assert ia["found"] == ib["found"]
+                assert ia.get("confidence") is None or abs(ia["confidence"] - ib["confidence"]) < TOL, (ia, ib)
 
 
 @pytest.mark.slow
@@ -193,6 +222,23 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
                 assert got is not None and got.status_code == 200, (got and got.text, stack.logs())
                 same_answers(got.json(), want)
 
+            # negative exemplars: embedded on the worker; a set whose confidence is their fit (one crop: no NCC fit)
+            # has its answers' boxes embedded there too, as local mode embeds them in the API
+            with_negatives = (files(png_bytes(28, 28, seed=9))
+                              + files(png_bytes(28, 28, seed=5), png_bytes(30, 20, seed=4), field="negative_files"))
+            made = [c.post("/v1/exemplar-sets", files=with_negatives).json() for c in (w, loc)]
+            assert made[0]["num_negatives"] == made[1]["num_negatives"] == 2, made
+            rows = negatives_and_calibrations(base.database_url, made[0]["id"], made[1]["id"])
+            assert np.allclose(rows[0][0], rows[1][0], atol=1e-5) and rows[0][0].size == 2 * protos[es["id"]].size
+            assert rows[0][1]["negatives"] is not None and rows[0][1].keys() == rows[1][1].keys()
+            set_calibration(base.database_url, [m["id"] for m in made], RATIO)  # the negatives' fit, known
+            for params in ({}, {"rerank": "true"}, {"max_instances": "4"}):
+                a, b = (c.post(f"/v1/exemplar-sets/{m['id']}/localize", files=uploads(), params=params)
+                        for c, m in zip((w, loc), made, strict=True))
+                assert a.status_code == b.status_code == 200, (params, a.text, b.text, stack.logs())
+                same_answers(a.json() | {"checkpoint_id": None}, b.json() | {"checkpoint_id": None})
+                assert all(abs(r["confidence"] - 0.5) > 1e-4 for r in a.json()["results"])  # not the score's 0.5
+
             # an adapted checkpoint (a job run here): read from the shared blobs by the worker
             job = w.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "2", "activate": "true"},
                          files=files(*[png_bytes(84, 84, seed=60 + i) for i in range(2)]))
@@ -234,7 +280,8 @@ def test_workers_mode_answers_as_local_mode_and_the_api_loads_no_bundle(stack, b
             assert ready["checks"].get("result_backend") == "ok" and "bundle" not in ready["checks"], ready
             assert ready["checks"]["localize_workers"] == "ok", ready
         log = (stack.log_dir / "localize-worker.log").read_text()  # the worker process did the work
-        assert all(f"Task {t}[" in log for t in ("qloc.prototype", "qloc.localize", "qloc.check_bundle")), log
+        assert all(f"Task {t}[" in log for t in ("qloc.prototype", "qloc.localize", "qloc.check_bundle",
+                                                   "qloc.negatives_confidence")), log
         # everything above ran without the workers-mode API loading a bundle
         assert not remote_app.state.bundles.is_loaded(SWAPPED)
         assert local_app.state.bundles.is_loaded(SWAPPED)
