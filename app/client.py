@@ -8,8 +8,10 @@
         print(answer.results[0].box, answer.results[0].score)
         job = qloc.wait(qloc.create_adaptation(fours.id, ["a.png", "b.png"], iterations=200))
         print(job.status, job.verdict)
+        coco = qloc.export(fours.id, ["scene.png"], format="coco")  # the answers as COCO detection results
 
-Images are paths, bytes, PIL images or numpy arrays (``HxW`` or ``HxWxC``, uint8, or floats in [0, 1]).
+Images are paths, bytes, PIL images or numpy arrays (``HxW`` or ``HxWxC``: uint8, uint16, or floats in [0, 1]
+or [0, 255]). Ids are strings, UUIDs or the client's own models (an ``ExemplarSet``, a ``Checkpoint``, ...).
 Every error the API answers raises ``QlocError`` with its status and ``detail``. Requests are retried on 503
 (honouring ``Retry-After``) and on connection errors; a new adaptation job carries an ``Idempotency-Key``,
 so a retried creation never starts a second job. Responses are parsed leniently: fields this client does
@@ -22,6 +24,7 @@ import email.utils
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -44,11 +47,14 @@ from app.client_models import (  # re-exported: ``from app.client import ...`` i
 )
 
 __all__ = [
-    "TERMINAL", "AdaptationJob", "Checkpoint", "ExemplarSet", "ImageInput", "Instance", "LocalizeResponse",
+    "TERMINAL", "AdaptationJob", "Checkpoint", "ExemplarSet", "Export", "ImageInput", "Instance", "LocalizeResponse",
     "Localization", "Page", "PoolImage", "PoolImages", "Progress", "QlocClient", "QlocError",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+SetRef = uuid.UUID | str | ExemplarSet
+"""An exemplar set: its id, or the set as this client read it."""
 
 
 # ---------------------------------------------------------------- errors
@@ -286,33 +292,58 @@ class QlocClient:
         r = self.request("GET", "/v1/exemplar-sets", params={"limit": limit, "offset": offset})
         return Page[ExemplarSet].model_validate(r.json())
 
-    def get_exemplar_set(self, set_id: uuid.UUID | str) -> ExemplarSet:
-        return ExemplarSet.model_validate(self.request("GET", f"/v1/exemplar-sets/{set_id}").json())
+    def get_exemplar_set(self, set_id: SetRef) -> ExemplarSet:
+        return ExemplarSet.model_validate(self.request("GET", f"/v1/exemplar-sets/{_id(set_id)}").json())
 
-    def delete_exemplar_set(self, set_id: uuid.UUID | str) -> None:
+    def delete_exemplar_set(self, set_id: SetRef) -> None:
         """Delete the set with its exemplars, jobs and checkpoints (409 while it has unfinished jobs)."""
-        self.request("DELETE", f"/v1/exemplar-sets/{set_id}")
+        self.request("DELETE", f"/v1/exemplar-sets/{_id(set_id)}")
 
-    def localize(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput], *,
-                 checkpoint: str | uuid.UUID = "active", trajectory: bool = False, samples: int | None = None,
-                 nearest: bool | None = None, keep: bool | None = None, max_instances: int | None = None,
-                 **options: Any) -> LocalizeResponse:
+    def localize(self, set_id: SetRef, images: ImageInput | Sequence[ImageInput], *,
+                 checkpoint: str | uuid.UUID | Checkpoint = "active", trajectory: bool = False,
+                 samples: int | None = None, nearest: bool | None = None, keep: bool | None = None,
+                 max_instances: int | None = None, **options: Any) -> LocalizeResponse:
         """One box per image, in its own pixels. ``checkpoint``: ``active``, ``base`` or a checkpoint id;
         ``samples``: best-of-N search; ``nearest``: the visited box nearest the exemplars; ``keep``: also add
         the images to the set's pool; ``max_instances``: up to that many objects per image (``instances``). Other
-        query options the server knows pass through ``options``. Retried on
-        503 (the server computed nothing then), but not after a lost answer when ``keep`` is set."""
-        params: dict[str, Any] = {"checkpoint": str(checkpoint), "trajectory": _bool(trajectory),
+        query options the server knows pass through ``options`` (``min_confidence``, ``rerank``; an export
+        format: ``export``). Retried on 503 (the server computed nothing then), but not after a lost answer when
+        ``keep`` is set."""
+        if options.get("format", "json") != "json":
+            raise ValueError(f"format={options['format']!r} answers an export, not a LocalizeResponse: call "
+                             "QlocClient.export")
+        r = self._localize(set_id, images, checkpoint=checkpoint, trajectory=trajectory, samples=samples,
+                           nearest=nearest, keep=keep, max_instances=max_instances, **options)
+        return LocalizeResponse.model_validate(r.json())
+
+    def export(self, set_id: SetRef, images: ImageInput | Sequence[ImageInput], *,
+               format: Literal["coco", "labelstudio"] = "coco",  # noqa: A002 -- the server's parameter
+               checkpoint: str | uuid.UUID | Checkpoint = "active",
+               keep: bool | None = None, **options: Any) -> Export:
+        """``localize`` answered in a labeling tool's format -> ``Export``: ``data``, the server's JSON as is (COCO
+        detection results: a list of ``{image_id, category_id, bbox, score}`` in each image's pixels; Label
+        Studio: a list of tasks with their predictions), and ``kept``, the pool ids of the images ``keep`` added.
+        ``options``: ``image_ids``, ``category_id``, ``label``, ``max_instances``, ``min_confidence``, ..."""
+        r = self._localize(set_id, images, checkpoint=checkpoint, keep=keep, format=format, **options)
+        kept = r.headers.get(KEPT_HEADER)
+        return Export(format, r.json(), None if kept is None else [k for k in kept.split(",") if k])
+
+    def _localize(self, set_id: SetRef, images: ImageInput | Sequence[ImageInput], *,
+                  checkpoint: str | uuid.UUID | Checkpoint, keep: bool | None, trajectory: bool = False,
+                  samples: int | None = None, nearest: bool | None = None, max_instances: int | None = None,
+                  **options: Any) -> httpx.Response:
+        params: dict[str, Any] = {"checkpoint": _id(checkpoint), "trajectory": _bool(trajectory),
                                   "samples": samples, "nearest": None if nearest is None else _bool(nearest),
                                   "keep": None if keep is None else _bool(keep), "max_instances": max_instances}
+        if not trajectory:
+            del params["trajectory"]  # the server's default; exports refuse the parameter
         params.update({k: _bool(v) if isinstance(v, bool) else v for k, v in options.items()})
-        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/localize", params=params, files=files_fields(images),
-                         idempotent=not keep)
-        return LocalizeResponse.model_validate(r.json())
+        return self.request("POST", f"/v1/exemplar-sets/{_id(set_id)}/localize", params=params,
+                            files=files_fields(images), idempotent=not keep)
 
     # ------------------------------------------------------------ adaptation jobs
 
-    def create_adaptation(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput] | None = None,
+    def create_adaptation(self, set_id: SetRef, images: ImageInput | Sequence[ImageInput] | None = None,
                           *, source: Literal["files", "pool", "both"] | None = None, iterations: int | None = None,
                           learning_rate: float | None = None, seed: int | None = None,
                           activate: Literal["auto", "true", "false"] | bool = "auto",
@@ -332,7 +363,7 @@ class QlocClient:
         files = files_fields(images) if images is not None else None
         if files is None and source is None:
             data["source"] = "pool"  # no images: the set's pool, said explicitly (a multipart body needs a field)
-        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/adaptations", data=data, files=files,
+        r = self.request("POST", f"/v1/exemplar-sets/{_id(set_id)}/adaptations", data=data, files=files,
                          headers={"Idempotency-Key": key}, idempotent=True,
                          on_503=(lambda: {"Idempotency-Key": str(uuid.uuid4())}) if own_key else (lambda: None))
         return AdaptationJob.model_validate(r.json())
@@ -340,8 +371,9 @@ class QlocClient:
     def get_adaptation(self, job_id: uuid.UUID | str | AdaptationJob) -> AdaptationJob:
         return AdaptationJob.model_validate(self.request("GET", f"/v1/adaptations/{_id(job_id)}").json())
 
-    def list_adaptations(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> Page[AdaptationJob]:
-        r = self.request("GET", f"/v1/exemplar-sets/{set_id}/adaptations", params={"limit": limit, "offset": offset})
+    def list_adaptations(self, set_id: SetRef, *, limit: int = 50, offset: int = 0) -> Page[AdaptationJob]:
+        r = self.request("GET", f"/v1/exemplar-sets/{_id(set_id)}/adaptations",
+                         params={"limit": limit, "offset": offset})
         return Page[AdaptationJob].model_validate(r.json())
 
     def cancel_adaptation(self, job_id: uuid.UUID | str | AdaptationJob) -> AdaptationJob:
@@ -377,31 +409,33 @@ class QlocClient:
 
     # ------------------------------------------------------------ the set's image pool
 
-    def add_pool_images(self, set_id: uuid.UUID | str, images: ImageInput | Sequence[ImageInput]) -> PoolImages:
+    def add_pool_images(self, set_id: SetRef, images: ImageInput | Sequence[ImageInput]) -> PoolImages:
         """Add unlabeled images to the set's pool (for ``create_adaptation(source="pool")``) -> those added."""
-        r = self.request("POST", f"/v1/exemplar-sets/{set_id}/images", files=files_fields(images))
+        r = self.request("POST", f"/v1/exemplar-sets/{_id(set_id)}/images", files=files_fields(images))
         return PoolImages.model_validate(r.json())
 
-    def list_pool_images(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> PoolImages:
-        r = self.request("GET", f"/v1/exemplar-sets/{set_id}/images", params={"limit": limit, "offset": offset})
+    def list_pool_images(self, set_id: SetRef, *, limit: int = 50, offset: int = 0) -> PoolImages:
+        r = self.request("GET", f"/v1/exemplar-sets/{_id(set_id)}/images",
+                         params={"limit": limit, "offset": offset})
         return PoolImages.model_validate(r.json())
 
-    def delete_pool_image(self, set_id: uuid.UUID | str, image_id: uuid.UUID | str | PoolImage) -> None:
-        self.request("DELETE", f"/v1/exemplar-sets/{set_id}/images/{_id(image_id)}", idempotent=True)
+    def delete_pool_image(self, set_id: SetRef, image_id: uuid.UUID | str | PoolImage) -> None:
+        self.request("DELETE", f"/v1/exemplar-sets/{_id(set_id)}/images/{_id(image_id)}", idempotent=True)
 
-    def clear_pool(self, set_id: uuid.UUID | str) -> None:
+    def clear_pool(self, set_id: SetRef) -> None:
         """Empty the pool (409 while a queued or running job holds any of its images)."""
-        self.request("DELETE", f"/v1/exemplar-sets/{set_id}/images", idempotent=True)
+        self.request("DELETE", f"/v1/exemplar-sets/{_id(set_id)}/images", idempotent=True)
 
     # ------------------------------------------------------------ checkpoints
 
-    def list_checkpoints(self, set_id: uuid.UUID | str, *, limit: int = 50, offset: int = 0) -> Page[Checkpoint]:
+    def list_checkpoints(self, set_id: SetRef, *, limit: int = 50, offset: int = 0) -> Page[Checkpoint]:
         """The set's checkpoints, oldest first: its base policy, then those its jobs wrote (``parent_id``: lineage)."""
-        r = self.request("GET", f"/v1/exemplar-sets/{set_id}/checkpoints", params={"limit": limit, "offset": offset})
+        r = self.request("GET", f"/v1/exemplar-sets/{_id(set_id)}/checkpoints",
+                         params={"limit": limit, "offset": offset})
         return Page[Checkpoint].model_validate(r.json())
 
-    def get_checkpoint(self, checkpoint_id: uuid.UUID | str) -> Checkpoint:
-        return Checkpoint.model_validate(self.request("GET", f"/v1/checkpoints/{checkpoint_id}").json())
+    def get_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> Checkpoint:
+        return Checkpoint.model_validate(self.request("GET", f"/v1/checkpoints/{_id(checkpoint_id)}").json())
 
     def activate_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> ExemplarSet:
         """Make the checkpoint its set's active policy (an older one: a rollback) -> the set."""
@@ -414,4 +448,19 @@ def _bool(v: bool) -> str:
 
 
 def _id(x: Any) -> str:
+    """An id as the URL takes it: a string, a UUID, or one of this client's models (its ``id``)."""
     return str(x.id) if isinstance(x, BaseModel) else str(x)
+
+
+@dataclass(frozen=True)
+class Export:
+    """``QlocClient.export``'s answer."""
+
+    format: str
+    data: Any
+    """The server's JSON as is (COCO detection results, or Label Studio tasks)."""
+    kept: list[str] | None = None
+    """The pool ids of the images ``keep=True`` added (the ``X-Qloc-Kept`` header), else ``None``."""
+
+
+KEPT_HEADER = "X-Qloc-Kept"

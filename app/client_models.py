@@ -48,8 +48,8 @@ class Localization(_Model):
     found: bool = True
     """``confidence`` at or above the set's threshold (or the request's ``min_confidence``)."""
     reranked: bool = False
-    """``box`` is a candidate chosen by ``rerank`` (the server's default ``auto``: a second look where the agent's
-    answer was below half the set's threshold), not the agent's own answer."""
+    """``box`` is a candidate chosen by ``rerank`` (the server's default ``templates``: a second look where the
+    agent's answer is doubtful, template matching's best window among the candidates), not the agent's own answer."""
     trajectory: list[list[float]] | None = None
     instances: list[Instance] | None = None
     """With ``max_instances``: up to that many objects, best first."""

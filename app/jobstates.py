@@ -114,6 +114,10 @@ def activate_job_result(session: Session, *, set_id: uuid.UUID, checkpoint_id: u
 # --- the API
 
 
+CANCELED_ON_REQUEST = "canceled on request"
+"""A canceled job's ``error``, queued or running when it was asked."""
+
+
 def fail_unsent(session: Session, *, job_id: uuid.UUID, error: str, now: datetime | None = None) -> bool:
     """queued → failed, for a job whose task could not be sent -> False when a reaper has sent it meanwhile."""
     job = tables.AdaptationJob
@@ -127,7 +131,8 @@ def cancel_queued(session: Session, *, job_id: uuid.UUID, now: datetime | None =
     job = tables.AdaptationJob
     return _applied(session.execute(
         update(job).where(job.id == job_id, job.status == JobState.QUEUED)
-        .values(status=JobState.CANCELED, cancel_requested=True, finished_at=now or tables.utcnow())))
+        .values(status=JobState.CANCELED, cancel_requested=True, error=CANCELED_ON_REQUEST,
+                finished_at=now or tables.utcnow())))
 
 
 def flag_cancel(session: Session, *, job_id: uuid.UUID) -> bool:

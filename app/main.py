@@ -13,6 +13,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.datastructures import UploadFile as StarletteUploadFile
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -141,13 +142,25 @@ INPUT_SHOWN = 200
 def _shown(value: object) -> object:
     if isinstance(value, str | bytes) and len(value) > INPUT_SHOWN:
         return f"{value[:INPUT_SHOWN]!s}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    if isinstance(value, StarletteUploadFile):  # not its internals
+        return f"a file ({value.filename or 'no filename'}, {value.size} bytes)"
     return value
+
+
+def _error(e: dict) -> dict:
+    if "input" not in e:
+        return e
+    out = {**e, "input": _shown(e["input"])}
+    if isinstance(e["input"], StarletteUploadFile) and e.get("loc", ("",))[0] == "body":  # -F boxes=@boxes.json
+        field = e["loc"][-1]
+        out["msg"] = (f"{field} is a text field, not a file: send its value (curl -F '{field}=<file' sends a file's "
+                      f"text as the value; -F '{field}=@file' sends the file)")
+    return out
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 for invalid parameters (``detail``: a list of ``{type, loc, msg, input, ...}``), with long
-    invalid values cut to their first ``INPUT_SHOWN`` characters."""
-    errors = [{**e, "input": _shown(e["input"])} if "input" in e else e
-              for e in exc.errors()]  # type: ignore[attr-defined]
+    invalid values cut to their first ``INPUT_SHOWN`` characters, and a file sent for a text field said so."""
+    errors = [_error(e) for e in exc.errors()]  # type: ignore[attr-defined]
     return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
 

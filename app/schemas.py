@@ -180,9 +180,12 @@ class LabelStudioTask(BaseModel):
 
 
 class Progress(BaseModel):
-    iteration: int
-    total: int
-    mean_reward: float | None
+    iteration: int = Field(description="Iterations done (0 while the job sets up: reward repair and probes)")
+    total: int = Field(description="Iterations asked for (`params.iterations`)")
+    mean_reward: float | None = Field(description=(
+        "The mean episode return of the last iteration done (higher is better: the reward is the embedding's "
+        "distance gain; a checkpoint's `metrics.mean_reward` is the same number at its iteration); null before the "
+        "first"))
 
 
 class JobParams(BaseModel):
@@ -219,14 +222,16 @@ class PolicyScore(BaseModel):
 class CheckpointScore(PolicyScore):
     iteration: int
     gain: float = Field(description="Selection CorLoc minus the starting policy's, in points")
-    noise: float = Field(description="Twice the standard error of that paired difference, in points")
+    noise: float = Field(description=(
+        "Twice the standard error of that paired difference, in points, and at least one probe's worth (100 / n): "
+        "a gain no probe has shown is no gain"))
     held_gain: float = Field(description="Held-out CorLoc minus the starting policy's, in points")
-    held_noise: float = Field(description="Twice the standard error of that paired difference, in points")
+    held_noise: float = Field(description="As `noise`, on the held-out probes")
     labeled_gain: float | None = Field(None, description=(
         "CorLoc on the set's labeled examples minus the starting policy's, in points (null without them)"))
     labeled_noise: float | None = Field(None, description=(
-        "Twice the standard error of that paired difference, in points: on a photo (RGB) bundle `activate=auto` "
-        "needs `labeled_gain` above it (null without labeled examples, and for jobs made before)"))
+        "As `noise`, on the labeled examples (at least 100 / their number): on a photo (RGB) bundle "
+        "`activate=auto` needs `labeled_gain` above it (null without labeled examples, and for jobs made before)"))
 
 
 class Validation(BaseModel):
@@ -243,7 +248,9 @@ class Validation(BaseModel):
     best: CheckpointScore | None
     checkpoints: list[CheckpointScore]
     stopped_early: bool
-    activated_iteration: int | None = Field(description="The checkpoint the job made active, if any")
+    activated_iteration: int | None = Field(description="The iteration of the checkpoint the job made active, if any")
+    activated_checkpoint_id: uuid.UUID | None = Field(None, description=(
+        "The checkpoint the job made active, if any (null for jobs made before this field)"))
     message: str
     reward: Literal["repaired head", "bundle head"] | None = Field(None, description=(
         "The head of the job's embedding reward: `repaired head` when reward repair (QLOC_REWARD_REPAIR) trained "
@@ -266,8 +273,10 @@ class AdaptationJobPublic(BaseModel):
     exemplar_set_id: uuid.UUID
     status: JobState
     progress: Progress
-    checkpoint_id: uuid.UUID | None
-    error: str | None
+    checkpoint_id: uuid.UUID | None = Field(description=(
+        "The last checkpoint the job wrote (not necessarily the one it activated: "
+        "`validation.activated_checkpoint_id`)"))
+    error: str | None = Field(description="Why the job failed, or `canceled on request`; null otherwise")
     params: JobParams
     verdict: Literal["improved", "no better", "worse", "reward unreliable"] | None = Field(
         description="Did adapting make the answers better, by the job's probes (null until it finished)")

@@ -158,7 +158,7 @@ class AdaptationRun:
         except Interrupted:
             if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
                 raise LeaseLost from None
-            return self.finish(JobState.CANCELED, error="canceled on request")
+            return self.finish(JobState.CANCELED, error=jobstates.CANCELED_ON_REQUEST)
         # The head this job's checkpoints are served with: the one repaired now, else the start checkpoint's.
         self.reward_head = (self.setup.repair.head if self.setup.repair is not None and self.setup.repair.kept
                             else start_reward.head if start_reward is not None else None)
@@ -174,8 +174,7 @@ class AdaptationRun:
             if self.lost or (self.heartbeat is not None and self.heartbeat.lost):
                 raise LeaseLost
             if result.stopped and not self.guard.should_stop:
-                return self.finish(JobState.CANCELED, error="canceled on request")
-            self.mean_reward = result.mean_reward
+                return self.finish(JobState.CANCELED, error=jobstates.CANCELED_ON_REQUEST)
             if result.iteration > self.last_iteration:  # adapt did not checkpoint its final state
                 self.save_checkpoint(result.iteration, {"iteration": result.iteration, "agent": result.agent_state})
         return self.finish(JobState.SUCCEEDED)
@@ -316,12 +315,15 @@ class AdaptationRun:
             if outcome == JobState.SUCCEEDED and decision["activate"] is not None:
                 ckpt_id = self.checkpoint_ids.get(decision["activate"])
             message = decision["message"]
-            if job.activate == "true" and ckpt_id is not None:
+            if outcome == JobState.CANCELED:
+                message += f"; canceled at iteration {self.iteration}: nothing is activated"
+            elif job.activate == "true" and ckpt_id is not None:
                 message += (f"; activate=true: the last checkpoint (iteration {decision['activate']}) is activated "
                             "whatever the probes say")
             elif job.activate == "false":
                 message += "; activate=false: nothing is activated"
             validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
+                          "activated_checkpoint_id": None if ckpt_id is None else str(ckpt_id),
                           "message": message, **(self.setup.record if self.setup is not None else {})}
         calibrations = self._calibrations({ckpt_id, self.last_checkpoint_id}) if outcome == JobState.SUCCEEDED else {}
         with self.ctx.session_factory.begin() as s:  # one transaction: the outcome, and the activation it reports
@@ -331,7 +333,7 @@ class AdaptationRun:
                     s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id, base_checkpoint_id=job.base_checkpoint_id):
                 log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
                          self.job_id, ckpt_id)
-                validation = {**(validation or {}), "activated_iteration": None,
+                validation = {**(validation or {}), "activated_iteration": None, "activated_checkpoint_id": None,
                               "message": f"{decision['message']}; not activated: the set's active checkpoint "
                                          "changed while the job ran (that choice stands; activate this job's "
                                          "checkpoint to serve it)."}

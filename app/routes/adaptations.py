@@ -99,9 +99,6 @@ def create_adaptation(
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
     iterations = settings.default_iterations if iterations is None else iterations
-    if iterations > settings.max_iterations:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"iterations must be at most {settings.max_iterations}")
     params = {"iterations": iterations, "seed": 0 if seed is None else seed, "activate": activate,
               "learning_rate": settings.default_learning_rate if learning_rate is None else learning_rate}
     files = files or []
@@ -114,14 +111,17 @@ def create_adaptation(
                             "at least one file is required with source=files (source=pool adapts on the set's pool)")
     if files:
         check_file_count(files, settings)
-    if source != "files" and not files and es.num_pool_images == 0:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, EMPTY_POOL.format(set_id=set_id))
     raw = read_raw(files, settings)
     digest = request_digest(set_id, params if source == "files" else {**params, "source": source}, files, raw)
-    if idempotency_key is not None:
+    if idempotency_key is not None:  # a retry gets the job it made, whatever changed since (the pool, a limit)
         existing = crud.get_job_by_idempotency_key(session, owner=caller.owner, key=idempotency_key)
         if existing is not None:
             return replay(existing, digest, response)
+    if iterations > settings.max_iterations:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            f"iterations must be at most {settings.max_iterations}")
+    if source != "files" and not files and es.num_pool_images == 0:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, EMPTY_POOL.format(set_id=set_id))
     # 409 before anything is stored when the set's bundle was replaced (QLOC_INFERENCE=workers: a worker checks)
     if remote is None:
         set_bundle(bundles, es)

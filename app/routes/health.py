@@ -24,14 +24,15 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
-@router.api_route("/healthz", methods=["GET", "HEAD"], response_model=HealthStatus)
+@router.head("/healthz", response_model=HealthStatus, operation_id="healthz_head")
+@router.get("/healthz", response_model=HealthStatus, operation_id="healthz")
 def healthz() -> HealthStatus:
     """The process is up (``HEAD`` too: probes that send it)."""
     return HealthStatus(status="ok")
 
 
-@router.api_route("/readyz", methods=["GET", "HEAD"], response_model=ReadyStatus,
-                  responses={503: {"model": ReadyStatus}})
+@router.head("/readyz", response_model=ReadyStatus, responses={503: {"model": ReadyStatus}}, operation_id="readyz_head")
+@router.get("/readyz", response_model=ReadyStatus, responses={503: {"model": ReadyStatus}}, operation_id="readyz")
 def readyz(request: Request, response: Response, session: SessionDep, settings: SettingsDep, queue: QueueDep,
            bundles: BundlesDep) -> ReadyStatus:
     """Ready to serve: the database and the broker answer, the default bundle is loaded (with

@@ -1,9 +1,11 @@
 """Query parameters and form fields a route does not take are refused, not ignored; so is one value sent twice.
 
 FastAPI drops what a route does not declare, so a misspelt ``?max_instance=4`` would answer with one box and no
-word why, and ``-F lr=0.01`` would run a job at the default rate; and of ``?samples=1&samples=2`` it keeps one.
+word why, and ``-F lr=0.01`` would run a job at the default rate; and of ``?samples=1&samples=2`` it keeps one; an
+empty form field (``-F iterations=``) it takes for an absent one.
 ``known_parameters`` (a dependency of the v1 routers, ``app.main``) answers 422 naming the unknown names and listing
-the ones the route takes, or naming a parameter or field given more than once that takes one value. Form fields are
+the ones the route takes, or naming a parameter or field given more than once that takes one value, or a form field
+sent empty. Form fields are
 checked on routes that take a form (a form sent to one that takes none is not read); a body of another type sent to
 one of them (JSON, say) is a 415 saying it takes multipart/form-data. Label Studio's routes (its
 own protocol, whose callers add what they like) and the health probes are left as they are."""
@@ -76,6 +78,7 @@ async def known_parameters(request: Request) -> None:
         if unknown:
             raise _refuse("form field", unknown, body, route, request.method)
         _once("form field", form.multi_items(), lists)
+        _filled(form.multi_items())
 
 
 def _takes_a_form(route: APIRoute) -> bool:
@@ -85,6 +88,15 @@ def _takes_a_form(route: APIRoute) -> bool:
 
 def _has_body(request: Request) -> bool:
     return request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
+
+
+def _filled(items: list[tuple[str, object]]) -> None:
+    """422 if a form field is sent empty (``-F iterations=``): FastAPI would take it for an absent field and use the
+    default, so a script's unset variable would run a 200-iteration job with no word why."""
+    for name, value in items:
+        if isinstance(value, str) and not value.strip():
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"form field {name!r} is empty: give it a value, or leave it out for its default")
 
 
 def _once(kind: str, items: list[tuple[str, object]], lists: frozenset[str]) -> None:

@@ -87,6 +87,7 @@ def test_cancel_queued_job(client):
     job = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", files=files(png_bytes())).json()
     r = client.post(f"/v1/adaptations/{job['id']}/cancel")
     assert r.status_code == 202 and r.json()["status"] == "canceled" and r.json()["cancel_requested"]
+    assert r.json()["error"] == "canceled on request"  # as a job canceled while it ran
     assert client.get(f"/v1/adaptations/{job['id']}").json()["status"] == "canceled"
 
 

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from service_fixtures import files, free_port, make_test_settings, migrate, png_bytes, started
 
-from app.client import AdaptationJob, ExemplarSet, QlocClient, QlocError
+from app.client import AdaptationJob, ExemplarSet, Export, QlocClient, QlocError
 from app.client_images import encode_image
 from app.images import UploadLimits, decode_image
 from models.inference import pil_to_tensor
@@ -123,6 +123,41 @@ def test_the_image_pool(qloc: QlocClient) -> None:
     with pytest.raises(QlocError) as e:
         qloc.create_adaptation(es.id)  # an empty pool and no files
     assert e.value.status == 422 and "pool" in e.value.detail
+
+
+def test_exports_come_back_as_the_server_sends_them_with_the_kept_ids(qloc: QlocClient) -> None:
+    es = qloc.create_exemplar_set(crop())
+    scenes = [png_bytes(84, 84, seed=s) for s in (5, 6)]
+    coco = qloc.export(es, scenes, format="coco", image_ids="11,12", keep=True)
+    assert isinstance(coco, Export) and coco.format == "coco" and coco.kept is not None and len(coco.kept) == 2
+    raw = qloc.http.post(f"/v1/exemplar-sets/{es.id}/localize", params={"format": "coco", "image_ids": "11,12"},
+                         files=files(*scenes)).json()
+    assert {k: v for k, v in coco.data.items() if k != "images"} == {k: v for k, v in raw.items() if k != "images"}
+    assert [im["id"] for im in coco.data["images"]] == [11, 12]  # the server's JSON as is (only names differ)
+    assert [str(i.id) for i in qloc.list_pool_images(es).data] == coco.kept
+    studio = qloc.export(es, scenes[0], format="labelstudio")
+    assert studio.kept is None and isinstance(studio.data, list | dict)
+    with pytest.raises(ValueError, match="call QlocClient.export"):  # not a LocalizeResponse: refused before sending
+        qloc.localize(es, scenes, format="coco")
+    assert len(qloc.list_pool_images(es).data) == 2
+
+
+def test_every_id_parameter_takes_the_clients_own_models(qloc: QlocClient) -> None:
+    es = qloc.create_exemplar_set(crop())
+    assert qloc.get_exemplar_set(es) == es
+    assert qloc.localize(es, png_bytes(84, 84, seed=5)).exemplar_set_id == es.id
+    base = qloc.list_checkpoints(es).data[0]
+    assert qloc.get_checkpoint(base) == base
+    assert qloc.localize(es, png_bytes(84, 84, seed=5), checkpoint=base).checkpoint_id == base.id
+    job = qloc.create_adaptation(es, png_bytes(), iterations=2)
+    assert qloc.list_adaptations(es).data[0].id == job.id
+    qloc.cancel_adaptation(job)
+    assert qloc.add_pool_images(es, png_bytes(84, 84, seed=1)).data and qloc.list_pool_images(es).data
+    qloc.clear_pool(es)
+    qloc.delete_exemplar_set(es)
+    with pytest.raises(QlocError) as e:
+        qloc.get_exemplar_set(es)
+    assert e.value.status == 404
 
 
 def test_api_errors_raise_qloc_error_with_the_detail(qloc: QlocClient) -> None:

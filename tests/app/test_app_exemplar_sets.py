@@ -188,6 +188,8 @@ def test_localize_reads_the_set_and_its_active_checkpoint_in_one_query(client):
 def test_health_ready_metrics(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.head("/healthz").status_code == client.head("/readyz").status_code == 200  # probes that send HEAD
+    ops = [op["operationId"] for path in client.get("/openapi.json").json()["paths"].values() for op in path.values()]
+    assert len(ops) == len(set(ops)) and {"healthz", "healthz_head", "readyz", "readyz_head"} <= set(ops)  # unique
     r = client.get("/readyz")
     assert r.status_code == 200 and r.json()["checks"] == {"database": "ok", "broker": "ok", "bundle": "ok"}
     set_id = create_set(client).json()["id"]

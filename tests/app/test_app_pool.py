@@ -256,6 +256,15 @@ def test_jobs_on_the_pool_the_files_or_both(api, pool_settings):
     r1 = api.post(url, data={"source": "pool", "iterations": "2"}, headers={"Idempotency-Key": "pool-1"})
     r2 = api.post(url, data={"source": "pool", "iterations": "2"}, headers={"Idempotency-Key": "pool-1"})
     assert r1.json()["id"] == r2.json()["id"] and r2.headers["Idempotent-Replayed"] == "true"
+    # ... also once the pool it took is gone: the retry gets its job, not "the pool is empty"
+    for job in api.get(f"/v1/exemplar-sets/{set_id}/adaptations").json()["data"]:
+        if job["status"] in ("queued", "running"):
+            assert api.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 202
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images").status_code == 204
+    r3 = api.post(url, data={"source": "pool", "iterations": "2"}, headers={"Idempotency-Key": "pool-1"})
+    assert r3.status_code == 202 and r3.json()["id"] == r1.json()["id"], r3.text
+    r4 = api.post(url, data={"source": "pool", "iterations": "2"}, headers={"Idempotency-Key": "pool-2"})
+    assert r4.status_code == 422 and "pool is empty" in r4.json()["detail"], r4.text
 
 
 def test_images_a_queued_job_took_are_kept_until_it_ends(api, pool_settings):

@@ -68,6 +68,32 @@ def test_a_parameter_or_field_sent_twice_is_422_naming_it_and_nothing_is_written
     assert r.status_code == 201, r.text
 
 
+@pytest.mark.parametrize("field", ["iterations", "activate", "seed", "learning_rate", "source"])
+def test_an_empty_form_field_is_422_not_the_default_and_nothing_is_written(client, settings, field):
+    """``-F iterations=$N`` with N unset must not run the 200-iteration default."""
+    set_id = register_set(client)
+    before = snapshot(settings)
+    r = client.post(f"{URL}/{set_id}/adaptations", files=files(png_bytes()), data={"iterations": "2", field: ""})
+    assert r.status_code == 422, r.text
+    assert f"form field {field!r} is empty: give it a value, or leave it out" in r.json()["detail"], r.text
+    assert snapshot(settings) == before
+    for data in ({"name": ""}, {"threshold": " "}):  # set creation too
+        r = client.post(URL, files=files(png_bytes()), data=data)
+        assert r.status_code == 422 and "is empty" in r.json()["detail"], r.text
+    assert snapshot(settings) == before
+
+
+@pytest.mark.parametrize("field", ["boxes", "name", "threshold"])
+def test_a_file_sent_for_a_text_field_is_422_saying_so_not_the_files_internals(client, settings, field):
+    before = snapshot(settings)
+    r = client.post(URL, files=files(png_bytes()) + [(field, ("boxes.json", b"[[0, 0, 10, 10]]", "application/json"))])
+    assert r.status_code == 422, r.text
+    [err] = r.json()["detail"]
+    assert err["loc"] == ["body", field] and err["input"] == "a file (boxes.json, 16 bytes)", err
+    assert f"{field} is a text field, not a file" in err["msg"] and f"-F '{field}=<file'" in err["msg"], err
+    assert snapshot(settings) == before
+
+
 @pytest.mark.parametrize("query, message", [
     ("image_ids=5", "image_ids is for format=coco: not used with format=json"),
     ("format=labelstudio&category_id=3", "category_id is for format=coco: not used with format=labelstudio"),

@@ -60,6 +60,8 @@ def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
     assert [c.iteration for c in ckpts] == [2, 4, 5]  # every checkpoint_every=2 iterations, and the end
     assert [c.parent_id for c in ckpts] == [uuid.UUID(job["params"]["base_checkpoint_id"]), ckpts[0].id, ckpts[1].id]
     assert polled["checkpoint_id"] == str(ckpts[-1].id)
+    assert polled["validation"]["activated_iteration"] == 5
+    assert polled["validation"]["activated_checkpoint_id"] == str(ckpts[-1].id)  # named, not only its iteration
     es = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}").json()
     assert es["active_checkpoint_id"] == str(ckpts[-1].id)
 
@@ -67,6 +69,7 @@ def test_job_succeeds_with_checkpoints_lineage_and_activation(client, ctx):
     assert public["kind"] == "adapted" and public["active"] and public["job_id"] == job["id"]
     assert set(public["metrics"]) == {"mean_reward", "probe_corloc", "probe_mean_iou", "probe_held_corloc",
                                       "probe_gain", "probe_noise"}
+    assert polled["progress"]["mean_reward"] == public["metrics"]["mean_reward"]  # one meaning, running or done
     loaded = ctx.bundles.get(es["bundle"]).bundle
     agent, meta = read_checkpoint(ctx.store, blob=ckpts[-1].blob, sha256=public["sha256"], bundle=loaded)
     assert meta["iteration"] == 5 and set(meta["resume"]) >= {"optimizer", "rng", "iteration"}
@@ -245,6 +248,10 @@ def test_cancel_is_honoured_between_iterations(client, ctx):
         run.on_progress = original
     polled = client.get(f"/v1/adaptations/{job['id']}").json()
     assert polled["status"] == "canceled" and polled["cancel_requested"] and calls[-1] < 50
+    assert polled["error"] == "canceled on request"
+    assert polled["validation"]["message"].endswith(f"; canceled at iteration {polled['progress']['iteration']}: "
+                                                    "nothing is activated"), polled["validation"]["message"]
+    assert polled["validation"]["activated_checkpoint_id"] is None
     assert [c.iteration for c in checkpoints_of(ctx, job["id"])] == [2]  # kept, but not activated
     es = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}").json()
     assert es["active_checkpoint_id"] == job["params"]["base_checkpoint_id"]
