@@ -392,9 +392,10 @@ class QlocClient:
         try:
             while True:
                 if bar is not None:
-                    reward = current.progress.mean_reward
+                    reward, phase = current.progress.mean_reward, current.progress.phase
                     bar.update_to(current.progress.iteration, current.progress.total,
-                                  current.status + (f" reward {reward:.4f}" if reward is not None else ""))
+                                  current.status + (f" ({phase})" if phase and phase != "adapting" else "")
+                                  + (f" reward {reward:.4f}" if reward is not None else ""))
                 if on_update is not None:
                     on_update(current)
                 if current.done:

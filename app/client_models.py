@@ -72,6 +72,8 @@ class Progress(_Model):
     iteration: int = 0
     total: int = 0
     mean_reward: float | None = None
+    phase: str | None = None
+    """A running job's ``setup`` (reward repair and probes), ``adapting`` or ``finishing``; else ``None``."""
 
 
 class AdaptationJob(_Model):

@@ -69,7 +69,7 @@ def claim(session: Session, *, job_id: uuid.UUID, worker: str, stale_before: dat
         .where(job.id == job_id,
                or_(job.status == JobState.QUEUED,
                    and_(job.status == JobState.RUNNING, job.heartbeat_at < stale_before)))
-        .values(status=JobState.RUNNING, attempts=job.attempts + 1, worker=worker, heartbeat_at=now,
+        .values(status=JobState.RUNNING, phase="setup", attempts=job.attempts + 1, worker=worker, heartbeat_at=now,
                 started_at=func.coalesce(job.started_at, literal(now, tables.UTCDateTime()))))
     if not _applied(res):
         return None
@@ -87,7 +87,7 @@ def finish_run(session: Session, *, job_id: uuid.UUID, attempt: int, outcome: Jo
         raise ValueError(f"a run finishes succeeded or canceled (fail_run fails it), not {outcome!r}")
     now = now or tables.utcnow()
     values: dict[str, Any] = {"status": outcome, "finished_at": now, "heartbeat_at": now, "error": error,
-                              "progress_iteration": progress_iteration, "mean_reward": mean_reward}
+                              "progress_iteration": progress_iteration, "mean_reward": mean_reward, "phase": None}
     if checkpoint_id is not None:
         values["checkpoint_id"] = checkpoint_id
     if verdict is not None:
@@ -98,7 +98,7 @@ def finish_run(session: Session, *, job_id: uuid.UUID, attempt: int, outcome: Jo
 def fail_run(session: Session, *, job_id: uuid.UUID, attempt: int, error: str, now: datetime | None = None) -> bool:
     """running → failed with ``error`` (its first 2000 characters) -> False when the run no longer holds the lease."""
     return _applied(session.execute(update(tables.AdaptationJob).where(lease_held(job_id, attempt)).values(
-        status=JobState.FAILED, error=error[:2000], finished_at=now or tables.utcnow())))
+        status=JobState.FAILED, error=error[:2000], finished_at=now or tables.utcnow(), phase=None)))
 
 
 def activate_job_result(session: Session, *, set_id: uuid.UUID, checkpoint_id: uuid.UUID,

@@ -186,6 +186,10 @@ class Progress(BaseModel):
         "The mean episode return of the last iteration done (higher is better: the reward is the embedding's "
         "distance gain; a checkpoint's `metrics.mean_reward` is the same number at its iteration); null before the "
         "first"))
+    phase: Literal["setup", "adapting", "finishing"] | None = Field(None, description=(
+        "What a running job does now: `setup` (reward repair and probes, before iteration 1: about a minute on 2 "
+        "CPU cores), `adapting` (the iterations), `finishing` (the last scores, calibrations and the activation); "
+        "null when the job is not running"))
 
 
 class JobParams(BaseModel):

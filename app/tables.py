@@ -42,6 +42,8 @@ class JobState(StrEnum):
 JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobState)
 ACTIVATE_MODES = ("auto", "true", "false")
 """What a succeeded job activates (``AdaptationJob.activate``); ``models.guard`` decides it the same way."""
+PHASES = ("setup", "adapting", "finishing")
+"""A running job's phase: its reward repair and probes, its iterations, its last scores, calibrations and activation."""
 VERDICTS = ("improved", "no better", "worse", "reward unreliable")
 """A finished job's answer to "did adapting make the answers better?" (``models.guard.VERDICTS``)."""
 FINISHED_STATES: tuple[str, ...] = (JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.CANCELED.value)
@@ -232,6 +234,8 @@ class AdaptationJob(Base):
     # progress and outcome
     progress_iteration: Mapped[int] = mapped_column(Integer, default=0)
     mean_reward: Mapped[float | None] = mapped_column(Float)
+    phase: Mapped[str | None] = mapped_column(String(16))
+    """A running job's phase, one of ``PHASES``; NULL when it is not running (or ran before this column)."""
     checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL"))
     """The job's latest checkpoint; the final one once it succeeded."""

@@ -99,6 +99,7 @@ class AdaptationRun:
         self.lost = False
         self.mean_reward: float | None = None
         self.iteration = 0
+        self.phase = "setup"  # as the claim wrote it (app.tables.PHASES)
         self._last_sync = 0.0
         self.guard: Guard | None = None
         self.setup: Guarded | None = None
@@ -165,6 +166,8 @@ class AdaptationRun:
         self.guard = self.setup.guard
         bundle, prototype = self.setup.bundle, self.setup.prototype  # the repaired reward, when it was kept
         if self.last_iteration < job.iterations and not self.guard.should_stop:
+            self.phase = "adapting"
+            self._sync()
             cfg = AdaptConfig(iterations=job.iterations, lr=job.learning_rate, seed=job.seed,
                               checkpoint_every=ctx.settings.checkpoint_every,
                               batch_size=min(ctx.settings.adapt_batch_size, len(images)))
@@ -246,7 +249,8 @@ class AdaptationRun:
         self._last_sync = time.monotonic()
         with self.ctx.session_factory.begin() as s:
             res = s.execute(update(AdaptationJob).where(jobstates.lease_held(self.job_id, self.attempt)).values(
-                progress_iteration=self.iteration, mean_reward=self.mean_reward, heartbeat_at=utcnow()))
+                progress_iteration=self.iteration, mean_reward=self.mean_reward, phase=self.phase,
+                heartbeat_at=utcnow()))
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 self.lost = True
                 return
@@ -309,6 +313,11 @@ class AdaptationRun:
         job = self.job
         verdict = validation = None
         ckpt_id = None
+        if outcome == JobState.SUCCEEDED:  # the last scores, calibrations and the activation: seconds more
+            self.phase = "finishing"
+            self._sync()
+            if self.lost:
+                raise LeaseLost
         if self.guard is not None:
             decision = self.guard.decide(job.activate)
             verdict, validation = decision["verdict"], decision["validation"]

@@ -20,7 +20,7 @@ from app.routes.uploads import check_file_count, decode_all, read_raw
 from app.schemas import AdaptationJobPublic, AdaptationJobsPublic, JobParams, Progress
 from app.serving import InferenceRefused
 from app.storage import job_image_key, job_prefix
-from app.tables import AdaptationJob
+from app.tables import AdaptationJob, JobState
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ EMPTY_POOL = ("no image to adapt on: no file was posted and the set's image pool
 def to_public(job: AdaptationJob) -> AdaptationJobPublic:
     return AdaptationJobPublic(
         id=job.id, exemplar_set_id=job.exemplar_set_id, status=job.status,  # type: ignore[arg-type]
-        progress=Progress(iteration=job.progress_iteration, total=job.iterations, mean_reward=job.mean_reward),
+        progress=Progress(iteration=job.progress_iteration, total=job.iterations, mean_reward=job.mean_reward,
+                          phase=job.phase if job.status == JobState.RUNNING else None),  # type: ignore[arg-type]
         checkpoint_id=job.checkpoint_id, error=job.error,
         params=JobParams(iterations=job.iterations, learning_rate=job.learning_rate, seed=job.seed,
                          activate=job.activate, num_images=job.num_images,  # type: ignore[arg-type]

@@ -510,7 +510,8 @@ function showJob(job) {
   $("#job-progress").max = p.total || 1;
   $("#job-progress").value = p.iteration || 0;
   $("#job-cancel").hidden = TERMINAL.has(job.status);
-  const pairs = [["iteration", `${p.iteration ?? 0} / ${p.total ?? "?"}`], ["mean reward", fmt(p.mean_reward, 4)],
+  const phase = p.phase === "setup" ? " (setting up: reward repair and probes)" : p.phase === "finishing" ? " (finishing)" : "";
+  const pairs = [["iteration", `${p.iteration ?? 0} / ${p.total ?? "?"}${phase}`], ["mean reward", fmt(p.mean_reward, 4)],
     ["images", job.params ? job.params.num_images : "—"], ["activate", job.params ? job.params.activate : "—"]];
   if (job.verdict) pairs.push(["verdict", job.verdict]);
   if (job.checkpoint_id) pairs.push(["checkpoint", shortId(job.checkpoint_id)]);

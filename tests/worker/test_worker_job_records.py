@@ -88,8 +88,9 @@ def _job_row(ctx, job_id):
 
 
 def test_progress_rows_between_checkpoints_and_at_the_end(client, settings, monkeypatch):
-    """Progress is synced at most every ``progress_every_s`` and always at the last iteration; each sync
-    and each checkpoint writes the run's progress, reward, heartbeat (and checkpoint) to its own job row."""
+    """Progress is synced at most every ``progress_every_s``, always at the last iteration and when the phase
+    changes (setup -> adapting -> finishing); each sync and each checkpoint writes the run's progress, reward,
+    phase, heartbeat (and checkpoint) to its own job row."""
     monkeypatch.setattr(AdaptationRun, "progress_every_s", 1e9)  # the timer never fires in this test
     synced, saved = [], []
     real_sync, real_save = AdaptationRun._sync, AdaptationRun.save_checkpoint
@@ -98,7 +99,7 @@ def test_progress_rows_between_checkpoints_and_at_the_end(client, settings, monk
         before = _job_row(ctx, self.job_id).heartbeat_at
         real_sync(self)
         row = _job_row(ctx, self.job_id)
-        synced.append(self.iteration)
+        synced.append((self.iteration, row.phase))
         assert row.progress_iteration == self.iteration and row.mean_reward == pytest.approx(self.mean_reward)
         assert row.heartbeat_at > before
 
@@ -119,7 +120,8 @@ def test_progress_rows_between_checkpoints_and_at_the_end(client, settings, monk
         job = new_job(client)
         other = uuid.UUID(new_job(client)["id"])  # queued beside it: its row must not move
         assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
-        assert synced == [5] and saved == [2, 4, 5]
+        assert synced == [(0, "adapting"), (5, "adapting"), (5, "finishing")] and saved == [2, 4, 5]
+        assert _job_row(ctx, uuid.UUID(job["id"])).phase is None  # done
     finally:
         ctx.engine.dispose()
 

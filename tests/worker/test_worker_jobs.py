@@ -231,6 +231,7 @@ def test_cancel_is_honoured_between_iterations(client, ctx):
     def cancel_at_iteration_3(iteration, total, mean_reward):
         calls.append(iteration)
         if iteration == 3:
+            assert client.get(f"/v1/adaptations/{job['id']}").json()["progress"]["phase"] == "adapting"
             assert client.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 202
 
     run = AdaptationRun  # cancel arrives through the API while the job runs
@@ -270,6 +271,8 @@ def test_cancel_is_honoured_during_the_reward_repair(client, ctx, monkeypatch):
     setup = AdaptationRun._setup
 
     def cancel_then_set_up(self, *args, **kwargs):
+        running = client.get(f"/v1/adaptations/{job['id']}").json()
+        assert running["status"] == "running" and running["progress"]["phase"] == "setup", running["progress"]
         assert client.post(f"/v1/adaptations/{job['id']}/cancel").status_code == 202  # the job runs: a request
         self._last_sync = 0.0  # read the flag at the next check rather than after progress_every_s
         return setup(self, *args, **kwargs)
@@ -280,6 +283,7 @@ def test_cancel_is_honoured_during_the_reward_repair(client, ctx, monkeypatch):
     polled = client.get(f"/v1/adaptations/{job['id']}").json()
     assert polled["status"] == "canceled" and polled["error"] == "canceled on request"
     assert polled["progress"]["iteration"] == 0 and checkpoints_of(ctx, job["id"]) == []
+    assert polled["progress"]["phase"] is None and job_row(ctx, job["id"]).phase is None  # not running
 
 
 def test_soft_time_limit_fails_the_job_and_keeps_checkpoints(client, ctx, monkeypatch):
