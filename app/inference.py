@@ -33,7 +33,16 @@ from torch import Tensor
 from app.lru import LoadingLRU
 from app.storage import BlobStore
 from app.tables import ExemplarSet
-from models.bundle import Bundle, Reward, bundle_from_bytes, checkpoint_from_bytes, policy_from_bytes
+from models.bundle import (
+    Bundle,
+    HeadRef,
+    Reward,
+    bundle_from_bytes,
+    checkpoint_from_bytes,
+    head_from_bytes,
+    head_to_bytes,
+    policy_from_bytes,
+)
 from models.inference import Localizer, resolve_device
 from models.verifier import KindVerifier, load_verifier, verifier_path
 
@@ -228,7 +237,24 @@ def read_checkpoint(store: BlobStore, *, blob: str, sha256: str, bundle: Bundle,
 def read_served_checkpoint(store: BlobStore, *, blob: str, sha256: str, bundle: Bundle, source: str | None = None
                            ) -> tuple[dict[str, Tensor], Reward | None]:
     """What serving a checkpoint needs: (agent state, the repaired reward it carries or ``None``), checked
-    as ``read_checkpoint`` checks."""
+    as ``read_checkpoint`` checks; heads it keeps apart (format 6) read from ``store``, each checked by its digest."""
     data = store.read_verified(blob, sha256)
-    agent, _, reward = checkpoint_from_bytes(data, bundle, source=source or f"checkpoint {blob}")
+    agent, _, reward = checkpoint_from_bytes(data, bundle, source=source or f"checkpoint {blob}",
+                                             load_head=lambda ref: read_head(store, ref))
     return agent, reward
+
+
+def read_head(store: BlobStore, ref: HeadRef) -> dict[str, Tensor]:
+    """A head a format-6 checkpoint keeps apart (``worker.jobs``: ``{"key", "sha256"}`` of its blob)."""
+    return head_from_bytes(store.read_verified(ref["key"], ref["sha256"]), source=f"head {ref['key']}")
+
+
+def store_head(store: BlobStore, key_of: Callable[[str], str], head: dict[str, Tensor]) -> HeadRef:
+    """Store ``head`` apart for format-6 checkpoints under ``key_of(its digest)`` (once: a blob that is there is the
+    same bytes) -> its reference, as ``read_head`` reads it."""
+    data = head_to_bytes(head)
+    sha = hashlib.sha256(data).hexdigest()
+    key = key_of(sha)
+    if not store.exists(key):
+        store.put(key, data)
+    return {"key": key, "sha256": sha}

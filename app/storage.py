@@ -73,6 +73,11 @@ def checkpoint_key(set_id: object, job_id: object, iteration: int) -> str:
     return f"{job_prefix(set_id, job_id)}/checkpoints/{iteration:07d}.pt"
 
 
+def head_key(set_id: object, sha256: str) -> str:
+    """A projection head stored apart from the checkpoints that share it (format 6), by its file's digest."""
+    return f"{exemplar_set_prefix(set_id)}/heads/{sha256}.pt"
+
+
 def pool_image_key(set_id: object, image_id: object, ext: str) -> str:
     """An image of the set's pool: under the set's prefix, so deleting the set deletes it."""
     return f"{exemplar_set_prefix(set_id)}/pool/{image_id}{ext}"

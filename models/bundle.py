@@ -18,6 +18,9 @@ image keeping the checkpoint's answer only where both heads prefer it (``models.
 Format 5 adds ``"consensus"`` to the start: the agents of the job's checkpoints before this one (oldest first), and
 the checkpoint is served by the *consensus* of its own answer, the start's and theirs instead: each image's answer
 is the one that overlaps the others most (``models.companion.Companion.members``).
+Format 6 keeps the heads apart: where the writer stores them (``store_head``), the reward's and the start's
+``"head"`` become ``"head_ref"`` (what ``store_head`` returned: a head file, ``head_to_bytes``, written once and
+shared by the checkpoints of a job, where it was 84-86 % of each file), resolved on reading by ``load_head``.
 Both are written to a temporary name and renamed, so a crash never leaves half a file.
 
 A bundle is known by its content: ``load_bundle`` / ``bundle_from_bytes`` hash the very bytes they
@@ -32,6 +35,7 @@ import hashlib
 import io
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,11 +49,16 @@ from models.nets.agent import Agent
 from models.nets.embedding import ProjectionHead, RoIEmbedder
 
 FORMAT_VERSION = 1
-POLICY_FORMAT_VERSION = 5
-"""Policy checkpoints: 5 carries a repaired reward, its start and the job's earlier checkpoints, served by their
-consensus; 4 a repaired reward and the start it is served paired with; 3 a repaired reward whose
-answers are refined; 2 a repaired reward (head + prototype); 1 is the agent only. Each file is written with the
-lowest version that holds it."""
+POLICY_FORMAT_VERSION = 6
+"""Policy checkpoints: 6 holds references to its heads, stored apart (any of 2-5 otherwise); 5 carries a repaired
+reward, its start and the job's earlier checkpoints, served by their consensus; 4 a repaired reward and the start it
+is served paired with; 3 a repaired reward whose answers are refined; 2 a repaired reward (head + prototype); 1 is
+the agent only. Each file is written with the lowest version that holds it."""
+HEAD_FORMAT_VERSION = 1
+"""A projection head's state stored apart (``head_to_bytes``), for format-6 checkpoints."""
+
+HeadRef = dict[str, str]
+"""Where a head stored apart is (what ``store_head`` returns and ``load_head`` reads: opaque to this module)."""
 
 
 @dataclass
@@ -170,7 +179,7 @@ def _decode(data: bytes, kind: str, source: str) -> dict:
         raise ValueError(f"{source} is not a readable {kind} file: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != kind:
         raise ValueError(f"{source} is not a {kind} file")
-    newest = POLICY_FORMAT_VERSION if kind == "qloc-policy" else FORMAT_VERSION
+    newest = {"qloc-policy": POLICY_FORMAT_VERSION, "qloc-head": HEAD_FORMAT_VERSION}.get(kind, FORMAT_VERSION)
     if obj.get("format_version", 0) > newest:
         raise ValueError(f"{source} has {kind} format {obj['format_version']}; this qloc reads <= {newest}")
     return obj
@@ -215,14 +224,26 @@ def load_policy(path: str | os.PathLike, bundle: Bundle | None = None) -> tuple[
     return policy_from_bytes(Path(path).read_bytes(), bundle, source=str(path))
 
 
+def head_to_bytes(head: dict[str, Tensor]) -> bytes:
+    """A projection head's state as a file of its own (``{"format": "qloc-head", "format_version", "head"}``)."""
+    return _to_bytes({"format": "qloc-head", "format_version": HEAD_FORMAT_VERSION, "head": _cpu(head)})
+
+
+def head_from_bytes(data: bytes, *, source: str = "head") -> dict[str, Tensor]:
+    return _decode(data, "qloc-head", source)["head"]
+
+
 def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: dict[str, Any] | None = None,
                     bundle_sha256: str | None = None, prototype_dim: int | None = None,
-                    reward: Reward | None = None) -> bytes:
+                    reward: Reward | None = None,
+                    store_head: Callable[[dict[str, Tensor]], HeadRef] | None = None) -> bytes:
     """The exact bytes ``save_policy`` writes (for callers with their own blob storage). ``reward``: the
     repaired head and prototype the policy was adapted with (format 2; 3 when its answers are refined; 4 when it
     carries its ``start``; 5 when that start votes in a consensus); without it the file is format 1, byte for byte
-    what earlier versions wrote."""
-    version = (1 if reward is None else 5 if reward.start is not None and reward.start.consensus is not None
+    what earlier versions wrote. ``store_head``: the reward's heads are stored apart by it, the file holding what it
+    returns (format 6; read back with ``load_head``)."""
+    version = (1 if reward is None else 6 if store_head is not None
+               else 5 if reward.start is not None and reward.start.consensus is not None
                else 4 if reward.start is not None else 3 if reward.refine else 2)
     obj: dict[str, Any] = {"format": "qloc-policy", "format_version": version, "bundle": bundle_name}
     if bundle_sha256 is not None:
@@ -230,8 +251,16 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
     if prototype_dim is not None:
         obj["prototype_dim"] = int(prototype_dim)
     obj["agent"] = _cpu(agent_state)
+
+    def put_head(into: dict[str, Any], head: dict[str, Tensor]) -> None:
+        if store_head is None:
+            into["head"] = _cpu(head)
+        else:
+            into["head_ref"] = {str(k): str(v) for k, v in store_head(head).items()}
+
     if reward is not None:
-        obj["reward"] = {"head": _cpu(reward.head), "prototype": reward.prototype.detach().cpu().float().clone()}
+        obj["reward"] = {"prototype": reward.prototype.detach().cpu().float().clone()}
+        put_head(obj["reward"], reward.head)
         if reward.refine:
             obj["reward"]["refine"] = True
         if reward.start is not None:
@@ -240,7 +269,7 @@ def policy_to_bytes(agent_state: dict[str, Tensor], *, bundle_name: str, meta: d
             if st.agent is not None:
                 start["agent"] = _cpu(st.agent)
             if st.head is not None:
-                start["head"] = _cpu(st.head)
+                put_head(start, st.head)
             if st.refine:
                 start["refine"] = True
             if st.consensus is not None:
@@ -288,15 +317,45 @@ def policy_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str 
                       ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """-> (agent state dict, meta) of a policy file's bytes. With ``bundle``, raises ``PolicyMismatch``
     for a policy of another bundle name, of another file under that name (when the policy and the
-    bundle both know their bundle's sha256), or of another prototype dimension (when recorded)."""
-    agent, meta, _ = checkpoint_from_bytes(data, bundle, source=source)
-    return agent, meta
+    bundle both know their bundle's sha256), or of another prototype dimension (when recorded). The heads a
+    format-6 file keeps apart are not read."""
+    obj = _checked(data, bundle, source)
+    return obj["agent"], obj.get("meta", {})
 
 
-def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str = "policy"
+def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str = "policy",
+                          load_head: Callable[[HeadRef], dict[str, Tensor]] | None = None
                           ) -> tuple[dict[str, Tensor], dict[str, Any], Reward | None]:
     """``policy_from_bytes`` plus the repaired reward the file carries (format 2; with the start it is paired with,
-    format 4), or ``None``: then the bundle's head and the set's prototype serve it."""
+    format 4), or ``None``: then the bundle's head and the set's prototype serve it. ``load_head`` reads the heads a
+    format-6 file keeps apart (``ValueError`` without it)."""
+    obj = _checked(data, bundle, source)
+
+    def head(r: dict[str, Any]) -> dict[str, Tensor] | None:
+        if "head_ref" not in r:
+            return r.get("head")
+        if load_head is None:
+            raise ValueError(f"{source} keeps its reward's head apart ({r['head_ref']}): it needs a head reader")
+        return load_head(r["head_ref"])
+
+    r = obj.get("reward")
+    reward = None
+    if r is not None:
+        st = r.get("start")
+        voters = None if st is None or st.get("consensus") is None else tuple(st["consensus"])
+        start = None if st is None else Start(st["prototype"], st.get("agent"), head(st),
+                                              bool(st.get("refine", False)), voters)
+        reward = Reward(head(r), r["prototype"], bool(r.get("refine", False)), start)  # type: ignore[arg-type]
+    if reward is not None and bundle is not None:
+        for proto in (reward.prototype, *(() if reward.start is None else (reward.start.prototype,))):
+            if proto.numel() != bundle.prototype_dim:
+                raise PolicyMismatch(f"{source} carries a prototype of dimension {proto.numel()}, but bundle "
+                                     f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
+    return obj["agent"], obj.get("meta", {}), reward
+
+
+def _checked(data: bytes, bundle: Bundle | None, source: str) -> dict[str, Any]:
+    """A policy file's object, refused (``PolicyMismatch``) where it belongs to another bundle than ``bundle``."""
     obj = _decode(data, "qloc-policy", source)
     if bundle is not None:
         if obj["bundle"] != bundle.name:
@@ -312,17 +371,4 @@ def checkpoint_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: 
             raise PolicyMismatch(
                 f"{source} is a policy for prototypes of dimension {int(dim)}, but bundle {bundle.name!r} "
                 f"makes prototypes of dimension {bundle.prototype_dim}")
-    r = obj.get("reward")
-    reward = None
-    if r is not None:
-        st = r.get("start")
-        voters = None if st is None or st.get("consensus") is None else tuple(st["consensus"])
-        start = None if st is None else Start(st["prototype"], st.get("agent"), st.get("head"),
-                                              bool(st.get("refine", False)), voters)
-        reward = Reward(r["head"], r["prototype"], bool(r.get("refine", False)), start)
-    if reward is not None and bundle is not None:
-        for proto in (reward.prototype, *(() if reward.start is None else (reward.start.prototype,))):
-            if proto.numel() != bundle.prototype_dim:
-                raise PolicyMismatch(f"{source} carries a prototype of dimension {proto.numel()}, but bundle "
-                                     f"{bundle.name!r} makes prototypes of dimension {bundle.prototype_dim}")
-    return obj["agent"], obj.get("meta", {}), reward
+    return obj

@@ -26,12 +26,18 @@ from torch import Tensor
 
 from app import jobstates
 from app.images import open_stored
-from app.inference import bundle_for_set, prototype_from_bytes, read_checkpoint, read_served_checkpoint
+from app.inference import (
+    bundle_for_set,
+    prototype_from_bytes,
+    read_checkpoint,
+    read_served_checkpoint,
+    store_head,
+)
 from app.jobstates import JobState
-from app.storage import checkpoint_key
+from app.storage import checkpoint_key, head_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
-from models.bundle import Bundle, Reward, Start, policy_to_bytes
+from models.bundle import Bundle, HeadRef, Reward, Start, policy_to_bytes
 from models.calibration import answers, calibrate_policy, stored_kind, stored_negative_templates
 from models.data.probes import erase_boxes
 from models.guard import Guard, GuardConfig
@@ -105,6 +111,8 @@ class AdaptationRun:
         self.setup: Guarded | None = None
         self.reward_head: dict[str, Tensor] | None = None
         self.checkpoint_ids: dict[int, uuid.UUID] = {}
+        self._heads: list[tuple[dict[str, Tensor], HeadRef]] = []
+        """The heads stored apart so far, with their references (``_store_head``)."""
         self.voters: list[dict[str, Tensor]] = []
         """The agents of this job's checkpoints written so far, oldest first (a format-5 checkpoint carries them)."""
 
@@ -279,7 +287,8 @@ class AdaptationRun:
                                   else "consensus of its start and its job's checkpoints")
         sha = self.ctx.store.put(key, policy_to_bytes(state["agent"], bundle_name=self.bundle.name, meta=meta,
                                                       bundle_sha256=self.bundle.sha256,
-                                                      prototype_dim=self.bundle.prototype_dim, reward=self.reward()))
+                                                      prototype_dim=self.bundle.prototype_dim, reward=self.reward(),
+                                                      store_head=self._store_head))
         ckpt_id = uuid.uuid4()
         with self.ctx.session_factory.begin() as s:
             if not self._still_owned(s):
@@ -294,6 +303,16 @@ class AdaptationRun:
         self.last_iteration = self.iteration = iteration
         self.checkpoint_ids[iteration] = ckpt_id
         self.voters.append(state["agent"])
+
+    def _store_head(self, head: dict[str, Tensor]) -> HeadRef:
+        """A reward's head stored once for all of this job's checkpoints (format 6: 84-86 % of a checkpoint's
+        bytes), in the set's folder (a job that starts from one of them shares its start's head file)."""
+        for known, ref in self._heads:
+            if known is head:
+                return ref
+        ref = store_head(self.ctx.store, lambda sha: head_key(self.exemplar_set.id, sha), head)
+        self._heads.append((head, ref))
+        return ref
 
     def _calibrations(self, ckpt_ids: set[uuid.UUID | None]) -> dict[uuid.UUID, dict[str, Any]]:
         return _job_calibrations(self, ckpt_ids)

@@ -50,7 +50,8 @@ def test_create_poll_and_enqueue(client, settings):
     assert r.status_code == 202, r.text
     job = r.json()
     assert r.headers["location"] == f"/v1/adaptations/{job['id']}"
-    assert job["status"] == "queued" and job["progress"] == {"iteration": 0, "total": 3, "mean_reward": None, "phase": None}
+    assert job["status"] == "queued"
+    assert job["progress"] == {"iteration": 0, "total": 3, "mean_reward": None, "phase": None}
     assert job["params"] == {"iterations": 3, "learning_rate": 0.01, "seed": 7, "activate": "false", "num_images": 2,
                              "num_pool_images": 0, "base_checkpoint_id": es["active_checkpoint_id"]}
     assert job["verdict"] is None and job["validation"] is None  # until the job finished

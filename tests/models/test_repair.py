@@ -15,6 +15,8 @@ from models.bundle import (
     Reward,
     Start,
     checkpoint_from_bytes,
+    head_from_bytes,
+    head_to_bytes,
     load_bundle,
     policy_from_bytes,
     policy_to_bytes,
@@ -186,10 +188,34 @@ def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still
         assert all(torch.equal(a[k], b[k]) for a, b in zip(st.consensus, voters, strict=True) for k in agent)
     assert checkpoint_from_bytes(paired, bundle)[2].start.consensus is None  # format 4: the two heads' agreement
 
-    obj3["format_version"] = 6
+    # format 6: the heads (the reward's, the start's) stored apart, the file holding what store_head returned
+    heads: dict[str, bytes] = {}
+
+    def store(h):
+        data = head_to_bytes(h)
+        heads[str(len(heads))] = data
+        return {"id": str(len(heads) - 1)}
+
+    def load(ref):
+        return head_from_bytes(heads[ref["id"]])
+
+    apart = policy_to_bytes(agent, bundle_name=bundle.name, reward=Reward(head, proto, refine=True, start=own),
+                            store_head=store)
+    obj6 = torch.load(io.BytesIO(apart), weights_only=True)
+    assert obj6["format_version"] == 6 and obj6["reward"]["head_ref"] == {"id": "0"} and "head" not in obj6["reward"]
+    assert obj6["reward"]["start"]["head_ref"] == {"id": "1"} and len(heads) == 2
+    assert len(apart) < len(refined) / 2  # the head was most of the file
+    _, _, reward6 = checkpoint_from_bytes(apart, bundle, load_head=load)
+    assert reward6.refine and all(torch.equal(v, head[k]) for k, v in reward6.head.items())
+    assert all(torch.equal(v, head[k]) for k, v in reward6.start.head.items())
+    assert policy_from_bytes(apart, bundle)[0].keys() == agent.keys()  # the agent alone needs no head
+    with pytest.raises(ValueError, match="keeps its reward's head apart"):
+        checkpoint_from_bytes(apart, bundle)  # no head reader
+
+    obj3["format_version"] = 7
     buf = io.BytesIO()
     torch.save(obj3, buf)
-    with pytest.raises(ValueError, match="format 6"):
+    with pytest.raises(ValueError, match="format 7"):
         checkpoint_from_bytes(buf.getvalue(), bundle)
 
 

@@ -14,10 +14,10 @@ from service_fixtures import make_test_settings, migrate
 from sqlalchemy import select
 from test_worker_adapt_quality import SHIPPED, _png, _upload
 
-from app.inference import BundleRegistry
+from app.inference import BundleRegistry, read_head
 from app.storage import BlobStore
 from app.tables import Checkpoint
-from models.bundle import checkpoint_from_bytes
+from models.bundle import checkpoint_from_bytes, policy_from_bytes
 from models.data.types import exemplar_crops
 from models.experiments.datasets import GlyphKind
 from models.inference import Localizer
@@ -89,9 +89,14 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
         data = BlobStore(s.storage_dir).read_verified(row.blob, row.sha256)
         row2 = session.get(Checkpoint, uuid.UUID(job2["checkpoint_id"]))
         data2 = BlobStore(s.storage_dir).read_verified(row2.blob, row2.sha256)
-    agent, _, reward = checkpoint_from_bytes(data, bundle)
+    store = BlobStore(s.storage_dir)
+    agent, _, reward = checkpoint_from_bytes(data, bundle, load_head=lambda ref: read_head(store, ref))
     assert reward is not None and reward.refine  # format 3: the head, the prototype under it, refined answers
-    reward2 = checkpoint_from_bytes(data2, bundle)[2]
+    reward2 = checkpoint_from_bytes(data2, bundle, load_head=lambda ref: read_head(store, ref))[2]
+    # format 6: the head is stored once, apart, for every checkpoint of both jobs (the second starts from the first)
+    assert torch.load(io.BytesIO(data), weights_only=True)["format_version"] == 6
+    heads = list((s.storage_dir / "exemplar-sets" / sid / "heads").iterdir())
+    assert len(heads) == 1 and len(data) < heads[0].stat().st_size
     assert reward2 is not None and torch.equal(reward2.prototype, reward.prototype) and reward2.refine
     assert all(torch.equal(v, reward.head[k]) for k, v in reward2.head.items())
     repaired = Localizer(bundle.with_head(reward.head, refine=True), "cpu")
@@ -139,14 +144,15 @@ def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_
     with ctx.session_factory() as session:
         row = session.get(Checkpoint, uuid.UUID(ckpt["id"]))
         data = BlobStore(s.storage_dir).read_verified(row.blob, row.sha256)
-    assert torch.load(io.BytesIO(data), weights_only=True)["format_version"] == (4 if rule == "agree" else 5)
-    agent, _, reward = checkpoint_from_bytes(data, bundle)
+    assert torch.load(io.BytesIO(data), weights_only=True)["format_version"] == 6  # 4 / 5 with the head inside
+    agent, _, reward = checkpoint_from_bytes(data, bundle, load_head=lambda ref: read_head(BlobStore(s.storage_dir),
+                                                                                          ref))
     st = reward.start
     assert st is not None and st.agent is None and st.head is None and not st.refine  # the bundle's own policy
     with ctx.session_factory() as session:  # the job's checkpoints, oldest first: the consensus' earlier voters
         rows = session.scalars(select(Checkpoint).where(Checkpoint.job_id == row.job_id)
                                .order_by(Checkpoint.iteration)).all()
-        earlier = [checkpoint_from_bytes(BlobStore(s.storage_dir).read_verified(r.blob, r.sha256), bundle)[0]
+        earlier = [policy_from_bytes(BlobStore(s.storage_dir).read_verified(r.blob, r.sha256), bundle)[0]
                    for r in rows[:-1]]
     assert rows[-1].id == row.id and len(rows) == 4
     if rule == "consensus":
