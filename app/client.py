@@ -438,6 +438,10 @@ class QlocClient:
     def get_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> Checkpoint:
         return Checkpoint.model_validate(self.request("GET", f"/v1/checkpoints/{_id(checkpoint_id)}").json())
 
+    def delete_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> None:
+        """Delete an adapted checkpoint and its file (409: the set's base, its active one, or an unfinished job's)."""
+        self.request("DELETE", f"/v1/checkpoints/{_id(checkpoint_id)}", idempotent=True)
+
     def activate_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> ExemplarSet:
         """Make the checkpoint its set's active policy (an older one: a rollback) -> the set."""
         r = self.request("POST", f"/v1/checkpoints/{_id(checkpoint_id)}/activate", idempotent=True)

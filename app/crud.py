@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Text, bindparam, cast, delete, func, select, update
+from sqlalchemy import Text, bindparam, cast, delete, func, or_, select, update
 from sqlalchemy.orm import Session, defer
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -176,10 +176,45 @@ def list_checkpoints(session: Session, *, set_id: uuid.UUID, limit: int, offset:
     return list(session.scalars(stmt.limit(limit).offset(offset))), count
 
 
-def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> ExemplarSet:
+def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> ExemplarSet | None:
+    """Make ``checkpoint`` its set's active one -> the set; ``None``: the checkpoint was deleted meanwhile (the caller
+    holds the set's lock, ``app.pool.lock``, as ``delete_checkpoint``'s caller does)."""
+    if session.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.id == checkpoint.id)) != 1:
+        return None
     es = session.get_one(ExemplarSet, checkpoint.exemplar_set_id)
     es.active_checkpoint_id = checkpoint.id
     return es
+
+
+def delete_checkpoint(session: Session, *, checkpoint: Checkpoint) -> str | None:
+    """Delete an adapted checkpoint's row -> its blob key (the caller deletes the file after the commit). Its
+    children are re-parented to its parent (lineage skips it); finished jobs that name it forget it. The caller
+    has taken the set's lock and refused the cases that must not be deleted (``deletable``)."""
+    session.execute(update(Checkpoint).where(Checkpoint.parent_id == checkpoint.id)
+                    .values(parent_id=checkpoint.parent_id))
+    session.execute(update(AdaptationJob).where(AdaptationJob.checkpoint_id == checkpoint.id)
+                    .values(checkpoint_id=None))
+    session.execute(update(AdaptationJob).where(AdaptationJob.base_checkpoint_id == checkpoint.id)
+                    .values(base_checkpoint_id=None))
+    session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint.id))
+    return checkpoint.blob
+
+
+def checkpoint_in_use(session: Session, *, checkpoint: Checkpoint) -> str | None:
+    """Why ``checkpoint`` must not be deleted now (its set's base policy, its active one, or what a queued or running
+    job starts from or writes), or ``None``."""
+    if checkpoint.kind == "base":
+        return "it is the set's base policy (the bundle's own); delete the exemplar set to remove it"
+    es = session.get_one(ExemplarSet, checkpoint.exemplar_set_id)
+    if es.active_checkpoint_id == checkpoint.id:
+        return "it is the set's active checkpoint: activate another one first (POST /v1/checkpoints/{id}/activate)"
+    jobs = list(session.scalars(select(AdaptationJob.id).where(
+        AdaptationJob.status.not_in(FINISHED_STATES),
+        or_(AdaptationJob.base_checkpoint_id == checkpoint.id, AdaptationJob.id == checkpoint.job_id))))
+    if jobs:
+        return (f"job {', '.join(str(j) for j in jobs)} (queued or running) starts from it or wrote it: wait for it "
+                "to end, or cancel it")
+    return None
 
 
 # --- adaptation jobs

@@ -1,18 +1,25 @@
-"""Checkpoints: list a set's, read one (lineage, iteration, sha256, metrics), activate one (rollback)."""
+"""Checkpoints: list a set's, read one (lineage, iteration, sha256, metrics), activate one (rollback), delete one."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, status
+import torch
+from fastapi import APIRouter, HTTPException, Query, Response, status
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from app import crud
-from app.deps import CallerDep, SessionDep
+from app import crud, pool
+from app.deps import CallerDep, SessionDep, StoreDep
 from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
 from app.schemas import CheckpointPublic, CheckpointsPublic, ExemplarSetPublic
+from app.storage import BlobStore, exemplar_set_prefix
 from app.tables import Checkpoint
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"], responses=UNAUTHORIZED)
 
@@ -57,6 +64,69 @@ def activate_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: C
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    locked(session, ckpt.exemplar_set_id)  # a deletion of this checkpoint waits, or has happened
     es = crud.activate_checkpoint(session, checkpoint=ckpt)
+    if es is None:
+        session.rollback()
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
     session.commit()
     return set_to_public(es)
+
+
+@router.delete("/checkpoints/{checkpoint_id}", status_code=status.HTTP_204_NO_CONTENT,
+               responses={404: error("Unknown checkpoint"),
+                          409: error("The set's base or active checkpoint, or one a queued or running job starts "
+                                     "from or wrote")})
+def delete_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: CallerDep, store: StoreDep) -> Response:
+    """Delete an adapted checkpoint and its file, to free storage. Its children keep their lineage through its parent;
+    jobs that named it keep their record (their `checkpoint_id` becomes null). The set's base policy, its active
+    checkpoint and those of unfinished jobs are refused (409 saying which). A head file its job stored apart goes
+    when no checkpoint of the set uses it any more."""
+    ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
+    if ckpt is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    set_id = ckpt.exemplar_set_id
+    locked(session, set_id)  # no activation of it, no job from it, while this decides
+    session.refresh(ckpt)
+    why = crud.checkpoint_in_use(session, checkpoint=ckpt)
+    if why is not None:
+        session.rollback()
+        raise HTTPException(status.HTTP_409_CONFLICT, f"checkpoint {checkpoint_id} cannot be deleted: {why}")
+    blob = crud.delete_checkpoint(session, checkpoint=ckpt)
+    quiet = not crud.unfinished_jobs(session, set_id=set_id)  # a running job may have written a head not yet named
+    remaining = list(session.scalars(select(Checkpoint.blob).where(Checkpoint.exemplar_set_id == set_id,
+                                                                   Checkpoint.kind == "adapted")))
+    session.commit()
+    if blob:
+        store.delete(blob)
+    if quiet:
+        drop_unused_heads(store, set_id, [b for b in remaining if b])
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def locked(session: Session, set_id: uuid.UUID) -> None:
+    try:
+        pool.lock(session, set_id)
+    except pool.SetGone as e:
+        session.rollback()
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND) from e
+
+
+def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str]) -> None:
+    """Delete the set's head files (checkpoint format 6) that none of the checkpoint files ``blobs`` refers to."""
+    folder = store.path(exemplar_set_prefix(set_id)) / "heads"
+    if not folder.is_dir():
+        return
+    used = set()
+    for blob in blobs:
+        try:  # mapped, not read: only the small reward entries are looked at
+            obj = torch.load(store.path(blob), map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, ValueError, RuntimeError):
+            log.warning("checkpoint file %s unreadable: the set's head files are kept", blob)
+            return
+        reward = obj.get("reward") or {}
+        used |= {x["head_ref"]["key"] for x in (reward, reward.get("start") or {}) if "head_ref" in x}
+    for f in folder.glob("*.pt"):
+        key = f"{exemplar_set_prefix(set_id)}/heads/{f.name}"
+        if key not in used:
+            store.delete(key)

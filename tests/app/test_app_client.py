@@ -149,6 +149,9 @@ def test_every_id_parameter_takes_the_clients_own_models(qloc: QlocClient) -> No
     base = qloc.list_checkpoints(es).data[0]
     assert qloc.get_checkpoint(base) == base
     assert qloc.localize(es, png_bytes(84, 84, seed=5), checkpoint=base).checkpoint_id == base.id
+    with pytest.raises(QlocError) as e:  # the base policy stays (adapted ones: tests/worker/test_worker_jobs.py)
+        qloc.delete_checkpoint(base)
+    assert e.value.status == 409 and "base policy" in e.value.detail
     job = qloc.create_adaptation(es, png_bytes(), iterations=2)
     assert qloc.list_adaptations(es).data[0].id == job.id
     qloc.cancel_adaptation(job)

@@ -223,6 +223,42 @@ def test_resume_after_a_crash_continues_from_the_last_checkpoint(client, ctx, mo
         torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_checkpoint_is_deleted_with_its_file_unless_it_is_in_use(client, ctx):
+    """DELETE /v1/checkpoints/{id}: an adapted checkpoint and its file go, its child keeps its lineage through its
+    parent, the job that wrote it forgets it; the base, the active one and one an unfinished job starts from: 409."""
+    job = new_job(client)  # activate=true: its last checkpoint (iteration 5) becomes the active one
+    assert run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="test") == "succeeded"
+    two, four, five = checkpoints_of(ctx, job["id"])
+    base_id = job["params"]["base_checkpoint_id"]
+    for cid, why in ((base_id, "base policy"), (five.id, "active checkpoint")):
+        r = client.delete(f"/v1/checkpoints/{cid}")
+        assert r.status_code == 409 and why in r.json()["detail"], r.text
+    assert client.delete(f"/v1/checkpoints/{uuid.uuid4()}").status_code == 404
+
+    r = client.delete(f"/v1/checkpoints/{four.id}")
+    assert r.status_code == 204, r.text
+    assert not ctx.store.exists(four.blob) and ctx.store.exists(five.blob)
+    assert client.get(f"/v1/checkpoints/{four.id}").status_code == 404
+    assert client.get(f"/v1/checkpoints/{five.id}").json()["parent_id"] == str(two.id)  # lineage through its parent
+    assert client.post(f"/v1/checkpoints/{four.id}/activate").status_code == 404
+    assert client.post(f"/v1/exemplar-sets/{job['exemplar_set_id']}/localize", params={"checkpoint": str(four.id)},
+                       files=files(png_bytes())).status_code == 404
+
+    assert client.post(f"/v1/checkpoints/{two.id}/activate").status_code == 200
+    assert client.delete(f"/v1/checkpoints/{five.id}").status_code == 204  # no longer active
+    assert client.get(f"/v1/adaptations/{job['id']}").json()["checkpoint_id"] is None  # the job forgets it
+    listed = client.get(f"/v1/exemplar-sets/{job['exemplar_set_id']}/checkpoints").json()["data"]
+    assert [c["id"] for c in listed] == [base_id, str(two.id)]
+
+    queued = new_job(client, job["exemplar_set_id"])  # it starts from the active checkpoint (two)
+    assert client.post(f"/v1/checkpoints/{base_id}/activate").status_code == 200
+    r = client.delete(f"/v1/checkpoints/{two.id}")  # not active any more, but an unfinished job's start
+    assert r.status_code == 409 and queued["id"] in r.json()["detail"], r.text
+    assert client.post(f"/v1/adaptations/{queued['id']}/cancel").status_code == 202
+    assert client.delete(f"/v1/checkpoints/{two.id}").status_code == 204
+    assert client.get(f"/v1/adaptations/{queued['id']}").json()["params"]["base_checkpoint_id"] is None
+
+
 def test_cancel_is_honoured_between_iterations(client, ctx):
     job = new_job(client, iterations="50")
     job_id = uuid.UUID(job["id"])

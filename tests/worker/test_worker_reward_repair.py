@@ -112,6 +112,16 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     plain = Localizer(bundle, "cpu").localize(pils, Localizer(bundle, "cpu").prototype(crops), agent)
     assert any(abs(p.score - w.score) > 1e-2 for p, w in zip(plain, expected, strict=True))
 
+    # the shared head file goes with the last checkpoint that uses it (DELETE /v1/checkpoints/{id})
+    with TestClient(create_app(s)) as client:
+        listed = client.get(f"/v1/exemplar-sets/{sid}/checkpoints").json()["data"]
+        assert client.post(f"/v1/checkpoints/{listed[0]['id']}/activate").status_code == 200  # the base
+        written = [c["id"] for c in listed if c["kind"] == "adapted"]
+        assert len(written) >= 2
+        for i, cid in enumerate(written):
+            assert client.delete(f"/v1/checkpoints/{cid}").status_code == 204
+            assert len(list(heads[0].parent.glob("*.pt"))) == (1 if i < len(written) - 1 else 0), i
+
 
 @pytest.mark.parametrize("rule", ["agree", "consensus"])
 def test_a_paired_job_writes_its_start_into_its_checkpoints_and_localize_serves_the_pair(tmp_path, rule):
