@@ -68,8 +68,9 @@ class Settings(BaseSettings):
     """Seconds between the API's checks that some worker consumes ``localize_queue`` (``inference=workers``):
     a broadcast of Celery's ``active_queues``, each worker answering within a second. Seen by none twice in a
     row, model calls are refused at once (503 + ``Retry-After`` naming the queue) instead of each waiting
-    ``localize_timeout``, and ``/readyz`` says so; while none is seen, it checks every 2 s. Brokers that cannot
-    broadcast (the SQLAlchemy transport) are not checked. 0: never checked."""
+    ``localize_timeout``, and ``/readyz`` says so; while none is seen, it checks every second. Each check also reads
+    the result backend: down, calls are refused at once saying so. Brokers that cannot broadcast (the SQLAlchemy
+    transport) are not checked. 0: never checked."""
 
     # --- localize in the API process (inference=local): one engine thread, calls batched across requests
     batch_window_ms: float = Field(0.0, ge=0, le=1000)

@@ -163,36 +163,41 @@ def encode_prototype(made: MadePrototype) -> dict[str, Any]:
 
 
 class ConsumerWatch:
-    """Whether any worker consumes the localize queue, as the last broadcasts of Celery's ``active_queues`` saw.
+    """Whether any worker consumes the localize queue, as the last broadcasts of Celery's ``active_queues`` saw, and
+    whether the result backend answers.
 
     A daemon thread asks every ``interval_s``, and every ``ABSENT_EVERY_S`` while none is seen, so a worker that
-    starts is seen within seconds. A worker answers from its consumer thread, also while its pool is busy; still,
-    one broadcast without an answer is not taken for an absence: ``MISSES`` in a row are. A new call is refused
-    only on a miss by a broadcast that began after it came (``confirmed_absent``), so a worker that came since the
-    last check is not missed. A broker that cannot broadcast (no fanout: the SQLAlchemy transport) or a broadcast
-    that fails tells nothing: never an absence."""
+    starts is seen within seconds. Every reply counts (``broadcast``, not ``inspect``: two workers of one host under
+    Celery's default name ``celery@host`` would be one entry of ``inspect``'s dict, a job worker's hiding a localize
+    worker's). A worker answers from its consumer thread, also while its pool is busy; still, one broadcast without
+    an answer is not taken for an absence: ``MISSES`` in a row are. A broker that cannot broadcast (no fanout: the
+    SQLAlchemy transport) or a broadcast that fails tells nothing: never an absence."""
 
     MISSES = 2
-    ABSENT_EVERY_S = 2.0
+    ABSENT_EVERY_S = 1.0
     REPLY_S = 1.0
     """Seconds a broadcast waits for the workers' answers (it waits them all out: it cannot know how many)."""
 
     def __init__(self, celery: Celery, queue: str, interval_s: float):
         self.celery, self.queue, self.interval_s = celery, queue, interval_s
-        self.workers: list[str] | None = None
-        """Workers consuming the queue at the last broadcast; ``None``: not known (not asked yet, or no answer
-        can tell)."""
+        self.workers: int | None = None
+        """Workers consuming the queue at the last broadcast (replies, not names); ``None``: not known (not asked
+        yet, or no answer can tell)."""
         self.misses = 0
         self.checked_at: float | None = None
         self.unknown = "not checked yet"
-        self._stop, self._wake = threading.Event(), threading.Event()
+        self.backend_error: str | None = None
+        """Why the result backend did not answer at the last check, or ``None``."""
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._done = threading.Condition()
-        self._began = self._ended = 0
-        """Broadcasts of the thread begun and ended (``confirmed_absent`` waits for one begun after its call)."""
 
     def check(self) -> None:
-        """One broadcast; its answer replaces the last one."""
+        """One broadcast (and one read of the result backend); their answers replace the last ones."""
+        try:
+            self.celery.backend.get_task_meta(f"qloc-ping-{uuid.uuid4()}")
+            self.backend_error = None
+        except Exception as e:  # noqa: BLE001 -- reported by _ask and /readyz
+            self.backend_error = f"{type(e).__name__}"
         try:
             with self.celery.connection_for_read() as conn:
                 if "fanout" not in getattr(conn.transport.implements, "exchange_type", ()):
@@ -200,19 +205,20 @@ class ConsumerWatch:
                     self.unknown = f"the broker ({conn.transport_cls}) cannot broadcast"
                     self.checked_at = time.monotonic()
                     return
-                replies = self.celery.control.inspect(timeout=self.REPLY_S, connection=conn).active_queues() or {}
+                replies = self.celery.control.broadcast("active_queues", reply=True, timeout=self.REPLY_S,
+                                                        connection=conn) or []
         except Exception as e:  # noqa: BLE001 -- the broker's own check (/readyz "broker") reports it
             log.warning("localize queue: cannot ask the workers: %s", e)
             self.workers, self.misses, self.unknown = None, 0, f"cannot ask the workers ({type(e).__name__})"
             self.checked_at = time.monotonic()
             return
-        workers = sorted(name for name, queues in replies.items()
-                         if any(isinstance(q, dict) and q.get("name") == self.queue for q in queues or ()))
+        workers = sum(1 for reply in replies if isinstance(reply, dict) for queues in reply.values()
+                      if any(isinstance(q, dict) and q.get("name") == self.queue for q in queues or ()))
         self.misses = 0 if workers else self.misses + 1
         if self.misses == self.MISSES:
             log.warning("no worker consumes queue %r: model calls are refused until one does", self.queue)
-        elif workers and self.workers == []:
-            log.info("queue %r: consumed again (%s)", self.queue, ", ".join(workers))
+        elif workers and self.workers == 0:
+            log.info("queue %r: consumed again (%d workers)", self.queue, workers)
         self.workers, self.checked_at = workers, time.monotonic()
 
     def absent(self) -> str | None:
@@ -224,17 +230,6 @@ class ConsumerWatch:
         return (f"no worker consumes queue {self.queue!r} (none answered the last {self.misses} checks, "
                 f"{time.monotonic() - self.checked_at:.0f} s ago): start a localize worker (README, workers mode); "
                 "retry later")
-
-    def confirmed_absent(self) -> str | None:
-        """``absent()``, where it says so confirmed by a broadcast begun now (callers at once share it): at most
-        ``REPLY_S`` and a round trip more for a call that is refused, nothing for the others."""
-        if self.absent() is None or self._thread is None:
-            return self.absent()
-        with self._done:
-            wanted = self._began + 1
-            self._wake.set()
-            self._done.wait_for(lambda: self._ended >= wanted or self._thread is None, timeout=self.REPLY_S + 5)
-        return self.absent()
 
     def readiness(self) -> str:
         """``/readyz``'s entry: ``ok`` (a worker answered the last check), ``error: ...`` (none, ``absent``), or
@@ -256,23 +251,14 @@ class ConsumerWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-            with self._done:
-                self._thread = None
-                self._done.notify_all()
+            self._thread = None
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._done:
-                self._wake.clear()
-                self._began += 1
             self.check()
-            with self._done:
-                self._ended += 1
-                self._done.notify_all()
-            self._wake.wait(self.ABSENT_EVERY_S if self.misses else self.interval_s)
+            self._stop.wait(self.ABSENT_EVERY_S if self.misses else self.interval_s)
 
 
 class WorkerInference:
@@ -337,15 +323,19 @@ class WorkerInference:
     def _ask(self, task: str, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
         queue, timeout = self.settings.localize_queue, timeout or self.timeout
         retry = {"Retry-After": RETRY_AFTER}
-        absent = self.consumers.confirmed_absent()
+        absent = self.consumers.absent()
         if absent is not None:  # nobody would answer: refused now, not after the timeout
             raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, absent, retry)
+        if self.consumers.backend_error is not None and not self._backend_answers():
+            # sending would first wait on the result backend's connection retries (~20 s), then fail
+            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, BACKEND_DOWN, retry)
         try:  # expires: a message still queued when this call gives up is skipped by the worker that gets it
             res = self.celery.send_task(task, args=[payload], queue=queue, expires=timeout, ignore_result=False)
         except Exception as e:
             log.exception("%s: cannot send to queue %s", task, queue)
             raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE,
-                                   "the localize queue is unreachable; retry later", retry) from e
+                                   "the localize queue is unreachable; retry later" if self._backend_answers()
+                                   else BACKEND_DOWN, retry) from e
         try:
             out = self._wait(res, timeout)
             failed = not res.successful()
@@ -354,8 +344,9 @@ class WorkerInference:
         except CeleryTimeout as e:
             raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, (
                 f"no localize worker answered within {timeout:g} s "
-                f"({'QLOC_SET_TIMEOUT' if task == PROTOTYPE_TASK else 'QLOC_LOCALIZE_TIMEOUT'}): all busy, or none "
-                f"consuming queue {queue!r}; retry later"), retry) from e
+                f"({'QLOC_SET_TIMEOUT' if task == PROTOTYPE_TASK else 'QLOC_LOCALIZE_TIMEOUT'}): all busy, none "
+                f"consuming queue {queue!r}, the one running it gone, or the workers answering to another result "
+                "backend than this API's QLOC_RESULT_BACKEND; retry later"), retry) from e
         except Exception as e:
             log.exception("%s: cannot read the answer of task %s", task, res.id)
             raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE,
@@ -377,7 +368,9 @@ class WorkerInference:
 
     def _wait(self, res: Any, timeout: float) -> Any:
         """``res``'s answer within ``timeout`` seconds; given up (``WorkersGone``) as soon as the watch sees that no
-        worker consumes the queue: a call sent as the last one went away would otherwise wait the whole timeout."""
+        worker consumes the queue while the call is still waiting there (a call sent as the last worker went away
+        would otherwise wait the whole timeout). A call a worker has started (its tasks track it) is waited for: a
+        worker stopping gracefully finishes what it started."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -387,14 +380,22 @@ class WorkerInference:
                 if left <= WAIT_SLICE_S:
                     raise
                 absent = self.consumers.absent()
-                if absent is not None:
+                if absent is not None and res.state == "PENDING":  # a backend read, only while no worker is seen
                     raise WorkersGone(absent) from None
+
+    def _backend_answers(self) -> bool:
+        try:
+            self.ping()
+            return True
+        except Exception:  # noqa: BLE001
+            return False
 
 
 class WorkersGone(Exception):
     """No worker consumes the localize queue any more (``ConsumerWatch.absent``)."""
 
 
+BACKEND_DOWN = "the result backend (QLOC_RESULT_BACKEND) is unreachable; retry later"
 WAIT_SLICE_S = 1.0
 """Seconds between looks at ``ConsumerWatch`` while a call waits for its answer."""
 

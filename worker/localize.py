@@ -3,7 +3,8 @@
 Start one with a thread pool, so that several localize messages are in this process at once and can be
 run as one batch::
 
-    celery -A worker.celery_app worker -Q qloc-localize --pool threads --concurrency 8 --without-mingle --without-gossip
+    celery -A worker.celery_app worker -Q qloc-localize -n localize@%h --pool threads --concurrency 8 \
+        --without-mingle --without-gossip
 
 Each task thread checks and preprocesses its call and hands it to this process's ``BatchedInference``
 (``app.serving``, the API's own batched backend): one engine thread runs the waiting calls of the same

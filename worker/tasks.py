@@ -24,8 +24,10 @@ def adapt_job(job_id: str) -> str:
 
 
 # A request's task: its answer goes to the result backend; one lost with its worker is not run again (the
-# API has answered 503 by then), hence acknowledged on receipt.
-_REQUEST = {"ignore_result": False, "acks_late": False, "reject_on_worker_lost": False}
+# API has answered 503 by then), hence acknowledged on receipt. Started is recorded (one more write to the result
+# backend): the API gives up on a call no worker consumes only while it is still waiting in the queue, and waits for
+# one a worker stopping gracefully has started (app.remote.WorkerInference._wait).
+_REQUEST = {"ignore_result": False, "acks_late": False, "reject_on_worker_lost": False, "track_started": True}
 
 
 @celery_app.task(name=LOCALIZE_TASK, **_REQUEST)

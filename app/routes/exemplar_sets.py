@@ -51,7 +51,7 @@ BOXES_DESCRIPTION = (
     f"0 <= y1 < y2 <= height, at least {MIN_BOX_SIDE:g} pixels on each side. The crops that make the prototype "
     "are cut from the boxes (edges rounded to the nearest pixel); the whole images are kept, with their boxes, "
     "as the set's labeled examples (`num_labeled`), which adaptation jobs use to check themselves. "
-    "Example: `[[10, 20, 60, 90]]`. Absent (or empty): the files are crops.")
+    "Example: `[[10, 20, 60, 90]]`. Absent: the files are crops (an empty value is refused: leave the field out).")
 NEGATIVES_DESCRIPTION = (
     "Optional: crops of look-alikes the answers should avoid (PNG/JPEG/WebP, checked as `files`). Their embeddings "
     "are kept with the set (`num_negatives`), not the files. They enter the calibration "

@@ -225,8 +225,10 @@ def test_sets_without_boxes_are_as_before(client, settings):
     with sessions(settings) as make, make() as s:
         rows = list(s.scalars(select(Exemplar).order_by(Exemplar.position)))
         assert [(r.box, r.box_x1, r.box_y2) for r in rows] == [(None, None, None)] * 2
-    # An empty form field is an absent one (FastAPI): plain crops.
-    assert create(client, crops, "")["num_labeled"] == 0
+    # An empty form field is refused (app.routes.strict), not taken for an absent one: `-F boxes=$UNSET` must not
+    # turn whole images into crops.
+    r = post(client, crops, "")
+    assert r.status_code == 422 and "form field 'boxes' is empty" in r.json()["detail"], r.text
 
 
 def test_the_spec_describes_boxes_and_num_labeled(client):

@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from celery.exceptions import TimeoutError as CeleryTimeout
 from fastapi.testclient import TestClient
 from PIL import Image
 from pydantic import ValidationError
@@ -42,7 +43,7 @@ from app.config import Settings
 from app.db import make_engine, make_sessionmaker
 from app.inference import BundleRegistry
 from app.main import create_app
-from app.remote import decode_answer, decode_image, encode_call, encode_image
+from app.remote import WorkersGone, decode_answer, decode_image, encode_call, encode_image
 from app.serving import LocalInference, LocalizeCall
 from app.storage import BlobStore
 from app.tables import ExemplarSet
@@ -66,12 +67,13 @@ def workers_settings(base: Settings, prefix: str, **overrides) -> Settings:
     return make_test_settings(base.storage_dir.parent, base.bundle_dir, **values)
 
 
-def start_localize_worker(st: Stack) -> None:
+def start_localize_worker(st: Stack, hostname: str | None = None, queue: str | None = None,
+                          log: str = "localize-worker.log") -> None:
     st.workers.append(st._spawn(  # noqa: SLF001 -- the fixture's own spawner, with the README's localize command
         [str(VENV_BIN / "celery"), "-A", "worker.celery_app", "worker",
-         "-Q", st.settings.localize_queue, "--pool", "threads", "--concurrency", "4", "--loglevel=INFO",
-         f"--hostname=qloc-localize-{uuid.uuid4().hex[:6]}@%h", "--without-mingle", "--without-gossip"],
-        "localize-worker.log"))
+         "-Q", queue or st.settings.localize_queue, "--pool", "threads", "--concurrency", "4", "--loglevel=INFO",
+         f"--hostname={hostname or f'qloc-localize-{uuid.uuid4().hex[:6]}@%h'}", "--without-mingle",
+         "--without-gossip"], log))
 
 
 @pytest.fixture
@@ -359,8 +361,17 @@ def test_with_no_worker_on_the_localize_queue_calls_are_refused_at_once_and_read
             assert time.monotonic() - t0 < 5  # refused at once: the timeout is 60 s
             assert w.get("/v1/exemplar-sets").json()["count"] == 0
 
-            start_localize_worker(st)  # a worker comes: seen, and the calls are answered
+            same = f"same-{uuid.uuid4().hex[:6]}@%h"  # a job worker of the same name beside it (README's defaults
+            start_localize_worker(st, same)  # give every worker of a host the name celery@host): still seen, every
+            start_localize_worker(st, same, queue=settings.queue, log="job-worker.log")  # time
             worker_seen(w, st)
+            wait_for(lambda: "ready" in (tmp_path / "job-worker.log").read_text(), 60, "the job worker started")
+            remote = app.state.remote
+            seen = []
+            for _ in range(6):
+                remote.consumers.check()
+                seen.append(remote.consumers.workers)
+            assert seen == [1] * 6, seen  # inspect() would have kept one reply of the two under that name
             assert w.get("/readyz").status_code == 200
             r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
             assert r.status_code == 201, (r.text, st.logs())
@@ -368,6 +379,55 @@ def test_with_no_worker_on_the_localize_queue_calls_are_refused_at_once_and_read
             assert r.status_code == 200, r.text
     finally:
         st.stop()
+        app.state.engine.dispose()
+
+
+class _Waiting:
+    """A call's result as ``WorkerInference._wait`` reads it: never ready, in ``state``."""
+
+    def __init__(self, state: str):
+        self.state = state
+
+    def get(self, timeout: float, propagate: bool):
+        time.sleep(timeout)
+        raise CeleryTimeout
+
+
+def test_a_call_no_worker_has_started_is_given_up_and_a_started_one_is_waited_for(tmp_path, bundle_dir):
+    """With no worker seen, a call still in the queue (PENDING) is given up at the next look; one a worker started
+    (a worker stopping gracefully finishes it) is waited for until its timeout."""
+    settings = make_test_settings(tmp_path, bundle_dir, inference="workers", result_backend="cache+memory://",
+                                  localize_worker_check_s=0)
+    remote = create_app(settings).state.remote
+    remote.consumers.misses, remote.consumers.checked_at = 2, time.monotonic()  # no worker, twice
+    t0 = time.monotonic()
+    with pytest.raises(WorkersGone, match="no worker consumes queue"):
+        remote._wait(_Waiting("PENDING"), 30)  # noqa: SLF001
+    assert time.monotonic() - t0 < 3
+    t0 = time.monotonic()
+    with pytest.raises(CeleryTimeout):
+        remote._wait(_Waiting("STARTED"), 2.5)  # noqa: SLF001
+    assert time.monotonic() - t0 >= 2.4
+
+
+def test_a_dead_result_backend_is_refused_at_once_and_named(tmp_path, bundle_dir, redis_prefix):
+    """Sending a call first waits on the result backend's connection retries (~20 s); with it down at the last
+    check, calls are refused at once, saying it is the result backend (not the queue)."""
+    settings = make_test_settings(tmp_path, bundle_dir, inference="workers", broker_url=REDIS_URL,
+                                  broker_transport_options={"global_keyprefix": redis_prefix},
+                                  result_backend="redis://127.0.0.1:1/0", localize_worker_check_s=0)
+    app = create_app(settings)
+    try:
+        with TestClient(app) as w:
+            app.state.remote.consumers.check()
+            assert app.state.remote.consumers.backend_error is not None
+            t0 = time.monotonic()
+            r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
+            assert r.status_code == 503 and "result backend (QLOC_RESULT_BACKEND) is unreachable" in r.json()[
+                "detail"], r.text
+            assert time.monotonic() - t0 < 5
+            assert w.get("/readyz").json()["checks"]["result_backend"].startswith("error")
+    finally:
         app.state.engine.dispose()
 
 
