@@ -197,6 +197,8 @@ def create_adaptation(
 def list_adaptations(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
                      offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> AdaptationJobsPublic:
+    """The set's adaptation jobs, oldest first (finished ones too), `limit` at a time from `offset`; `count`: all of
+    them."""
     if crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
     jobs, count = crud.list_jobs(session, set_id=set_id, limit=limit, offset=offset)
