@@ -349,8 +349,7 @@ class WorkerInference:
                 "backend than this API's QLOC_RESULT_BACKEND; retry later"), retry) from e
         except Exception as e:
             log.exception("%s: cannot read the answer of task %s", task, res.id)
-            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE,
-                                   "the result backend is unreachable; retry later", retry) from e
+            raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, BACKEND_DOWN, retry) from e
         finally:
             try:
                 res.forget()  # the answer is read (or given up on): drop it and its subscription
@@ -364,7 +363,6 @@ class WorkerInference:
             r = out["refused"]
             raise InferenceRefused(int(r["status"]), str(r["detail"]), r.get("headers"))
         return out
-
 
     def _wait(self, res: Any, timeout: float) -> Any:
         """``res``'s answer within ``timeout`` seconds; given up (``WorkersGone``) as soon as the watch sees that no
