@@ -189,7 +189,7 @@ def activate_checkpoint(session: Session, *, checkpoint: Checkpoint) -> Exemplar
 def delete_checkpoint(session: Session, *, checkpoint: Checkpoint) -> str | None:
     """Delete an adapted checkpoint's row -> its blob key (the caller deletes the file after the commit). Its
     children are re-parented to its parent (lineage skips it); finished jobs that name it forget it. The caller
-    has taken the set's lock and refused the cases that must not be deleted (``deletable``)."""
+    has taken the set's lock and refused the cases that must not be deleted (``checkpoint_in_use``)."""
     session.execute(update(Checkpoint).where(Checkpoint.parent_id == checkpoint.id)
                     .values(parent_id=checkpoint.parent_id))
     session.execute(update(AdaptationJob).where(AdaptationJob.checkpoint_id == checkpoint.id)
