@@ -306,8 +306,8 @@ class QlocClient:
         """One box per image, in its own pixels. ``checkpoint``: ``active``, ``base`` or a checkpoint id;
         ``samples``: best-of-N search; ``nearest``: the visited box nearest the exemplars; ``keep``: also add
         the images to the set's pool; ``max_instances``: up to that many objects per image (``instances``). Other
-        query options the server knows pass through ``options`` (``min_confidence``, ``rerank``; an export
-        format: ``export``). Retried on 503 (the server computed nothing then), but not after a lost answer when
+        query options the server knows pass through ``options`` (``min_confidence``, ``rerank``; for an export
+        format, call ``export``). Retried on 503 (the server computed nothing then), but not after a lost answer when
         ``keep`` is set."""
         if options.get("format", "json") != "json":
             raise ValueError(f"format={options['format']!r} answers an export, not a LocalizeResponse: call "
@@ -320,9 +320,10 @@ class QlocClient:
                format: Literal["coco", "labelstudio"] = "coco",  # noqa: A002 -- the server's parameter
                checkpoint: str | uuid.UUID | Checkpoint = "active",
                keep: bool | None = None, **options: Any) -> Export:
-        """``localize`` answered in a labeling tool's format -> ``Export``: ``data``, the server's JSON as is (COCO
-        detection results: a list of ``{image_id, category_id, bbox, score}`` in each image's pixels; Label
-        Studio: a list of tasks with their predictions), and ``kept``, the pool ids of the images ``keep`` added.
+        """``localize`` answered in a labeling tool's format -> ``Export``: ``data``, the server's JSON as is (COCO:
+        ``{"images", "categories", "annotations"}``, each annotation's ``bbox`` ``[x, y, w, h]`` in its image's
+        pixels; Label Studio: a list of tasks with their predictions), and ``kept``, the pool ids of the images
+        ``keep`` added.
         ``options``: ``image_ids``, ``category_id``, ``label``, ``max_instances``, ``min_confidence``, ..."""
         r = self._localize(set_id, images, checkpoint=checkpoint, keep=keep, format=format, **options)
         kept = r.headers.get(KEPT_HEADER)
