@@ -106,9 +106,9 @@ class _SimpleBar:
         self.n, self.total = n, total or self.total
         width = 30
         filled = int(width * self.n / self.total) if self.total else 0
-        line = f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} {postfix}"
-        if line != self._last:
-            print(line, end="", flush=True)
+        line = f"{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} {postfix}"
+        if line != self._last:  # padded over a longer line before it
+            print("\r" + line.ljust(len(self._last)), end="", flush=True)
             self._last = line
 
     def close(self) -> None:
@@ -440,7 +440,8 @@ class QlocClient:
         return Checkpoint.model_validate(self.request("GET", f"/v1/checkpoints/{_id(checkpoint_id)}").json())
 
     def delete_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> None:
-        """Delete an adapted checkpoint and its file (409: the set's base, its active one, or an unfinished job's)."""
+        """Delete an adapted checkpoint and its file (409: the set's base, its active one, or an unfinished job's).
+        Retried after a lost connection, it may raise ``QlocError`` 404: the first try deleted it."""
         self.request("DELETE", f"/v1/checkpoints/{_id(checkpoint_id)}", idempotent=True)
 
     def activate_checkpoint(self, checkpoint_id: uuid.UUID | str | Checkpoint) -> ExemplarSet:

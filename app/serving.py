@@ -180,8 +180,11 @@ def policy_state(bundles: BundleRegistry, store: BlobStore, ckpt: CheckpointRef 
     except PolicyMismatch as e:
         raise InferenceRefused(status.HTTP_409_CONFLICT, f"{e}; localize with checkpoint=base, or re-create the "
                                                          "exemplar set from its crops") from e
-    except FileNotFoundError as e:  # deleted (DELETE /v1/checkpoints/{id}) after this request read its row
-        raise InferenceRefused(status.HTTP_404_NOT_FOUND, f"checkpoint {ckpt.id} not found: it was deleted") from e
+    except FileNotFoundError as e:
+        if not store.exists(ckpt.blob):  # deleted (DELETE /v1/checkpoints/{id}) after this request read its row
+            raise InferenceRefused(status.HTTP_404_NOT_FOUND, f"checkpoint {ckpt.id} not found: it was deleted") from e
+        log.exception("checkpoint %s cannot be read (its head file?)", ckpt.id)  # the file is there, a part is not
+        raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, f"checkpoint {ckpt.id} cannot be read") from e
     except (OSError, ValueError) as e:
         log.exception("checkpoint %s cannot be read", ckpt.id)
         raise InferenceRefused(status.HTTP_503_SERVICE_UNAVAILABLE, f"checkpoint {ckpt.id} cannot be read") from e

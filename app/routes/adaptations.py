@@ -141,12 +141,12 @@ def create_adaptation(
             key = job_image_key(set_id, job_id, i, im.ext)
             blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, store.put(key, im.data),
                                       key))
-        if source != "files":  # the set's lock first (as every writer of the pool takes it): no deadlock
-            try:
-                pool.lock(session, set_id)
-            except pool.SetGone as e:
-                raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found") from e
-        es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
+        try:  # the set's lock first, as every writer of the pool, an activation and a checkpoint's deletion take it
+            pool.lock(session, set_id)
+        except pool.SetGone as e:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found") from e
+        session.expire_all()  # the set as it is now, under the lock: its active checkpoint (the job's start) may
+        es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)  # have changed, and the old one gone
         if es is None:  # deleted meanwhile
             raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
         job = crud.create_job(session, job_id=job_id, exemplar_set=es, owner=caller.owner,

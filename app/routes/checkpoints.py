@@ -8,7 +8,7 @@ from typing import Annotated
 
 import torch
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app import crud, pool
@@ -17,7 +17,7 @@ from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
 from app.schemas import CheckpointPublic, CheckpointsPublic, ExemplarSetPublic
 from app.storage import BlobStore, exemplar_set_prefix
-from app.tables import Checkpoint
+from app.tables import FINISHED_STATES, AdaptationJob, Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def delete_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: Cal
     """Delete an adapted checkpoint and its file, to free storage. Its children keep their lineage through its parent;
     jobs that named it keep their record (their `checkpoint_id` becomes null). The set's base policy, its active
     checkpoint and those of unfinished jobs are refused (409 saying which). A head file its job stored apart goes
-    when no checkpoint of the set uses it any more."""
+    when no checkpoint of the set uses it any more (one written since a job of the set still unfinished began, at
+    a later deletion)."""
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -93,15 +94,22 @@ def delete_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: Cal
         session.rollback()
         raise HTTPException(status.HTTP_409_CONFLICT, f"checkpoint {checkpoint_id} cannot be deleted: {why}")
     blob = crud.delete_checkpoint(session, checkpoint=ckpt)
-    quiet = not crud.unfinished_jobs(session, set_id=set_id)  # a running job may have written a head not yet named
+    # A job running may have written a head its checkpoint does not name yet: heads from since it began stay.
+    since = session.scalar(select(func.min(AdaptationJob.created_at)).where(
+        AdaptationJob.exemplar_set_id == set_id, AdaptationJob.status.not_in(FINISHED_STATES)))
     remaining = list(session.scalars(select(Checkpoint.blob).where(Checkpoint.exemplar_set_id == set_id,
                                                                    Checkpoint.kind == "adapted")))
     session.commit()
     if blob:
         store.delete(blob)
-    if quiet:
-        drop_unused_heads(store, set_id, [b for b in remaining if b])
+    drop_unused_heads(store, set_id, [b for b in remaining if b],
+                      before=None if since is None else since.timestamp() - HEAD_CLOCK_MARGIN_S)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+HEAD_CLOCK_MARGIN_S = 60.0
+"""Seconds a head file written before an unfinished job was created is still kept (the worker that wrote it and
+the API may not share a clock)."""
 
 
 def locked(session: Session, set_id: uuid.UUID) -> None:
@@ -112,8 +120,9 @@ def locked(session: Session, set_id: uuid.UUID) -> None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND) from e
 
 
-def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str]) -> None:
-    """Delete the set's head files (checkpoint format 6) that none of the checkpoint files ``blobs`` refers to."""
+def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str], *, before: float | None = None) -> None:
+    """Delete the set's head files (checkpoint format 6) that none of the checkpoint files ``blobs`` refers to (with
+    ``before``, a POSIX time: only those written before it)."""
     folder = store.path(exemplar_set_prefix(set_id)) / "heads"
     if not folder.is_dir():
         return
@@ -128,5 +137,5 @@ def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str]) -> 
         used |= {x["head_ref"]["key"] for x in (reward, reward.get("start") or {}) if "head_ref" in x}
     for f in folder.glob("*.pt"):
         key = f"{exemplar_set_prefix(set_id)}/heads/{f.name}"
-        if key not in used:
+        if key not in used and (before is None or f.stat().st_mtime < before):
             store.delete(key)

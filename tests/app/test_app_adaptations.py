@@ -5,11 +5,11 @@ from contextlib import contextmanager
 
 from kombu import Connection
 from service_fixtures import files, png_bytes, row_counts
-from sqlalchemy import create_engine, update
+from sqlalchemy import create_engine, delete, update
 from sqlalchemy.orm import Session
 
 from app.queue import ADAPT_TASK
-from app.tables import AdaptationJob
+from app.tables import AdaptationJob, Checkpoint, ExemplarSet
 
 
 @contextmanager
@@ -139,3 +139,32 @@ def test_a_422_shows_a_long_invalid_value_cut_short(client, settings):
     assert row_counts(settings.database_url) == before
     r = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "x"}, files=files(png_bytes()))
     assert r.status_code == 422 and r.json()["detail"][0]["input"] == "x"  # short ones as they were
+
+
+def test_a_job_starts_from_the_active_checkpoint_as_it_is_when_the_job_is_stored(client, settings, monkeypatch):
+    """An activation and the deletion of the checkpoint active before it, while a job's request is on its way, do not
+    make the job start from the deleted checkpoint (500 on its foreign key): it starts from the one active now."""
+    import app.routes.adaptations as route
+
+    sid = client.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=9))).json()["id"]
+    base = client.get(f"/v1/exemplar-sets/{sid}/checkpoints").json()["data"][0]["id"]
+    other = uuid.uuid4()
+    with client_db(settings) as s:  # an adapted checkpoint row to activate (its file is never read here)
+        s.add(Checkpoint(id=other, exemplar_set_id=uuid.UUID(sid), parent_id=uuid.UUID(base), kind="adapted",
+                         iteration=1, sha256="0" * 64, metrics={}, blob=f"exemplar-sets/{sid}/x.pt"))
+        s.commit()
+    assert client.post(f"/v1/checkpoints/{other}/activate").status_code == 200
+    key = route.job_image_key
+
+    def meanwhile(*args, **kwargs):  # as the job's files are written (its read transaction ended), another client
+        with client_db(settings) as s:  # activates the base and deletes the checkpoint active before
+            s.execute(update(ExemplarSet).where(ExemplarSet.id == uuid.UUID(sid))
+                      .values(active_checkpoint_id=uuid.UUID(base)))
+            s.execute(delete(Checkpoint).where(Checkpoint.id == other))
+            s.commit()
+        return key(*args, **kwargs)
+
+    monkeypatch.setattr(route, "job_image_key", meanwhile)
+    r = client.post(f"/v1/exemplar-sets/{sid}/adaptations", files=files(png_bytes()), data={"iterations": "2"})
+    assert r.status_code == 202, r.text
+    assert r.json()["params"]["base_checkpoint_id"] == base

@@ -163,6 +163,16 @@ def test_every_id_parameter_takes_the_clients_own_models(qloc: QlocClient) -> No
     assert e.value.status == 404
 
 
+def test_the_plain_progress_bar_leaves_no_tail_of_a_longer_line(capsys) -> None:
+    from app.client import _SimpleBar
+
+    bar = _SimpleBar(30, "job x")
+    for postfix in ("running (setup)", "running", "running (finishing) reward 528.0008", "succeeded reward 528.0008"):
+        bar.update_to(30 if "reward" in postfix else 0, 30, postfix)
+    screen = capsys.readouterr().out.split("\r")[-1]  # what the last carriage return left on the line
+    assert screen.rstrip().endswith("30/30 succeeded reward 528.0008"), screen
+
+
 def test_api_errors_raise_qloc_error_with_the_detail(qloc: QlocClient) -> None:
     with pytest.raises(QlocError) as e:
         qloc.create_exemplar_set(("notes.png", b"these are not pixels"))

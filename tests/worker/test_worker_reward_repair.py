@@ -4,6 +4,8 @@ the base checkpoint the bundle's; a job with the reward chosen on its probes rep
 the head it started with."""
 
 import io
+import os
+import time
 import uuid
 
 import pytest
@@ -112,12 +114,23 @@ def test_a_job_repairs_its_reward_and_localize_serves_the_checkpoint_with_it(tmp
     plain = Localizer(bundle, "cpu").localize(pils, Localizer(bundle, "cpu").prototype(crops), agent)
     assert any(abs(p.score - w.score) > 1e-2 for p, w in zip(plain, expected, strict=True))
 
-    # the shared head file goes with the last checkpoint that uses it (DELETE /v1/checkpoints/{id})
+    # the shared head file goes with the last checkpoint that uses it (DELETE /v1/checkpoints/{id}), also while a job
+    # of the set is unfinished (a head written before it began is not one it may still name)
     with TestClient(create_app(s)) as client:
         listed = client.get(f"/v1/exemplar-sets/{sid}/checkpoints").json()["data"]
-        assert client.post(f"/v1/checkpoints/{listed[0]['id']}/activate").status_code == 200  # the base
         written = [c["id"] for c in listed if c["kind"] == "adapted"]
         assert len(written) >= 2
+        heads[0].rename(heads[0].with_suffix(".away"))  # a head file missing: the checkpoint is there, unreadable
+        r = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": written[0]},
+                        files=_upload([_png(im) for im in probe]))
+        assert r.status_code == 503 and "cannot be read" in r.json()["detail"], r.text  # not "deleted" (404)
+        heads[0].with_suffix(".away").rename(heads[0])
+        assert client.post(f"/v1/checkpoints/{listed[0]['id']}/activate").status_code == 200  # the base
+        queued = client.post(f"/v1/exemplar-sets/{sid}/adaptations", data={"activate": "false"},
+                             files=_upload([_png(im) for im in unlabeled[:4]]))
+        assert queued.status_code == 202  # no worker runs it here: it stays queued
+        an_hour_ago = time.time() - 3600  # written well before that job (a minute's margin for the clocks)
+        os.utime(heads[0], (an_hour_ago, an_hour_ago))
         for i, cid in enumerate(written):
             assert client.delete(f"/v1/checkpoints/{cid}").status_code == 204
             assert len(list(heads[0].parent.glob("*.pt"))) == (1 if i < len(written) - 1 else 0), i
