@@ -45,6 +45,7 @@ from app.client_models import (  # re-exported: ``from app.client import ...`` i
     PoolImages,
     Progress,
 )
+from app.client_progress import progress_bar
 
 __all__ = [
     "TERMINAL", "AdaptationJob", "Checkpoint", "ExemplarSet", "Export", "ImageInput", "Instance", "LocalizeResponse",
@@ -93,49 +94,6 @@ def describe_detail(detail: Any) -> str:
                 parts.append(str(issue))
         return "; ".join(parts)
     return str(detail)
-
-
-# ---------------------------------------------------------------- progress
-
-
-class _SimpleBar:
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n, self._last = total, desc, 0, ""
-
-    def update_to(self, n: int, total: int, postfix: str) -> None:
-        self.n, self.total = n, total or self.total
-        width = 30
-        filled = int(width * self.n / self.total) if self.total else 0
-        line = f"{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} {postfix}"
-        if line != self._last:  # padded over a longer line before it
-            print("\r" + line.ljust(len(self._last)), end="", flush=True)
-            self._last = line
-
-    def close(self) -> None:
-        print(flush=True)
-
-
-class _TqdmBar:
-    def __init__(self, total: int, desc: str):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, desc=desc, unit="it")
-
-    def update_to(self, n: int, total: int, postfix: str) -> None:
-        if total and self.bar.total != total:
-            self.bar.total = total
-        self.bar.update(max(0, n - self.bar.n))
-        self.bar.set_postfix_str(postfix, refresh=True)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _progress_bar(total: int, desc: str) -> _SimpleBar | _TqdmBar:
-    try:
-        return _TqdmBar(total, desc)
-    except ImportError:
-        return _SimpleBar(total, desc)
 
 
 # ---------------------------------------------------------------- the client
@@ -389,7 +347,7 @@ class QlocClient:
         ``timeout`` (seconds) raises ``TimeoutError`` with the job's last state."""
         deadline = None if timeout is None else time.monotonic() + timeout
         current = job if isinstance(job, AdaptationJob) else self.get_adaptation(job)
-        bar = _progress_bar(current.progress.total, f"job {str(current.id)[:8]}") if progress else None
+        bar = progress_bar(current.progress.total, f"job {str(current.id)[:8]}") if progress else None
         try:
             while True:
                 if bar is not None:

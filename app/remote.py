@@ -162,6 +162,11 @@ def encode_prototype(made: MadePrototype) -> dict[str, Any]:
 # --- the API's side
 
 
+def ping_backend(celery: Celery) -> None:
+    """Raise unless the result backend answers (a real round trip: a read of a key no task has)."""
+    celery.backend.get_task_meta(f"qloc-ping-{uuid.uuid4()}")
+
+
 class ConsumerWatch:
     """Whether any worker consumes the localize queue, as the last broadcasts of Celery's ``active_queues`` saw, and
     whether the result backend answers.
@@ -194,7 +199,7 @@ class ConsumerWatch:
     def check(self) -> None:
         """One broadcast (and one read of the result backend); their answers replace the last ones."""
         try:
-            self.celery.backend.get_task_meta(f"qloc-ping-{uuid.uuid4()}")
+            ping_backend(self.celery)
             self.backend_error = None
         except Exception as e:  # noqa: BLE001 -- reported by _ask and /readyz
             self.backend_error = f"{type(e).__name__}"
@@ -317,8 +322,8 @@ class WorkerInference:
         self._ask(BUNDLE_CHECK_TASK, {"bundle": bundle, "bundle_sha256": sha256, "prototype_dim": prototype_dim})
 
     def ping(self) -> None:
-        """Raise unless the result backend answers (a real round trip: a read of a key no task has)."""
-        self.celery.backend.get_task_meta(f"qloc-ping-{uuid.uuid4()}")
+        """Raise unless the result backend answers (``ping_backend``)."""
+        ping_backend(self.celery)
 
     def _ask(self, task: str, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
         queue, timeout = self.settings.localize_queue, timeout or self.timeout

@@ -73,9 +73,14 @@ def checkpoint_key(set_id: object, job_id: object, iteration: int) -> str:
     return f"{job_prefix(set_id, job_id)}/checkpoints/{iteration:07d}.pt"
 
 
+def heads_prefix(set_id: object) -> str:
+    """The set's projection heads stored apart from the checkpoints that share them (format 6)."""
+    return f"{exemplar_set_prefix(set_id)}/heads"
+
+
 def head_key(set_id: object, sha256: str) -> str:
-    """A projection head stored apart from the checkpoints that share it (format 6), by its file's digest."""
-    return f"{exemplar_set_prefix(set_id)}/heads/{sha256}.pt"
+    """One of ``heads_prefix``, by its file's digest."""
+    return f"{heads_prefix(set_id)}/{sha256}.pt"
 
 
 def pool_image_key(set_id: object, image_id: object, ext: str) -> str:

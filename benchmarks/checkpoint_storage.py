@@ -12,18 +12,16 @@ of the set's folder read back::
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _client import client, emit, multipart, to_png  # noqa: E402
 
 from app.inference import BundleRegistry  # noqa: E402
+from models.bundle import head_refs  # noqa: E402
 from models.data.types import exemplar_crops  # noqa: E402
 from models.experiments.datasets import GlyphKind  # noqa: E402
 
@@ -59,9 +57,7 @@ def main() -> None:
         ckpts = sorted((root / "jobs" / job["id"] / "checkpoints").glob("*.pt"))
         inline = 0
         for f in ckpts:  # the same checkpoint with its heads inside: its file and each head it refers to
-            obj = torch.load(io.BytesIO(f.read_bytes()), map_location="cpu", weights_only=True)
-            r = obj.get("reward") or {}
-            refs = [x["head_ref"] for x in (r, r.get("start") or {}) if "head_ref" in x]
+            refs = head_refs(f)
             inline += f.stat().st_size + sum(heads[Path(ref["key"]).name] for ref in refs)
         sizes = [f.stat().st_size for f in ckpts]
         stored = sum(sizes) + sum(heads.values())

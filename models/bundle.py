@@ -313,6 +313,14 @@ def _short(sha256: str) -> str:
     return sha256[:12]
 
 
+def head_refs(path: str | os.PathLike) -> list[HeadRef]:
+    """The references to heads stored apart that a checkpoint file holds (format 6: its reward's, its start's; none
+    before), read with the file mapped, not loaded."""
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    reward = obj.get("reward") or {}
+    return [x["head_ref"] for x in (reward, reward.get("start") or {}) if "head_ref" in x]
+
+
 def policy_from_bytes(data: bytes, bundle: Bundle | None = None, *, source: str = "policy"
                       ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """-> (agent state dict, meta) of a policy file's bytes. With ``bundle``, raises ``PolicyMismatch``

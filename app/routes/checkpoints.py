@@ -6,7 +6,6 @@ import logging
 import uuid
 from typing import Annotated
 
-import torch
 from fastapi import APIRouter, HTTPException, Query, Response, status
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -16,8 +15,9 @@ from app.deps import CallerDep, SessionDep, StoreDep
 from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
 from app.schemas import CheckpointPublic, CheckpointsPublic, ExemplarSetPublic
-from app.storage import BlobStore, exemplar_set_prefix
+from app.storage import BlobStore, head_key, heads_prefix
 from app.tables import FINISHED_STATES, AdaptationJob, Checkpoint
+from models.bundle import head_refs
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +123,17 @@ def locked(session: Session, set_id: uuid.UUID) -> None:
 def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str], *, before: float | None = None) -> None:
     """Delete the set's head files (checkpoint format 6) that none of the checkpoint files ``blobs`` refers to (with
     ``before``, a POSIX time: only those written before it)."""
-    folder = store.path(exemplar_set_prefix(set_id)) / "heads"
+    folder = store.path(heads_prefix(set_id))
     if not folder.is_dir():
         return
     used = set()
     for blob in blobs:
-        try:  # mapped, not read: only the small reward entries are looked at
-            obj = torch.load(store.path(blob), map_location="cpu", weights_only=True, mmap=True)
+        try:
+            used |= {ref["key"] for ref in head_refs(store.path(blob))}
         except (OSError, ValueError, RuntimeError):
             log.warning("checkpoint file %s unreadable: the set's head files are kept", blob)
             return
-        reward = obj.get("reward") or {}
-        used |= {x["head_ref"]["key"] for x in (reward, reward.get("start") or {}) if "head_ref" in x}
     for f in folder.glob("*.pt"):
-        key = f"{exemplar_set_prefix(set_id)}/heads/{f.name}"
+        key = head_key(set_id, f.stem)
         if key not in used and (before is None or f.stat().st_mtime < before):
             store.delete(key)

@@ -164,9 +164,9 @@ def test_every_id_parameter_takes_the_clients_own_models(qloc: QlocClient) -> No
 
 
 def test_the_plain_progress_bar_leaves_no_tail_of_a_longer_line(capsys) -> None:
-    from app.client import _SimpleBar
+    from app.client_progress import SimpleBar
 
-    bar = _SimpleBar(30, "job x")
+    bar = SimpleBar(30, "job x")
     for postfix in ("running (setup)", "running", "running (finishing) reward 528.0008", "succeeded reward 528.0008"):
         bar.update_to(30 if "reward" in postfix else 0, 30, postfix)
     screen = capsys.readouterr().out.split("\r")[-1]  # what the last carriage return left on the line
