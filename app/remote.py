@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
@@ -188,6 +189,9 @@ class ConsumerWatch:
         self.workers: int | None = None
         """Workers consuming the queue at the last broadcast (replies, not names); ``None``: not known (not asked
         yet, or no answer can tell)."""
+        self.recent: deque[frozenset[str]] = deque(maxlen=self.MISSES)
+        """The names of the workers consuming the queue at each of the last ``MISSES`` broadcasts that could tell
+        (emptied when one cannot)."""
         self.misses = 0
         self.checked_at: float | None = None
         self.unknown = "not checked yet"
@@ -207,6 +211,7 @@ class ConsumerWatch:
             with self.celery.connection_for_read() as conn:
                 if "fanout" not in getattr(conn.transport.implements, "exchange_type", ()):
                     self.workers, self.misses = None, 0
+                    self.recent.clear()
                     self.unknown = f"the broker ({conn.transport_cls}) cannot broadcast"
                     self.checked_at = time.monotonic()
                     return
@@ -215,10 +220,13 @@ class ConsumerWatch:
         except Exception as e:  # noqa: BLE001 -- the broker's own check (/readyz "broker") reports it
             log.warning("localize queue: cannot ask the workers: %s", e)
             self.workers, self.misses, self.unknown = None, 0, f"cannot ask the workers ({type(e).__name__})"
+            self.recent.clear()
             self.checked_at = time.monotonic()
             return
-        workers = sum(1 for reply in replies if isinstance(reply, dict) for queues in reply.values()
-                      if any(isinstance(q, dict) and q.get("name") == self.queue for q in queues or ()))
+        names = [name for reply in replies if isinstance(reply, dict) for name, queues in reply.items()
+                 if any(isinstance(q, dict) and q.get("name") == self.queue for q in queues or ())]
+        workers = len(names)
+        self.recent.append(frozenset(names))
         self.misses = 0 if workers else self.misses + 1
         if self.misses == self.MISSES:
             log.warning("no worker consumes queue %r: model calls are refused until one does", self.queue)
@@ -230,11 +238,27 @@ class ConsumerWatch:
         """Why calls cannot be answered (no worker consumes the queue), or ``None`` when they may be."""
         if self.misses < self.MISSES or self.checked_at is None:
             return None
-        if time.monotonic() - self.checked_at > self.interval_s + 2 * self.REPLY_S + self.ABSENT_EVERY_S:
-            return None  # stale (the watch stopped): not evidence
+        if self._stale():
+            return None  # the watch stopped: not evidence
         return (f"no worker consumes queue {self.queue!r} (none answered the last {self.misses} checks, "
                 f"{time.monotonic() - self.checked_at:.0f} s ago): start a localize worker (README, workers mode); "
                 "retry later")
+
+    def gone(self, worker: str) -> str | None:
+        """Why the worker named ``worker`` (its node name, as a started task's state records it) cannot answer: it
+        was not among the workers consuming the queue at the last ``MISSES`` broadcasts (killed, or stopped), while
+        those broadcasts could tell; else ``None``. A worker restarted under the same name in between is taken for
+        the one that started the call (its call is then waited for until its timeout)."""
+        if len(self.recent) < self.MISSES or self.checked_at is None or self._stale():
+            return None
+        if any(worker in names for names in self.recent):
+            return None
+        return (f"the localize worker {worker!r} that was running this call is gone (not among the workers consuming "
+                f"queue {self.queue!r} at the last {self.MISSES} checks); retry")
+
+    def _stale(self) -> bool:
+        return self.checked_at is None or \
+            time.monotonic() - self.checked_at > self.interval_s + 2 * self.REPLY_S + self.ABSENT_EVERY_S
 
     def readiness(self) -> str:
         """``/readyz``'s entry: ``ok`` (a worker answered the last check), ``error: ...`` (none, ``absent``), or
@@ -372,8 +396,9 @@ class WorkerInference:
     def _wait(self, res: Any, timeout: float) -> Any:
         """``res``'s answer within ``timeout`` seconds; given up (``WorkersGone``) as soon as the watch sees that no
         worker consumes the queue while the call is still waiting there (a call sent as the last worker went away
-        would otherwise wait the whole timeout). A call a worker has started (its tasks track it) is waited for: a
-        worker stopping gracefully finishes what it started."""
+        would otherwise wait the whole timeout), or that the worker that started it (its tasks track it: the state
+        names the worker) is gone: killed, its call dies with it. A worker stopping gracefully finishes what it
+        started, and is waited for while it does (it still answers the watch)."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -382,9 +407,24 @@ class WorkerInference:
             except CeleryTimeout:
                 if left <= WAIT_SLICE_S:
                     raise
-                absent = self.consumers.absent()
-                if absent is not None and res.state == "PENDING":  # a backend read, only while no worker is seen
-                    raise WorkersGone(absent) from None
+                why = self._given_up(res)
+                if why is not None:
+                    raise WorkersGone(why) from None
+
+    def _given_up(self, res: Any) -> str | None:
+        """Why a call still waiting after a slice can no longer be answered, or ``None``. Reads the call's state from
+        the result backend (once a second, and only for calls that take that long) while the watch has something to
+        tell: no worker at all, or its names."""
+        absent = self.consumers.absent()
+        if absent is None and not self.consumers.recent:
+            return None
+        state = res.state
+        if state == "PENDING":
+            return absent
+        if state == "STARTED":
+            worker = (res.info or {}).get("hostname") if isinstance(res.info, dict) else None
+            return None if worker is None else self.consumers.gone(str(worker))
+        return None
 
     def _backend_answers(self) -> bool:
         try:

@@ -383,10 +383,11 @@ def test_with_no_worker_on_the_localize_queue_calls_are_refused_at_once_and_read
 
 
 class _Waiting:
-    """A call's result as ``WorkerInference._wait`` reads it: never ready, in ``state``."""
+    """A call's result as ``WorkerInference._wait`` reads it: never ready, in ``state`` (started by ``worker``)."""
 
-    def __init__(self, state: str):
+    def __init__(self, state: str, worker: str | None = None):
         self.state = state
+        self.info = {"pid": 1, "hostname": worker} if worker else None
 
     def get(self, timeout: float, propagate: bool):
         time.sleep(timeout)
@@ -408,6 +409,78 @@ def test_a_call_no_worker_has_started_is_given_up_and_a_started_one_is_waited_fo
     with pytest.raises(CeleryTimeout):
         remote._wait(_Waiting("STARTED"), 2.5)  # noqa: SLF001
     assert time.monotonic() - t0 >= 2.4
+
+
+def test_a_call_whose_worker_is_gone_is_given_up_and_one_whose_worker_answers_is_waited_for(tmp_path, bundle_dir):
+    """A started call names its worker: when that worker was not among the queue's consumers at the last two checks
+    (killed; another one still consumes), the call is given up at the next look; with its worker still seen, or
+    seen at one of the last two checks only, it is waited for."""
+    settings = make_test_settings(tmp_path, bundle_dir, inference="workers", result_backend="cache+memory://",
+                                  localize_worker_check_s=0)
+    remote = create_app(settings).state.remote
+    watch = remote.consumers
+    watch.recent.extend([frozenset({"localize@a"}), frozenset({"localize@a"})])
+    watch.checked_at, watch.workers = time.monotonic(), 1
+    t0 = time.monotonic()
+    with pytest.raises(WorkersGone, match="'localize@b' that was running this call is gone"):
+        remote._wait(_Waiting("STARTED", "localize@b"), 30)  # noqa: SLF001
+    assert time.monotonic() - t0 < 3
+    for recent, worker in (([{"localize@a"}, {"localize@a"}], "localize@a"),
+                           ([{"localize@b"}, {"localize@a"}], "localize@b"), ([{"localize@a"}], "localize@b")):
+        watch.recent.clear()
+        watch.recent.extend(frozenset(names) for names in recent)
+        watch.checked_at = time.monotonic()
+        t0 = time.monotonic()
+        with pytest.raises(CeleryTimeout):
+            remote._wait(_Waiting("STARTED", worker), 2.5)  # noqa: SLF001
+        assert time.monotonic() - t0 >= 2.4, (recent, worker)
+    watch.checked_at = time.monotonic() - 60  # the watch stopped: its names tell nothing
+    watch.recent.extend([frozenset({"localize@a"}), frozenset({"localize@a"})])
+    assert watch.gone("localize@b") is None
+
+
+@pytest.mark.slow
+def test_a_call_started_by_a_worker_killed_mid_call_is_given_up_within_seconds(base, redis_prefix, tmp_path):
+    """A localize worker killed with -9 while it runs a call (its state STARTED, naming it, in the real result
+    backend) while another worker still consumes the queue: the call is given up once the watch has missed the dead
+    worker twice, not after its timeout; the API goes on answering through the other worker."""
+    settings = workers_settings(base, redis_prefix, localize_timeout=60, set_timeout=60, localize_worker_check_s=1)
+    app = create_app(settings)
+    st = Stack(settings, tmp_path)
+    doomed = f"doomed-{uuid.uuid4().hex[:6]}@qloc-test"
+    try:
+        with TestClient(app) as w:
+            start_localize_worker(st, doomed)
+            start_localize_worker(st, log="other-worker.log")
+            remote = app.state.remote
+            wait_for(lambda: remote.consumers.workers == 2, 120, f"both localize workers seen ({st.logs()})")
+            call = remote.celery.AsyncResult(str(uuid.uuid4()))
+            remote.celery.backend.store_result(call.id, {"pid": st.workers[0].pid, "hostname": doomed}, "STARTED")
+            outcome: list[BaseException | float] = []
+
+            def wait() -> None:
+                t0 = time.monotonic()
+                try:
+                    remote._wait(call, 60)  # noqa: SLF001
+                except BaseException as e:  # noqa: BLE001 -- checked below
+                    outcome.extend([e, time.monotonic() - t0])
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            time.sleep(4)
+            assert not outcome, outcome  # its worker is alive: waited for
+            t_kill = time.monotonic()
+            st.kill(st.workers[0])
+            waiter.join(30)
+            assert outcome and isinstance(outcome[0], WorkersGone), (outcome, st.logs())
+            assert doomed in str(outcome[0])
+            assert time.monotonic() - t_kill < 15, outcome
+            r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
+            assert r.status_code == 201, (r.text, st.logs())
+            assert w.get("/readyz").json()["checks"]["localize_workers"] == "ok"
+    finally:
+        st.stop()
+        app.state.engine.dispose()
 
 
 def test_a_dead_result_backend_is_refused_at_once_and_named(tmp_path, bundle_dir, redis_prefix):
