@@ -165,8 +165,8 @@ class QlocClient:
 
     def request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
                 data: dict[str, Any] | None = None, files: list | None = None, headers: dict[str, str] | None = None,
-                idempotent: bool | None = None, on_503: Callable[[], dict[str, str] | None] | None = None,
-                ok: Iterable[int] = ()) -> httpx.Response:
+                json: Any = None, idempotent: bool | None = None,
+                on_503: Callable[[], dict[str, str] | None] | None = None, ok: Iterable[int] = ()) -> httpx.Response:
         """Send one API request with the retries -> the response; an error status raises ``QlocError``.
 
         ``on_503`` is called before a retry after a 503 and returns new headers (``None``: do not retry)."""
@@ -178,7 +178,7 @@ class QlocClient:
         while True:
             try:
                 r = self.http.request(method, path, params=params or None, data=data or None, files=files,
-                                      headers=self._headers(hdrs))
+                                      json=json, headers=self._headers(hdrs))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
                 if attempt >= self.retries:
                     raise QlocError(None, f"cannot connect to the API ({type(e).__name__}: {e})", method=method,
@@ -252,6 +252,12 @@ class QlocClient:
 
     def get_exemplar_set(self, set_id: SetRef) -> ExemplarSet:
         return ExemplarSet.model_validate(self.request("GET", f"/v1/exemplar-sets/{_id(set_id)}").json())
+
+    def update_exemplar_set(self, set_id: SetRef, **change: str | float | None) -> ExemplarSet:
+        """Change the set's ``name`` and / or ``threshold`` (keywords; ``name=None`` clears the name) -> the set.
+        The same request twice gives the same set: retried after a lost connection."""
+        r = self.request("PATCH", f"/v1/exemplar-sets/{_id(set_id)}", json=change, idempotent=True)
+        return ExemplarSet.model_validate(r.json())
 
     def delete_exemplar_set(self, set_id: SetRef) -> None:
         """Delete the set with its exemplars, jobs and checkpoints (409 while it has unfinished jobs)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -162,5 +163,19 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 for invalid parameters (``detail``: a list of ``{type, loc, msg, input, ...}``), with long
     invalid values cut to their first ``INPUT_SHOWN`` characters, and a file sent for a text field said so."""
     errors = [_error(e) for e in exc.errors()]  # type: ignore[attr-defined]
-    return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
+    return JSONResponse(status_code=422, content={"detail": _encodable(jsonable_encoder(errors))})
+
+
+def _encodable(value: object) -> object:
+    """``value`` (JSON-ready) with what JSON in UTF-8 cannot hold as text: NaN and infinities, lone surrogates
+    (a JSON body's ``{"threshold": NaN}`` or ``"\\ud800"``, which Python's parser takes, is echoed in its 422)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
 

@@ -50,6 +50,18 @@ class Page(BaseModel):
     offset: int
 
 
+class ExemplarSetChange(BaseModel):
+    """``PATCH /v1/exemplar-sets/{id}``: what to change; a field left out is left as it is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, max_length=200, description="The set's new name; null clears it")
+    threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=(
+        "Calibrated confidence in [0, 1] from which an answer is `found`: takes effect on the next request, for "
+        "every checkpoint of the set (the calibration is not refit: it gives the confidence, the threshold reads "
+        "it)"))
+
+
 class ExemplarSetPublic(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 

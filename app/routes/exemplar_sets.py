@@ -26,6 +26,7 @@ from app.remote import MadePrototype, RemoteDep, answer_refusal
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.uploads import check_text, read_images
 from app.schemas import (
+    ExemplarSetChange,
     ExemplarSetPublic,
     ExemplarSetsPublic,
 )
@@ -236,6 +237,29 @@ def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep)
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    return to_public(es)
+
+
+@router.patch("/{set_id}", response_model=ExemplarSetPublic,
+              responses={**UNKNOWN, 422: invalid("Unknown field, a value out of range, or nothing to change")})
+def update_exemplar_set(set_id: uuid.UUID, change: ExemplarSetChange, session: SessionDep,
+                        caller: CallerDep) -> ExemplarSetPublic:
+    """Rename the set, or change the confidence from which its answers are `found` (JSON body, e.g.
+    `{"threshold": 0.3}`): no new set, no new calibration; its checkpoints, jobs and pool stay."""
+    given = change.model_fields_set
+    if not given:
+        raise unprocessable("nothing to change: send a JSON object with `name` and/or `threshold`")
+    if "threshold" in given and change.threshold is None:
+        raise unprocessable("threshold must be a number in [0, 1], not null")
+    check_text(change.name, "name")
+    es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
+    if es is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
+    if "name" in given:
+        es.name = change.name
+    if change.threshold is not None:
+        es.threshold = change.threshold
+    session.commit()
     return to_public(es)
 
 

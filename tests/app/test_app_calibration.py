@@ -38,6 +38,40 @@ def fixed(bias: float) -> dict:
     return Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], bias)).to_dict()
 
 
+def test_patch_changes_the_threshold_and_name_and_refuses_bad_changes_writing_nothing(client, settings):
+    """PATCH a set's threshold: the next answers are `found` by it (same boxes, same confidences, no new calibration);
+    its name too. Every bad change is a 422 naming what to fix, and the set is left as it was."""
+    es = new_set(client, name="cats")
+    with Session(create_engine(settings.database_url)) as s:  # a known calibration: confidence 0.5 everywhere
+        s.execute(update(ExemplarSet).where(ExemplarSet.id == uuid.UUID(es["id"])).values(calibration=fixed(0.0)))
+        s.commit()
+    url = f"/v1/exemplar-sets/{es['id']}"
+    before = localize(client, es["id"])
+    assert all(r["found"] for r in before)
+    r = client.patch(url, json={"threshold": 0.6})
+    assert r.status_code == 200 and r.json()["threshold"] == 0.6 and r.json()["name"] == "cats", r.text
+    after = localize(client, es["id"])
+    assert [r["box"] for r in after] == [r["box"] for r in before] and not any(r["found"] for r in after)
+    assert [r["confidence"] for r in after] == [r["confidence"] for r in before]
+    assert client.get(url).json()["threshold"] == 0.6
+    r = client.patch(url, json={"name": "tabby cats"})
+    assert r.status_code == 200 and r.json()["name"] == "tabby cats" and r.json()["threshold"] == 0.6
+    assert client.patch(url, json={"name": None}).json()["name"] is None
+    for body, says in (({}, "nothing to change"), ({"threshold": 1.5}, "threshold"), ({"threshold": -0.1}, "threshold"),
+                       ({"threshold": None}, "not null"), ({"threshold": "high"}, "threshold"),
+                       ({"name": "x" * 201}, "name"), ({"name": "a\x00b"}, "NUL"),
+                       ({"threshold": 0.2, "calibration": {}}, "calibration"), ([0.2], "")):
+        r = client.patch(url, json=body)
+        assert r.status_code == 422 and says in r.text, (body, r.text)
+    for raw, says in ((b'{"threshold": NaN}', "threshold"), (b'{"threshold": Infinity}', "threshold"),
+                      (b"not json", "JSON"), (b'{"name": "a\\ud800"}', "unicode")):  # JSON's escape of no text
+        r = client.patch(url, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and says in r.text, (raw, r.text)
+    got = client.get(url).json()
+    assert got["threshold"] == 0.6 and got["name"] is None  # nothing of the refused changes written
+    assert client.patch(f"/v1/exemplar-sets/{uuid.uuid4()}", json={"threshold": 0.3}).status_code == 404
+
+
 def test_a_new_set_is_calibrated_and_answers_carry_confidence_and_found(client, settings):
     es = new_set(client, threshold="0.3")
     assert es["calibrated"] and es["threshold"] == 0.3 and es["num_negatives"] == 0

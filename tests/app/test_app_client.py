@@ -305,6 +305,13 @@ def test_negatives_threshold_and_the_calibrated_answer(qloc: QlocClient) -> None
     assert r.found == (r.confidence >= 0.75)
     strict = qloc.localize(es.id, [png_bytes(84, 84, seed=5)], min_confidence=1.0).results[0]
     assert strict.box == r.box and strict.found is (r.confidence >= 1.0)
+    changed = qloc.update_exemplar_set(es, threshold=0.0, name="renamed")
+    assert changed.threshold == 0.0 and changed.name == "renamed" and changed.num_negatives == 1
+    assert qloc.localize(es.id, [png_bytes(84, 84, seed=5)]).results[0].found is True
+    assert qloc.update_exemplar_set(es.id, name=None).name is None
+    with pytest.raises(QlocError, match="threshold") as e:
+        qloc.update_exemplar_set(es, threshold=2)
+    assert e.value.status == 422
 
 
 def test_max_instances_typed_and_judged_with_the_negatives(qloc: QlocClient) -> None:
