@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Text, bindparam, cast, delete, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, defer
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -19,6 +21,7 @@ from app.tables import (
     Exemplar,
     ExemplarSet,
     JobImage,
+    LabelStudioSetup,
     PoolImage,
     utcnow,
 )
@@ -157,6 +160,7 @@ def delete_exemplar_set(session: Session, *, set_id: uuid.UUID) -> None:
     session.execute(delete(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id))
     session.execute(delete(PoolImage).where(PoolImage.exemplar_set_id == set_id))
     session.execute(delete(Exemplar).where(Exemplar.exemplar_set_id == set_id))
+    session.execute(delete(LabelStudioSetup).where(LabelStudioSetup.exemplar_set_id == set_id))
     session.execute(delete(ExemplarSet).where(ExemplarSet.id == set_id))
 
 
@@ -278,3 +282,27 @@ def job_duration_stats(session: Session) -> dict[str, tuple[int, float]]:
                AdaptationJob.finished_at.is_not(None))
         .group_by(AdaptationJob.status))
     return {status: (int(n), float(total)) for status, n, total in rows}
+
+
+# --- Label Studio
+
+
+def labelstudio_setup(session: Session, *, set_id: uuid.UUID, project: str) -> LabelStudioSetup | None:
+    """What the latest ``/setup`` of the set's Label Studio ``project`` gave, or ``None``."""
+    return session.get(LabelStudioSetup, (set_id, project))
+
+
+def put_labelstudio_setup(session: Session, *, set_id: uuid.UUID, project: str, url: str | None, token: str | None,
+                          max_instances: int) -> None:
+    """Record a ``/setup`` (one statement, safe against a concurrent one for the same key: an upsert on both
+    databases): ``max_instances`` replaces the last; ``url`` and ``token`` only where given."""
+    dialect = session.get_bind().dialect.name
+    insert = postgresql_insert if dialect == "postgresql" else sqlite_insert
+    now = utcnow()
+    stmt = insert(LabelStudioSetup).values(exemplar_set_id=set_id, project=project, url=url, token=token,
+                                           max_instances=max_instances, updated_at=now)
+    session.execute(stmt.on_conflict_do_update(
+        index_elements=[LabelStudioSetup.exemplar_set_id, LabelStudioSetup.project],
+        set_={"url": func.coalesce(stmt.excluded.url, LabelStudioSetup.url),
+              "token": func.coalesce(stmt.excluded.token, LabelStudioSetup.token),
+              "max_instances": stmt.excluded.max_instances, "updated_at": now}))

@@ -8,8 +8,8 @@
   fetched from Label Studio with its token), a cloud storage URI (``s3://``..., read through Label Studio's
   resolver) or a ``data:`` URI; bounded in time and size, refusals as ``Refused`` (status + message), never a
   500;
-- ``AccessMemory``: the Label Studio address and token each ``/setup`` call gave, per exemplar set and project
-  (in this process: with several API replicas, set ``QLOC_LABELSTUDIO_URL`` / ``QLOC_LABELSTUDIO_API_KEY``).
+- ``Access``: the Label Studio address and token, and the backend's ``max_instances`` (what ``/setup`` gave, kept
+  per exemplar set and project in the database: ``app.tables.LabelStudioSetup``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import binascii
 import json
 import threading
 import urllib.parse
-import uuid
 import xml.etree.ElementTree as ET  # noqa: N817 -- the stdlib's usual name
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import httpx
@@ -122,27 +120,6 @@ class Access:
     url: str | None = None
     token: str | None = None
     max_instances: int = 1
-
-
-class AccessMemory:
-    """The ``hostname`` / ``access_token`` of the latest ``/setup`` per (exemplar set, Label Studio project id),
-    at most ``size`` of them (the oldest forgotten first). Thread-safe."""
-
-    def __init__(self, size: int = 1024):
-        self._size = size
-        self._items: OrderedDict[tuple[uuid.UUID, str], Access] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, set_id: uuid.UUID, project: str, access: Access) -> None:
-        with self._lock:
-            self._items[(set_id, project)] = access
-            self._items.move_to_end((set_id, project))
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
-
-    def get(self, set_id: uuid.UUID, project: str) -> Access:
-        with self._lock:
-            return self._items.get((set_id, project), Access())
 
 
 def project_id(project: object) -> str:

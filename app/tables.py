@@ -298,3 +298,20 @@ class Checkpoint(Base):
     """This policy's calibration (an adaptation job's refresh); NULL: the set's ``calibration`` is used."""
     blob: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class LabelStudioSetup(Base):
+    """What Label Studio's latest ``/setup`` gave for a set and one of its projects: its address and token (to fetch
+    the project's task images) and the backend's ``max_instances``. In the database, so that every API process and
+    replica answers ``/predict`` and the webhook alike."""
+
+    __tablename__ = "labelstudio_setups"
+
+    exemplar_set_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("exemplar_sets.id", ondelete="CASCADE"), primary_key=True)
+    project: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """Label Studio's project id (``app.labelstudio.project_id``), "" when the call named none."""
+    url: Mapped[str | None] = mapped_column(String(2048))
+    token: Mapped[str | None] = mapped_column(String(1024))
+    max_instances: Mapped[int] = mapped_column(Integer, default=1)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

@@ -4,7 +4,8 @@ Label Studio's "ML backend URL" is ``http://HOST:8000/v1/labelstudio/<set_id>``;
 
 - ``GET /health`` (and ``GET /``): ``{"status": "UP"}`` once the set exists (for this key);
 - ``POST /setup`` ``{project, schema, hostname, access_token, extra_params}``: checks the label config and answers
-  ``{"model_version": <active checkpoint id>}``; remembers Label Studio's address and token (this process);
+  ``{"model_version": <active checkpoint id>}``; records Label Studio's address and token and the backend's
+  ``max_instances`` per set and project in the database (``labelstudio_setups``: every API process answers alike);
 - ``POST /predict`` ``{tasks, label_config, project, params}``: fetches each task's image and localizes it with
   the set's active checkpoint, through localize's own pipeline (``localize_files``: the inference backend, then the
   calibration's ``judge``), answering ``{"results": [{"result": [rectanglelabels region, in percent], "score",
@@ -55,7 +56,6 @@ from app.jobstates import FINISHED_STATES
 from app.labelstudio import (
     TRAIN_ACTIONS,
     Access,
-    AccessMemory,
     ImageFetcher,
     Refused,
     Target,
@@ -69,6 +69,7 @@ from app.routes.adaptations import create_adaptation
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.exemplar_sets import NOT_FOUND
 from app.routes.localize import RunOptions, localize_files, resolve_checkpoint
+from app.routes.uploads import check_text
 from app.tables import AdaptationJob, ExemplarSet
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,8 @@ class SetupRequest(BaseModel):
 
     project: str | int | None = None
     label_config: str | None = Field(None, alias="schema")  # "schema" would shadow a BaseModel attribute
-    hostname: str | None = None
-    access_token: str | None = None
+    hostname: str | None = Field(None, max_length=2048)
+    access_token: str | None = Field(None, max_length=1024)
 
 
 class PredictRequest(BaseModel):
@@ -134,16 +135,9 @@ def _get_set(session: Session, set_id: uuid.UUID, caller: Caller) -> ExemplarSet
     return es
 
 
-def _memory(request: Request) -> AccessMemory:
-    state = request.app.state
-    memory = getattr(state, "labelstudio_access", None)
-    if memory is None:  # one per app, made on first use (a benign race: two at worst, one kept)
-        memory = state.labelstudio_access = AccessMemory()
-    return memory
-
-
-def _access(request: Request, settings: Settings, set_id: uuid.UUID, project: object) -> Access:
-    remembered = _memory(request).get(set_id, project_id(project))
+def _access(session: Session, settings: Settings, set_id: uuid.UUID, project: object) -> Access:
+    row = crud.labelstudio_setup(session, set_id=set_id, project=project_id(project))
+    remembered = Access() if row is None else Access(row.url, row.token, row.max_instances)
     return merged(settings.labelstudio_url, settings.labelstudio_api_key, remembered)
 
 
@@ -198,8 +192,9 @@ def setup(set_id: uuid.UUID, body: SetupRequest, request: Request, session: Sess
           caller: LabelStudioCallerDep) -> dict[str, Any]:
     """Label Studio connects: the config must have a RectangleLabels on an Image with a label for the set;
     answers the model version (the set's active checkpoint id). Label Studio's ``hostname`` and ``access_token``
-    are kept in this process to fetch the project's task images, and the backend's ``extra_params``
-    ``{"max_instances": K}`` (1..32; Label Studio's model settings) to predict up to K regions per task."""
+    are recorded (per set and project, in the database: every API process reads them) to fetch the project's task
+    images, and the backend's ``extra_params`` ``{"max_instances": K}`` (1..32; Label Studio's model settings) to
+    predict up to K regions per task."""
     es = _get_set(session, set_id, caller)
     _target(body.label_config, es)
     ckpt = resolve_checkpoint(session, es, "active")
@@ -207,10 +202,12 @@ def setup(set_id: uuid.UUID, body: SetupRequest, request: Request, session: Sess
         k = max_instances_of((body.model_extra or {}).get("extra_params"), MAX_INSTANCES)
     except Refused as e:
         raise _refusal(e) from e
-    if body.hostname or body.access_token or k > 1:
-        hostname = body.hostname if body.hostname and body.hostname.startswith(("http://", "https://")) else None
-        _memory(request).put(set_id, project_id(body.project), Access(hostname and hostname.rstrip("/"),
-                                                                      body.access_token or None, k))
+    check_text(body.hostname, "hostname")
+    check_text(body.access_token, "access_token")
+    hostname = body.hostname if body.hostname and body.hostname.startswith(("http://", "https://")) else None
+    crud.put_labelstudio_setup(session, set_id=set_id, project=project_id(body.project),
+                               url=hostname and hostname.rstrip("/"), token=body.access_token or None, max_instances=k)
+    session.commit()
     return {"model_version": str(ckpt.id)}
 
 
@@ -234,6 +231,7 @@ def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: 
     QLOC_MAX_FILES_PER_REQUEST at a time."""
     es = _get_set(session, set_id, caller)
     target = _target(body.label_config, es)
+    access = _access(session, settings, set_id, body.project)
     session.commit()  # end the read transaction: fetching can be slow
     urls: list[tuple[object, str, int | None]] = []
     for k, task in enumerate(body.tasks):
@@ -247,7 +245,6 @@ def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: 
     results: list[dict[str, Any]] = []
     model_version = None
     chunk = settings.max_files_per_request
-    access = _access(request, settings, set_id, body.project)
     with ImageFetcher(access, max_bytes=settings.max_file_bytes, timeout=settings.labelstudio_fetch_timeout,
                       hosts=settings.labelstudio_fetch_hosts) as fetcher:
         for start in range(0, len(urls), chunk):
@@ -285,7 +282,7 @@ def _project_images(fetcher: ImageFetcher, project: dict[str, Any], es: Exemplar
     if not pid.isdigit():
         return [], ["the event names no Label Studio project"]
     if not fetcher.access.url:
-        return [], ["Label Studio's address is unknown (no /setup in this process; set QLOC_LABELSTUDIO_URL)"]
+        return [], ["Label Studio's address is unknown (no /setup of this project gave it; set QLOC_LABELSTUDIO_URL)"]
     try:
         key = parse_label_config(project.get("label_config") or "", set_name=es.name).image_key
     except Refused as e:
@@ -342,7 +339,7 @@ def webhook(set_id: uuid.UUID, event: WebhookEvent, request: Request, response: 
     project = event.project if isinstance(event.project, dict) else {"id": event.project}
     uploads: list[UploadFile] = []
     problems: list[str] = []
-    with ImageFetcher(_access(request, settings, set_id, project), max_bytes=settings.max_file_bytes,
+    with ImageFetcher(_access(session, settings, set_id, project), max_bytes=settings.max_file_bytes,
                       timeout=settings.labelstudio_fetch_timeout, hosts=settings.labelstudio_fetch_hosts) as fetcher:
         uploads, problems = _project_images(fetcher, project, es, settings.max_files_per_request)
     if problems:

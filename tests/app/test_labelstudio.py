@@ -17,9 +17,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from service_fixtures import api, db_settings, files, free_port, make_test_settings, migrate, png_bytes  # noqa: F401
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
-from app.labelstudio import Access, AccessMemory, Refused, parse_label_config, project_id
+from app.db import make_engine
+from app.labelstudio import Refused, parse_label_config, project_id
 from app.main import create_app
+from app.tables import AdaptationJob, LabelStudioSetup
 
 CONFIG = """<View>
   <Image name="img" value="$picture"/>
@@ -150,14 +154,7 @@ def test_label_config_picks_the_rectangle_labels_and_the_sets_label():
         assert e.value.status == 422 and words in e.value.detail, e.value.detail
 
 
-def test_access_memory_is_bounded_and_project_ids_parse():
-    import uuid
-
-    m = AccessMemory(size=2)
-    ids = [uuid.uuid4() for _ in range(3)]
-    for i in ids:
-        m.put(i, "1", Access("http://ls", "t"))
-    assert m.get(ids[0], "1") == Access() and m.get(ids[2], "1").url == "http://ls"
+def test_project_ids_parse():
     assert [project_id(p) for p in ("12.1712345678", 12, {"id": 7}, None, True)] == ["12", "12", "7", "", ""]
 
 
@@ -365,6 +362,51 @@ def test_webhook_starts_one_job_on_the_projects_images(api, fake_ls):  # noqa: F
     assert r.status_code == 200 and r.json()["job"] == body["job"] and r.json()["status"] == "already queued"
     assert client.get(f"/v1/exemplar-sets/{sid}/adaptations").json()["count"] == 1
     assert client.post(hook, json={"project": {"id": 3}}).status_code == 422  # no action
+
+
+def test_what_setup_gave_is_seen_by_every_api_process(api, db_settings, fake_ls):  # noqa: F811 -- both databases
+    """/setup reaches one API process; /predict and the webhook reach another (the embedded default runs one per
+    core): both see its max_instances, address and token (recorded in the database, per set and project). A later
+    /setup replaces max_instances and keeps the address it does not give; deleting the set deletes the record."""
+    sid = new_set(api)
+    imgs = [png_bytes(seed=1), png_bytes(160, 100, seed=2)]
+    other = create_app(db_settings)
+    with TestClient(other) as second:
+        assert predict(second, sid, [data_uri(b) for b in imgs]).json()["results"][0]["result"][0]["id"] == "qloc-0"
+        r = api.post(f"/v1/labelstudio/{sid}/setup", json={
+            "project": "3.1712345678", "schema": CONFIG, "hostname": fake_ls.url, "access_token": LS_TOKEN,
+            "extra_params": {"max_instances": 3}})
+        assert r.status_code == 200, r.text
+        regions = [pred["result"] for pred in predict(second, sid, [data_uri(b) for b in imgs]).json()["results"]]
+        assert all(reg["id"].count("-") == 2 for res in regions for reg in res) and any(regions), regions
+        r = second.post(f"/v1/labelstudio/{sid}/webhook",
+                        json={"action": "START_TRAINING", "project": {"id": 3, "label_config": CONFIG}})
+        assert r.status_code == 201 and r.json()["source"] == "files", r.text
+        assert ("/api/tasks/?project=3&page_size=8&page=1", f"Token {LS_TOKEN}") in fake_ls.seen
+        # another project of the same set has no setup of its own
+        r = second.post(f"/v1/labelstudio/{sid}/predict", json={
+            "tasks": tasks_of([data_uri(imgs[0])]), "label_config": CONFIG, "project": "4.1712345678"})
+        assert r.json()["results"][0]["result"][0]["id"] == "qloc-0", r.text
+        r = api.post(f"/v1/labelstudio/{sid}/setup", json={"project": "3.1712345678", "schema": CONFIG})
+        assert r.status_code == 200  # max_instances back to 1; the address and token it did not give are kept
+        assert predict(second, sid, [data_uri(imgs[0])]).json()["results"][0]["result"][0]["id"] == "qloc-0"
+        for bad in ({"hostname": "http://a\x00b"}, {"access_token": "t\x00"}, {"hostname": "http://" + "h" * 2050}):
+            r = api.post(f"/v1/labelstudio/{sid}/setup", json={"project": "3.1", "schema": CONFIG, **bad})
+            assert r.status_code == 422, (bad, r.text)
+    job = api.get(f"/v1/exemplar-sets/{sid}/adaptations").json()["data"][0]
+    api.post(f"/v1/adaptations/{job['id']}/cancel")
+    engine = make_engine(db_settings.database_url)
+    try:
+        with Session(engine) as s:
+            assert s.scalar(select(func.count()).select_from(LabelStudioSetup)) == 1
+            s.execute(update(AdaptationJob).values(status="canceled"))  # no worker runs here: ended by hand
+            s.commit()
+        assert api.delete(f"/v1/exemplar-sets/{sid}").status_code == 204
+        with Session(engine) as s:
+            assert s.scalar(select(func.count()).select_from(LabelStudioSetup)) == 0
+    finally:
+        engine.dispose()
+        other.state.engine.dispose()
 
 
 def test_webhook_falls_back_on_the_pool(api):  # noqa: F811
