@@ -156,6 +156,9 @@ def _error(e: dict) -> dict:
         field = e["loc"][-1]
         out["msg"] = (f"{field} is a text field, not a file: send its value (curl -F '{field}=<file' sends a file's "
                       f"text as the value; -F '{field}=@file' sends the file)")
+    if "Expected UploadFile" in str(e.get("msg", "")) and len(e.get("loc", ())) >= 2:  # -F files=text
+        field = e["loc"][1]
+        out["msg"] = f"{field} takes files, not text: attach one (curl -F '{field}=@image.png')"
     return out
 
 

@@ -80,7 +80,9 @@ def create_adaptation(
         "Which images the job adapts on: `files` (the ones posted), `pool` (every image of the set's pool, "
         "`/v1/exemplar-sets/{id}/images`, as it is when the job is created: images added later are not the job's), "
         "or `both`. Default: `files` when files are posted, else `pool`. A job needs at least one image."))] = None,
-    iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1)] = None,
+    iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1, description=(
+        "Policy-gradient iterations. Default: the server's QLOC_DEFAULT_ITERATIONS (200); at most its "
+        "QLOC_MAX_ITERATIONS (5000 unless the server says otherwise: more is a 422 naming the limit)"))] = None,
     learning_rate: Annotated[float | None, Form(gt=0, le=1, allow_inf_nan=False)] = None,
     seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
     activate: Annotated[Literal["auto", "true", "false"], Form(description=(

@@ -119,6 +119,10 @@ def parse_boxes(raw: str, images: list[DecodedImage]) -> list[Box]:
         raise unprocessable(f"boxes is not JSON ({e}); it must be {BOXES_FORMAT}") from e
     if not isinstance(value, list):
         raise unprocessable(f"boxes must be {BOXES_FORMAT}; got a JSON {type(value).__name__}")
+    if value and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        flat = "[" + ", ".join(json.dumps(v) for v in value[:8]) + ("" if len(value) <= 8 else ", ...") + "]"
+        raise unprocessable(f"boxes is a list of numbers, {flat}: it must be {BOXES_FORMAT}, a list of boxes even "
+                            f"for one file (for one file: [{flat}])")
     if len(value) != len(images):
         n, m = len(value), len(images)
         raise unprocessable(f"boxes has {n} box{'' if n == 1 else 'es'} for {m} file{'' if m == 1 else 's'}: "

@@ -109,7 +109,7 @@ def localize(
         "header, comma-separated, in upload order). Opt-in, under the pool's caps: a pool without room for them "
         "answers 409 before anything is computed or stored; only an answered request stores its images."))]
     = False,
-    min_confidence: Annotated[float | None, Query(ge=0.0, le=1.0, description=(
+    min_confidence: Annotated[float | None, Query(ge=0.0, le=1.0, allow_inf_nan=False, description=(
         "Raise the set's threshold for this request: an answer whose calibrated `confidence` is below it comes "
         "back with `found=false` (its box is kept; `format=coco` then leaves it out, `format=labelstudio` gives "
         "it an empty result). No effect on a set without calibration (confidence null, found true)."))] = None,
@@ -141,7 +141,7 @@ def localize(
     image_ids: Annotated[str | None, Query(max_length=20_000, pattern=r"^\d{1,12}(,\d{1,12})*$", description=(
         "format=coco: the COCO image id of each file, comma-separated, in upload order (default 1..N)"))] = None,
     category_id: Annotated[int, Query(ge=0, le=2**31 - 1, description="format=coco: the category id")] = 1,
-    label: Annotated[str | None, Query(max_length=200, description=(
+    label: Annotated[str | None, Query(min_length=1, max_length=200, description=(
         "format=labelstudio: the rectangle's label (default: the set's name, else `object`); `from_name` / "
         "`to_name` are `label` / `image`, as Label Studio's bounding-box template"))] = None,
 ) -> Response:

@@ -78,7 +78,7 @@ async def known_parameters(request: Request) -> None:
         if unknown:
             raise _refuse("form field", unknown, body, route, request.method)
         _once("form field", form.multi_items(), lists)
-        _filled(form.multi_items())
+        _filled(form.multi_items(), route)
 
 
 def _takes_a_form(route: APIRoute) -> bool:
@@ -90,13 +90,16 @@ def _has_body(request: Request) -> bool:
     return request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
 
 
-def _filled(items: list[tuple[str, object]]) -> None:
+def _filled(items: list[tuple[str, object]], route: APIRoute) -> None:
     """422 if a form field is sent empty (``-F iterations=``): FastAPI would take it for an absent field and use the
-    default, so a script's unset variable would run a 200-iteration job with no word why."""
+    default, so a script's unset variable would run a 200-iteration job with no word why. An empty file field
+    (no default to fall back on) is a file left out."""
     for name, value in items:
         if isinstance(value, str) and not value.strip():
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"form field {name!r} is empty: give it a value, or leave it out for its default")
+            files = {p.alias for p in route.dependant.body_params if isinstance(p.field_info, params.File)}
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, (
+                f"form field {name!r} is empty: attach a file (curl -F '{name}=@image.png')" if name in files else
+                f"form field {name!r} is empty: give it a value, or leave it out for its default"))
 
 
 def _once(kind: str, items: list[tuple[str, object]], lists: frozenset[str]) -> None:

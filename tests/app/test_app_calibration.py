@@ -97,6 +97,9 @@ def test_threshold_and_min_confidence_decide_found_and_keep_the_box(client, sett
     assert all(r["found"] for r in localize(client, es["id"], "?min_confidence=0.1"))  # never lowers the threshold
     r = client.post(f"/v1/exemplar-sets/{es['id']}/localize?min_confidence=1.5", files=files(png_bytes()))
     assert r.status_code == 422
+    for bad in ("nan", "inf"):
+        r = client.post(f"/v1/exemplar-sets/{es['id']}/localize?min_confidence={bad}", files=files(png_bytes()))
+        assert r.status_code == 422 and "finite number" in r.text, r.text
 
 
 def test_a_set_without_calibration_answers_as_before(client, settings):

@@ -173,6 +173,21 @@ def test_the_plain_progress_bar_leaves_no_tail_of_a_longer_line(capsys) -> None:
     assert screen.rstrip().endswith("30/30 succeeded reward 528.0008"), screen
 
 
+def test_progress_as_lines_where_the_output_is_not_a_terminal(capsys) -> None:
+    """In a log: a line per tenth of the job and per change of state, not one per poll."""
+    from app.client_progress import LineBar, progress_bar
+
+    assert isinstance(progress_bar(200, "job x"), LineBar)  # pytest's captured stderr is no terminal
+    bar = LineBar(200, "job x")
+    bar.update_to(0, 200, "queued")
+    for n in range(0, 201):  # a poll per iteration
+        bar.update_to(n, 200, "running reward 1.0")
+    bar.update_to(200, 200, "succeeded reward 2.0")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "job x: 0/200 queued" and lines[1] == "job x: 0/200 running reward 1.0"
+    assert lines[-1] == "job x: 200/200 succeeded reward 2.0" and len(lines) == 2 + 10 + 1, lines
+
+
 def test_api_errors_raise_qloc_error_with_the_detail(qloc: QlocClient) -> None:
     with pytest.raises(QlocError) as e:
         qloc.create_exemplar_set(("notes.png", b"these are not pixels"))

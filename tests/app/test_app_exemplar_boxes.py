@@ -163,7 +163,7 @@ BAD = {
     "deeply_nested": ("[" * 5000, ["boxes is not JSON"]),
     "an_object": ('{"img0.png": [0, 0, 10, 10]}', ["boxes must be", "got a JSON dict"]),
     "null": ("null", ["boxes must be"]),
-    "one_box_not_nested": ("[0, 0, 10, 10]", ["4 boxes for 2 files"]),
+    "one_box_not_nested": ("[0, 0, 10, 10]", ["boxes is a list of numbers, [0, 0, 10, 10]", "[[0, 0, 10, 10]]"]),
     "too_few": ([FIRST], ["boxes has 1 box for 2 files"]),
     "too_many": ([FIRST, FIRST, FIRST], ["3 boxes for 2 files"]),
     "none": ([], ["0 boxes for 2 files"]),

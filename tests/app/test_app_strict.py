@@ -81,6 +81,11 @@ def test_an_empty_form_field_is_422_not_the_default_and_nothing_is_written(clien
         r = client.post(URL, files=files(png_bytes()), data=data)
         assert r.status_code == 422 and "is empty" in r.json()["detail"], r.text
     assert snapshot(settings) == before
+    r = client.post(URL, files=files(png_bytes()) + [("files", (None, b""))])  # -F files= (no @): no default
+    assert r.status_code == 422 and "form field 'files' is empty: attach a file (curl -F 'files=@" in r.text, r.text
+    r = client.post(URL, files=files(png_bytes()) + [("files", (None, b"hello"))])  # -F files=hello: text
+    assert r.status_code == 422 and "files takes files, not text" in r.text and "<class" not in r.text, r.text
+    assert snapshot(settings) == before
 
 
 @pytest.mark.parametrize("field", ["boxes", "name", "threshold"])
@@ -107,6 +112,12 @@ def test_what_the_asked_format_would_drop_is_422(client, settings, query, messag
     r = client.post(f"{URL}/{set_id}/localize?{query}&keep=true", files=files(png_bytes(), png_bytes(seed=1)))
     assert r.status_code == 422 and message in r.json()["detail"], r.text
     assert snapshot(settings) == before  # keep=true stored nothing
+
+
+def test_an_empty_label_is_422_not_the_sets_name(client):
+    set_id = register_set(client)
+    r = client.post(f"{URL}/{set_id}/localize?format=labelstudio&label=", files=files(png_bytes()))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "label"], r.text
 
 
 def test_keep_with_an_export_format_gives_the_kept_ids_in_a_header(client):
