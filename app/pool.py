@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from app.images import DecodedImage
 from app.jobstates import FINISHED_STATES
-from app.storage import BlobStore, pool_image_key
+from app.storage import BlobStore, exemplar_set_prefix, pool_image_key
 from app.tables import AdaptationJob, ExemplarSet, JobImage, PoolImage, utcnow
 
 ORDER = (PoolImage.created_at, PoolImage.position, PoolImage.id)
@@ -84,6 +84,21 @@ def lock(session: Session, set_id: uuid.UUID) -> None:
         raise SetGone(str(set_id))
 
 
+def deleted_meanwhile(session: Session, store: BlobStore, set_id: uuid.UUID, error: BaseException) -> bool:
+    """After an upload for the set failed with ``error`` (its transaction rolled back): whether the set was deleted
+    meanwhile -- ``SetGone``, or a file write failing as the deletion removed the set's folder under it. Then what is
+    left under the deleted set's folder (this request's files, the folders a write re-made) is removed too."""
+    if not isinstance(error, SetGone | OSError):
+        return False
+    if not isinstance(error, SetGone):
+        there = session.scalar(select(ExemplarSet.id).where(ExemplarSet.id == set_id))
+        session.rollback()
+        if there is not None:
+            return False
+    store.delete_tree(exemplar_set_prefix(set_id))
+    return True
+
+
 def add(session: Session, store: BlobStore, *, set_id: uuid.UUID, images: list[DecodedImage],
         limits: Limits) -> list[PoolImage]:
     """Store ``images`` in the set's pool and commit -> their rows, in upload order. All or nothing: PoolFull
@@ -116,8 +131,10 @@ def add(session: Session, store: BlobStore, *, set_id: uuid.UUID, images: list[D
                                         limits=limits) or "the set's image pool is full")
         session.add_all(rows)
         session.commit()
-    except BaseException:
+    except BaseException as e:
         session.rollback()
+        if deleted_meanwhile(session, store, set_id, e):
+            raise e if isinstance(e, SetGone) else SetGone(str(set_id)) from e
         for key in keys:
             store.delete(key)
         raise

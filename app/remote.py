@@ -193,6 +193,8 @@ class ConsumerWatch:
         """The names of the workers consuming the queue at each of the last ``MISSES`` broadcasts that could tell
         (emptied when one cannot)."""
         self.misses = 0
+        self.seen = False
+        """Whether any worker consumed the queue at some check since this API started."""
         self.checked_at: float | None = None
         self.unknown = "not checked yet"
         self.backend_error: str | None = None
@@ -228,6 +230,7 @@ class ConsumerWatch:
         workers = len(names)
         self.recent.append(frozenset(names))
         self.misses = 0 if workers else self.misses + 1
+        self.seen = self.seen or workers > 0
         if self.misses == self.MISSES:
             log.warning("no worker consumes queue %r: model calls are refused until one does", self.queue)
         elif workers and self.workers == 0:
@@ -261,13 +264,19 @@ class ConsumerWatch:
             time.monotonic() - self.checked_at > self.interval_s + 2 * self.REPLY_S + self.ABSENT_EVERY_S
 
     def readiness(self) -> str:
-        """``/readyz``'s entry: ``ok`` (a worker answered the last check), ``error: ...`` (none, ``absent``), or
-        ``unknown: ...`` (not checked yet, one miss only, or a broker that cannot tell)."""
+        """``/readyz``'s entry: ``ok`` (a worker answered the last check), ``error: ...`` (none, ``absent``; also
+        until the watch has seen one since the API started: not checked yet, or none at the first check), or
+        ``unknown: ...`` (one miss after workers were seen, a watch turned off, or a broker that cannot tell)."""
         why = self.absent()
         if why is not None:
             return f"error: {why}"
         if self.workers:
             return "ok"
+        if not self.seen and self._thread is not None and (self.checked_at is None or self.misses):
+            # starting: a load balancer should not send calls here before a worker is known to take them
+            return (f"error: no worker seen on queue {self.queue!r} yet (" +
+                    ("the first check is running" if self.checked_at is None else "none answered the first check") +
+                    "); checking again")
         return "unknown: no worker answered the last check; checking again" if self.misses else \
             f"unknown: {self.unknown}"
 

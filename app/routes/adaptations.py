@@ -143,14 +143,12 @@ def create_adaptation(
             key = job_image_key(set_id, job_id, i, im.ext)
             blobs.append(crud.NewBlob(i, im.filename, im.content_type, im.width, im.height, store.put(key, im.data),
                                       key))
-        try:  # the set's lock first, as every writer of the pool, an activation and a checkpoint's deletion take it
-            pool.lock(session, set_id)
-        except pool.SetGone as e:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found") from e
+        pool.lock(session, set_id)  # the set's lock first, as every writer of the pool, an activation and a
+        # checkpoint's deletion take it (SetGone: deleted meanwhile, below)
         session.expire_all()  # the set as it is now, under the lock: its active checkpoint (the job's start) may
         es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)  # have changed, and the old one gone
         if es is None:  # deleted meanwhile
-            raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
+            raise pool.SetGone(str(set_id))
         job = crud.create_job(session, job_id=job_id, exemplar_set=es, owner=caller.owner,
                               idempotency_key=idempotency_key, request_sha256=digest, images=blobs, **params)
         if source != "files":  # the pool as it is now, under the set's lock (pool.snapshot_into_job)
@@ -166,8 +164,11 @@ def create_adaptation(
         if existing is None:
             raise
         return replay(existing, digest, response)
-    except BaseException:
+    except BaseException as e:
         session.rollback()
+        if pool.deleted_meanwhile(session, store, set_id, e):  # the set's folder went with it
+            raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found (deleted during this request)") \
+                from e
         store.delete_tree(job_prefix(set_id, job_id))
         raise
 

@@ -295,3 +295,34 @@ def test_images_a_queued_job_took_are_kept_until_it_ends(api, pool_settings):
             assert all(r.pool_image_id is None for r in s.scalars(select(JobImage)))
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("when", ["before_the_write", "under_the_write"])
+@pytest.mark.parametrize("route", ["pool", "keep", "adaptation"])
+def test_a_set_deleted_while_an_upload_writes_its_files_is_404_and_leaves_no_file(api, pool_settings, monkeypatch,
+                                                                                 route, when):
+    """DELETE of the set lands while an upload for it (pool images, localize keep=true, a job's images) writes its
+    files: deleted before the write (the write re-makes the folder; the set's lock then finds no set), or its folder
+    removed under the write (the write fails). Either way a JSON 404, no 500, and nothing left of the set on disk."""
+    from app.storage import BlobStore
+
+    set_id = new_set(api)
+    original = BlobStore.put
+    done = []
+
+    def put(self, key, data):  # noqa: ANN001, ANN202
+        if not done and key.startswith(f"exemplar-sets/{set_id}/"):
+            done.append(key)
+            assert api.delete(f"/v1/exemplar-sets/{set_id}").status_code == 204  # its rows, then its folder
+            if when == "under_the_write":
+                raise FileNotFoundError(2, "No such file or directory", str(self.path(key)))
+        return original(self, key, data)
+
+    monkeypatch.setattr(BlobStore, "put", put)
+    url = {"pool": f"/v1/exemplar-sets/{set_id}/images", "keep": f"/v1/exemplar-sets/{set_id}/localize?keep=true",
+           "adaptation": f"/v1/exemplar-sets/{set_id}/adaptations"}[route]
+    r = api.post(url, files=named("a.png", "b.png"), data={"iterations": "2"} if route == "adaptation" else None)
+    assert done, "the upload wrote no file"
+    assert r.status_code == 404 and "not found" in r.json()["detail"], r.text
+    assert not (pool_settings.storage_dir / "exemplar-sets" / set_id).exists(), stored_files(pool_settings.storage_dir)
+    assert api.get(f"/v1/exemplar-sets/{set_id}").status_code == 404

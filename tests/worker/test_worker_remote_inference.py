@@ -341,6 +341,8 @@ def test_with_no_worker_on_the_localize_queue_calls_are_refused_at_once_and_read
     st = Stack(settings, tmp_path)
     try:
         with TestClient(app) as w:
+            r = w.get("/readyz")  # starting, no worker seen yet: not ready (a load balancer sends nothing yet)
+            assert r.status_code == 503 and "no worker seen on queue" in r.json()["checks"]["localize_workers"], r.text
             t0 = time.monotonic()  # sent before the watch has seen anything: it waits, until the watch sees no one
             r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
             assert r.status_code == 503 and "no worker consumes queue" in r.json()["detail"], r.text
