@@ -9,6 +9,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from service_fixtures import FAST_JOB, files, png_bytes
 from sqlalchemy import select, update
 
+import worker.jobs as jobs_module
 from app.inference import read_checkpoint
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
 from worker import jobs
@@ -202,7 +203,23 @@ def test_resume_after_a_crash_continues_from_the_last_checkpoint(client, ctx, mo
     assert reap_abandoned_jobs(ctx, now=later) == ([job_id], [])
     assert job_row(ctx, job["id"]).status == "queued"
 
+    with ctx.session_factory.begin() as s:  # the dead run had gone on past its last checkpoint
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(progress_iteration=3))
+    shown = []  # what a client sees: when the rerun starts its setup, and at every progress write
+    sync, prepare = AdaptationRun._sync, jobs_module.preprocess  # noqa: SLF001
+
+    def recorded(self):  # noqa: ANN001, ANN202
+        sync(self)
+        shown.append(job_row(ctx, job["id"]).progress_iteration)
+
+    def setup_starts(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        shown.append(job_row(ctx, job["id"]).progress_iteration)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(AdaptationRun, "_sync", recorded)
+    monkeypatch.setattr(jobs_module, "preprocess", setup_starts)
     assert run_adaptation_job(ctx, job_id, worker="second") == "succeeded"
+    assert shown[0] == 2 and shown == sorted(shown), shown  # from where it restarts, never backwards
     ckpts = checkpoints_of(ctx, job["id"])
     assert [c.iteration for c in ckpts] == [2, 4, 5]  # nothing lost, nothing written twice
     assert ckpts[1].parent_id == ckpts[0].id
