@@ -172,9 +172,11 @@ def delete_images(session: Session, *, set_id: uuid.UUID, image_id: uuid.UUID | 
     if jobs:
         what = "this pool image" if image_id is not None else "images of this pool"
         shown = ", ".join(str(j) for j in jobs[:5]) + (", ..." if len(jobs) > 5 else "")
-        raise ImageInUse(f"{_plural(len(jobs), 'queued or running adaptation job')} ({shown}) adapt on {what}: "
-                         "it is kept until they end; cancel them (POST /v1/adaptations/{job_id}/cancel) or wait, "
-                         "then delete again", jobs)
+        one = len(jobs) == 1
+        raise ImageInUse(f"{_plural(len(jobs), 'queued or running adaptation job')} ({shown}) "
+                         f"{'adapts' if one else 'adapt'} on {what}: it is kept until "
+                         f"{'it ends' if one else 'they end'}; cancel {'it' if one else 'them'} "
+                         "(POST /v1/adaptations/{job_id}/cancel) or wait, then delete again", jobs)
     if ids:
         # explicitly, so no backend's cascade order matters: finished jobs keep their rows, without the link
         session.execute(update(JobImage).where(JobImage.pool_image_id.in_(ids)).values(pool_image_id=None)

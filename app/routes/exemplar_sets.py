@@ -279,10 +279,13 @@ def delete_exemplar_set(set_id: uuid.UUID, session: SessionDep, store: StoreDep,
         shown = ", ".join(f"{j}{' (cancel requested: ending)' if asked else ''}" for j, asked in jobs[:5])
         more = f", and {len(jobs) - 5} more" if len(jobs) > 5 else ""
         waiting = all(asked for _, asked in jobs)
+        they, them = ("it", "it") if len(jobs) == 1 else ("they", "them")
         raise HTTPException(status.HTTP_409_CONFLICT, (
             f"the set has {len(jobs)} queued or running adaptation job{'s' if len(jobs) > 1 else ''} ({shown}{more}): "
-            + ("wait until they have ended (GET /v1/adaptations/{job_id}), then delete again" if waiting else
-               "cancel them (POST /v1/adaptations/{job_id}/cancel) and wait until they have ended, then delete again")))
+            + (f"wait until {they} {'has' if len(jobs) == 1 else 'have'} ended (GET /v1/adaptations/{{job_id}}), then "
+               "delete again" if waiting else
+               f"cancel {them} (POST /v1/adaptations/{{job_id}}/cancel) and wait until {they} "
+               f"{'has' if len(jobs) == 1 else 'have'} ended, then delete again")))
     crud.delete_exemplar_set(session, set_id=set_id)
     session.commit()
     store.delete_tree(exemplar_set_prefix(set_id))
