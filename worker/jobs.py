@@ -360,8 +360,10 @@ class AdaptationRun:
                     s, set_id=job.exemplar_set_id, checkpoint_id=ckpt_id, base_checkpoint_id=job.base_checkpoint_id):
                 log.info("job %s: the set's active checkpoint changed while the job ran; %s not activated",
                          self.job_id, ckpt_id)
+                chosen = (f"; activate=true: the last checkpoint (iteration {decision['activate']}) was to be "
+                          "activated whatever the probes say, but" if job.activate == "true" else ";")
                 validation = {**(validation or {}), "activated_iteration": None, "activated_checkpoint_id": None,
-                              "message": f"{decision['message']}; not activated: the set's active checkpoint "
+                              "message": f"{decision['message']}{chosen} not activated: the set's active checkpoint "
                                          "changed while the job ran (that choice stands; activate this job's "
                                          "checkpoint to serve it)."}
             if not jobstates.finish_run(s, job_id=self.job_id, attempt=self.attempt, outcome=outcome,

@@ -118,8 +118,10 @@ def test_a_checkpoint_activated_while_the_job_ran_stands_and_the_job_says_it_did
     es = client.get(f"/v1/exemplar-sets/{set_id}").json()
     assert es["active_checkpoint_id"] == first["params"]["base_checkpoint_id"]  # the rollback stands
     assert polled["validation"]["activated_iteration"] is None
-    assert "; not activated: the set's active checkpoint changed while the job ran" in polled["validation"]["message"]
-    assert "activate=true" not in polled["validation"]["message"]  # it was not
+    message = polled["validation"]["message"]
+    assert ("; activate=true: the last checkpoint (iteration 2) was to be activated whatever the probes say, but not "
+            "activated: the set's active checkpoint changed while the job ran") in message, message
+    assert "is activated" not in message  # it was not
     (last,) = [c for c in checkpoints_of(ctx, job["id"]) if c.iteration == 2]
     assert not client.get(f"/v1/checkpoints/{last.id}").json()["active"]
 
