@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Annotated, Literal, ParamSpec, TypeVar
 
+import torch
 from fastapi import APIRouter, File, HTTPException, Query, Request, Response, UploadFile, status
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
@@ -45,6 +46,7 @@ from app.schemas import CocoResults, InstanceResult, LabelStudioTask, Localizati
 from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeAnswer, LocalizeCall, on_its_way
 from app.storage import BlobStore
 from app.tables import Checkpoint, ExemplarSet
+from models.instances import kept_apart
 from models.verifier import KindVerifier
 
 P = ParamSpec("P")
@@ -162,6 +164,24 @@ def localize(
                                                                max_instances), opts,
                               bundles=serving.bundles, local=serving.local, turns=serving.turns)
     return formatted(done, opts)
+
+
+def apart(judged: list[Judged]) -> None:
+    """Each result's instances without those mostly inside or around a better one (``models.instances.kept_apart``:
+    a part of the same object found again), every image's at once."""
+    rows = [j for j in judged if j.instances]
+    if not rows:
+        return
+    width = max(len(j.instances or ()) for j in rows)
+    boxes = torch.zeros(len(rows), width, 4)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, j in enumerate(rows):  # the verdicts' lists -> one padded tensor
+        n = len(j.instances or ())
+        boxes[r, :n] = torch.tensor([i.box for i in j.instances or ()], dtype=torch.float32)
+        valid[r, :n] = True
+    keep = kept_apart(boxes, valid).tolist()
+    for j, row in zip(rows, keep, strict=True):
+        j.instances = [i for i, k in zip(j.instances or (), row, strict=False) if k]
 
 
 KEPT_HEADER = "X-Qloc-Kept"
@@ -378,6 +398,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
     for j in judged:  # rerank's candidates, beyond what was asked for (the first K of a larger search are its own)
         if j.instances is not None:
             j.instances = None if run.max_instances == 1 else j.instances[:run.max_instances]
+    apart(judged)
     kept = [r.id for r in add_to_pool(session, store, settings, es, images)] if keep else None
     results = [LocalizationResult(filename=im.filename, width=im.width, height=im.height,
                                   box=list(im.box_to_full(j.box)), score=j.score, confidence=j.confidence,

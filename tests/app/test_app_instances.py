@@ -20,7 +20,7 @@ from app.serving import LocalizeAnswer, LocalizeCall
 from models.bundle import load_bundle
 from models.core.boxes import pairwise_iou
 from models.inference import Instance, Localization, Localizer
-from models.instances import InstanceConfig
+from models.instances import InstanceConfig, kept_apart
 
 IMAGES = [png_bytes(84, 84, seed=3), png_bytes(200, 120, seed=4)]
 
@@ -65,9 +65,12 @@ def test_instances_equal_the_library(client, settings):
     loc = Localizer(load_bundle(settings.bundle_dir / f"{TEST_BUNDLES[0]}.pt", "cpu"), "cpu")
     proto = loc.prototype([Image.open(io.BytesIO(png_bytes(28, 28, seed=9)))])
     lib = loc.localize([Image.open(io.BytesIO(b)) for b in IMAGES], proto, max_instances=4)
-    for api, mine in zip(many, lib, strict=True):
-        assert len(api["instances"]) == len(mine.instances)
-        for a, m in zip(api["instances"], mine.instances, strict=True):
+    for api, mine in zip(many, lib, strict=True):  # less those mostly inside or around a better one (the answer's)
+        boxes = torch.tensor([[list(i.box) for i in mine.instances]])
+        kept = [i for i, k in zip(mine.instances, kept_apart(boxes, torch.ones(boxes.shape[:2], dtype=torch.bool))[0],
+                                  strict=True) if k]
+        assert len(api["instances"]) == len(kept)
+        for a, m in zip(api["instances"], kept, strict=True):
             assert a["box"] == pytest.approx(list(m.box), abs=1e-3) and a["score"] == pytest.approx(m.score, abs=1e-4)
 
 

@@ -311,3 +311,22 @@ def test_localize_gives_one_answer_and_no_instances_unless_asked():
     proto = torch.randn(16, generator=torch.Generator().manual_seed(4)) * 3
     assert all(r.instances is None for r in loc.localize(ims, proto))
     assert all(r.instances for r in loc.localize(ims, proto, max_instances=3))
+
+
+def test_what_is_answered_leaves_out_a_part_of_a_better_instance_found_again():
+    """An instance mostly inside or around a better kept one (intersection over the smaller box above CONTAINED) is
+    not answered, whatever its IoU (half a digit found again: IoU 0.28, 0.61 of the smaller box); one that overlaps
+    less, a worse one inside a dropped one, padding and the first instance stay as they were."""
+    from models.instances import CONTAINED, kept_apart
+
+    digit, half_again = [9, 28.4, 37, 56.4], [9, 7.6, 47, 45.6]
+    beside, inside_dropped = [40, 0, 68, 28], [10, 8, 30, 28]
+    boxes = torch.tensor([[digit, half_again, beside, inside_dropped],
+                          [digit, beside, [0, 0, 84, 84], digit]])  # a large box around a better one; a duplicate
+    valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    keep = kept_apart(boxes, valid)
+    assert keep.tolist() == [[True, False, True, True], [True, True, False, False]]
+    assert kept_apart(boxes, valid, contained=0.62)[0, 1]  # 0.61 of the smaller box: kept above it
+    assert 0.5 <= CONTAINED < 0.61
+    one = kept_apart(torch.tensor([[digit]]), torch.tensor([[True]]))
+    assert one.tolist() == [[True]]
