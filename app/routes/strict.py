@@ -68,6 +68,11 @@ async def known_parameters(request: Request) -> None:
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
             f"{request.method} {route.path} takes multipart/form-data (curl -F files=@image.png -F name=value), got "
             f"{ctype.split(';')[0] or 'a body without a Content-Type'}"))
+    if ctype.startswith("application/x-www-form-urlencoded") and any(
+            isinstance(p.field_info, params.File) for p in route.dependant.body_params):
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
+            f"{request.method} {route.path} takes files: send multipart/form-data (curl -F files=@image.png -F "
+            "name=value), not an urlencoded form (curl -d), which cannot carry files"))
     unknown = sorted(set(request.query_params) - query)
     if unknown:
         raise _refuse("query parameter", unknown, query, route, request.method)

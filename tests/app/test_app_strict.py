@@ -114,6 +114,13 @@ def test_what_the_asked_format_would_drop_is_422(client, settings, query, messag
     assert snapshot(settings) == before  # keep=true stored nothing
 
 
+def test_an_urlencoded_form_to_a_route_that_takes_files_is_415_saying_so(client, settings):
+    before = snapshot(settings)
+    r = client.post(URL, data={"name": "x"})  # curl -d name=x
+    assert r.status_code == 415 and "not an urlencoded form (curl -d)" in r.json()["detail"], r.text
+    assert snapshot(settings) == before
+
+
 def test_an_empty_label_is_422_not_the_sets_name(client):
     set_id = register_set(client)
     r = client.post(f"{URL}/{set_id}/localize?format=labelstudio&label=", files=files(png_bytes()))
