@@ -172,8 +172,9 @@ class ConsumerWatch:
     """Whether any worker consumes the localize queue, as the last broadcasts of Celery's ``active_queues`` saw, and
     whether the result backend answers.
 
-    A daemon thread asks every ``interval_s``, and every ``ABSENT_EVERY_S`` while none is seen, so a worker that
-    starts is seen within seconds. Every reply counts (``broadcast``, not ``inspect``: two workers of one host under
+    A daemon thread asks every ``interval_s``, and every ``ABSENT_EVERY_S`` while none is seen (or one seen before is
+    missing), so a worker that starts is seen within seconds, and one that is gone is confirmed gone within seconds of
+    the first check that missed it. Every reply counts (``broadcast``, not ``inspect``: two workers of one host under
     Celery's default name ``celery@host`` would be one entry of ``inspect``'s dict, a job worker's hiding a localize
     worker's). A worker answers from its consumer thread, also while its pool is busy; still, one broadcast without
     an answer is not taken for an absence: ``MISSES`` in a row are. A broker that cannot broadcast (no fanout: the
@@ -293,10 +294,15 @@ class ConsumerWatch:
             self._thread.join(timeout=5)
             self._thread = None
 
+    def went_missing(self) -> bool:
+        """Whether a worker seen at the check before the last was not at the last (gone, or one reply lost): the
+        next check comes within ``ABSENT_EVERY_S``, so that its calls are given up soon if it is gone."""
+        return len(self.recent) == self.MISSES and bool(self.recent[-2] - self.recent[-1])
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self.check()
-            self._stop.wait(self.ABSENT_EVERY_S if self.misses else self.interval_s)
+            self._stop.wait(self.ABSENT_EVERY_S if self.misses or self.went_missing() else self.interval_s)
 
 
 class WorkerInference:

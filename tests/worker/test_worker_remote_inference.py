@@ -439,14 +439,21 @@ def test_a_call_whose_worker_is_gone_is_given_up_and_one_whose_worker_answers_is
     watch.checked_at = time.monotonic() - 60  # the watch stopped: its names tell nothing
     watch.recent.extend([frozenset({"localize@a"}), frozenset({"localize@a"})])
     assert watch.gone("localize@b") is None
+    watch.recent.clear()
+    assert not watch.went_missing()  # one check: nothing to compare
+    watch.recent.extend([frozenset({"localize@a", "localize@b"}), frozenset({"localize@a"})])
+    assert watch.went_missing()  # b missing at the last check: the next one comes within ABSENT_EVERY_S
+    watch.recent.append(frozenset({"localize@a", "localize@b"}))
+    assert not watch.went_missing()  # one more worker is no absence
 
 
 @pytest.mark.slow
 def test_a_call_started_by_a_worker_killed_mid_call_is_given_up_within_seconds(base, redis_prefix, tmp_path):
     """A localize worker killed with -9 while it runs a call (its state STARTED, naming it, in the real result
     backend) while another worker still consumes the queue: the call is given up once the watch has missed the dead
-    worker twice, not after its timeout; the API goes on answering through the other worker."""
-    settings = workers_settings(base, redis_prefix, localize_timeout=60, set_timeout=60, localize_worker_check_s=1)
+    worker twice (the second check within a second of the first: not a whole interval of 5 s later), not after its
+    timeout; the API goes on answering through the other worker."""
+    settings = workers_settings(base, redis_prefix, localize_timeout=60, set_timeout=60, localize_worker_check_s=5)
     app = create_app(settings)
     st = Stack(settings, tmp_path)
     doomed = f"doomed-{uuid.uuid4().hex[:6]}@qloc-test"
@@ -476,7 +483,7 @@ def test_a_call_started_by_a_worker_killed_mid_call_is_given_up_within_seconds(b
             waiter.join(30)
             assert outcome and isinstance(outcome[0], WorkersGone), (outcome, st.logs())
             assert doomed in str(outcome[0])
-            assert time.monotonic() - t_kill < 15, outcome
+            assert time.monotonic() - t_kill < 5 + 7, outcome  # the next check, then one a second later
             r = w.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1)))
             assert r.status_code == 201, (r.text, st.logs())
             assert w.get("/readyz").json()["checks"]["localize_workers"] == "ok"
