@@ -413,7 +413,8 @@ class WorkerInference:
         worker consumes the queue while the call is still waiting there (a call sent as the last worker went away
         would otherwise wait the whole timeout), or that the worker that started it (its tasks track it: the state
         names the worker) is gone: killed, its call dies with it. A worker stopping gracefully finishes what it
-        started, and is waited for while it does (it still answers the watch)."""
+        started but no longer answers the watch: a call of its that takes longer than two checks is given up too
+        (503: the client's retry goes to another worker)."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
