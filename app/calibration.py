@@ -43,19 +43,25 @@ RERANK_CANDIDATES = 4
 """``rerank`` chooses among at least this many candidates per image (``max_instances``)."""
 
 SECOND_LOOK_BELOW = 0.5
-"""``rerank=auto`` looks again at answers whose confidence is below this fraction of the set's threshold (and takes
-the likeliest candidate only if it reaches the threshold): chosen on validation images (BENCHMARKS.md, "A second
+"""``rerank=auto`` looks again at answers whose confidence is below this fraction of ``LOOK_THRESHOLD`` (and takes
+the likeliest candidate only if it reaches ``LOOK_THRESHOLD``): chosen on validation images (BENCHMARKS.md, "A second
 look"), where a looser rule (any answer below the threshold, any likelier candidate) gained more on starting
 policies but lost up to 4.5 points on adapted ones."""
 
+LOOK_THRESHOLD = 0.5
+"""The confidence the second look's rules read, whatever the set's ``threshold``: they were chosen at the default
+threshold, and which box answers should not depend on where a user draws `found` (a set's threshold of 0.1 read as
+the rules' would look again only below 0.05 and let the agent's wrong boxes through). The set's threshold (and
+``min_confidence``) decides ``found`` only."""
 
-def doubtful(confidence: float | None, threshold: float) -> bool:
-    """``rerank=auto`` looks again at this answer: its confidence is below ``SECOND_LOOK_BELOW`` x ``threshold``
+
+def doubtful(confidence: float | None) -> bool:
+    """``rerank=auto`` looks again at this answer: its confidence is below ``SECOND_LOOK_BELOW`` x ``LOOK_THRESHOLD``
     (for a set whose confidences are a known-kinds check's, ``doubtful_by_pixels`` must say so too)."""
-    return confidence is not None and confidence < SECOND_LOOK_BELOW * threshold
+    return confidence is not None and confidence < SECOND_LOOK_BELOW * LOOK_THRESHOLD
 
 
-def doubtful_by_pixels(cal: Calibration, images: list[Image.Image], results: list, threshold: float) -> list[bool]:
+def doubtful_by_pixels(cal: Calibration, images: list[Image.Image], results: list) -> list[bool]:
     """The second look's other condition on a set with a known-kinds check: the calibration's NCC fit doubts each
     answer too (``doubtful`` on the fit's confidence of its NCC features with the exemplars). The check doubts an
     answer whether the box is wrong or the object absent; the look is for wrong boxes, and on validation digits (a
@@ -66,7 +72,7 @@ def doubtful_by_pixels(cal: Calibration, images: list[Image.Image], results: lis
     scores = torch.tensor([float(r.score) for r in results], dtype=torch.float64)
     pos, neg = _read_ncc(cal.templates, images, boxes)  # type: ignore[arg-type]
     conf = cal.confidence(scores, ncc=pos[:, 0], ncc_negatives=None if neg is None else neg[:, 0])
-    return [doubtful(c, threshold) for c in conf.tolist()]
+    return [doubtful(c) for c in conf.tolist()]
 
 
 TEMPLATE_BAR = 0.8
@@ -84,10 +90,10 @@ against empty images 0.881 -> 0.938 and against other glyphs 0.901 -> 0.925, rec
 0.842; 0.9: 0.1 %, 0.747); ten digits (the kind check): recall unchanged, precision 0.987 -> 0.990."""
 
 
-def second_look(fit: Calibration, threshold: float, candidates: int, *, templates: bool = False) -> SecondLook:
-    """``rerank=auto``'s second look for the engine (``app.serving.SecondLook``): the answers ``doubtful`` by the
-    set's ``threshold`` get ``candidates`` instances (and, with ``templates``, template matching's window)."""
-    return SecondLook(fit, SECOND_LOOK_BELOW * threshold, candidates, TEMPLATE_BAR if templates else None)
+def second_look(fit: Calibration, candidates: int, *, templates: bool = False) -> SecondLook:
+    """``rerank=auto``'s second look for the engine (``app.serving.SecondLook``): the ``doubtful`` answers get
+    ``candidates`` instances (and, with ``templates``, template matching's window)."""
+    return SecondLook(fit, SECOND_LOOK_BELOW * LOOK_THRESHOLD, candidates, TEMPLATE_BAR if templates else None)
 
 
 CALIBRATION_SAMPLES = 128
@@ -220,8 +226,9 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
     ``min_confidence`` drops those under it. ``rerank`` (``Rerank``; it needs the results' instances: the route
     asks for ``RERANK_CANDIDATES``) answers with the instance the calibration finds most likely right (with NCC
     fits and negatives: the one most like the exemplars and least like the look-alikes): ``true`` always,
-    ``auto`` only where the answer is ``doubtful`` and the instance reaches ``threshold`` (``min_confidence`` plays
-    no part: it decides ``found``, not the box; an instance ``auto`` took is ``found`` from ``SECOND_LOOK_FOUND``).
+    ``auto`` only where the answer is ``doubtful`` and the instance reaches ``LOOK_THRESHOLD`` (``threshold`` and
+    ``min_confidence`` play no part: they decide ``found``, not the box; an instance ``auto`` took is ``found`` from
+    ``SECOND_LOOK_FOUND`` and ``threshold``).
     A template-matching window among the instances (``Instance.template``, ``rerank=templates``) is a candidate only
     if it reaches ``template_bar`` too, and is never listed among the answer's instances. ``verifier``: the set's
     bundle's known-kinds verifier; where the calibration's kind check was made with it, its probabilities are the
@@ -255,8 +262,8 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
                 # auto: among the first RERANK_CANDIDATES (a larger max_instances leaves the answer as it was)
                 pool = (found if rerank == "true" else found[:RERANK_CANDIDATES]) + windows
                 best = max(pool, key=lambda j: j.confidence, default=None)  # type: ignore[arg-type, return-value]
-                if best is not None and (rerank == "true" or (doubtful(answer.confidence, threshold)
-                                                              and best.confidence >= threshold)):  # type: ignore[operator]
+                if best is not None and (rerank == "true" or (doubtful(answer.confidence)
+                                                              and best.confidence >= LOOK_THRESHOLD)):  # type: ignore[operator]
                     moved = best.box != answer.box
                     is_found = best.found and (rerank == "true" or not moved
                                                or best.confidence >= SECOND_LOOK_FOUND)  # type: ignore[operator]

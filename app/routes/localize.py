@@ -121,8 +121,9 @@ def localize(
         "`max_instances`; about 7x the work); with a grayscale bundle's calibration (NCC with the exemplars) and "
         "negative exemplars, the box most like the exemplars and least like the look-alikes (cMNIST 4-vs-9: "
         "CorLoc 46.7 -> 78.7, BENCHMARKS.md). `templates` (default): a second look only where it is needed, on "
-        "grayscale bundles' sets: an answer whose confidence is below half the set's threshold is replaced by the "
-        "likeliest of its candidates that reaches the threshold (`reranked: true` on that result); the candidates "
+        "grayscale bundles' sets: an answer whose confidence is below 0.25 is replaced by the likeliest of its "
+        "candidates that reaches 0.5 (`reranked: true` on that result; these bars do not follow the set's "
+        "threshold, which decides `found` only); the candidates "
         "are the several-instances search's 4 and template matching's best window (your crops at their uploaded "
         "size, 5 scales), the window only if its confidence reaches 0.8. New kinds of objects before any "
         "adaptation job: CorLoc 71.6 -> 87.5 on validation glyphs (after a job 98.9 -> 99.1), a few more false "
@@ -329,7 +330,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         max_instances=max(run.max_instances, RERANK_CANDIDATES) if rerank == "true" else run.max_instances,
         templates=fit.templates if fit is not None and ncc else None,
         kind=fit.kind if fit is not None and ncc else None,
-        second_look=second_look(fit, es.threshold, RERANK_CANDIDATES, templates=rerank == "templates")
+        second_look=second_look(fit, RERANK_CANDIDATES, templates=rerank == "templates")
         if fit is not None and look else None,
         # every image's candidates asked for at once: template matching's window among them (the route matches)
         extra_boxes=matched_windows(fit.templates, [im.image for im in images], decoded_scales)  # type: ignore[union-attr]
@@ -376,10 +377,10 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
             doubt = [i for i, r in enumerate(answer.results) if r.instances is not None]
             verdicts = [judged[i] for i in doubt]
         else:
-            doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence, es.threshold)]
+            doubt = [i for i, j in enumerate(judged) if doubtful(j.confidence)]
             if doubt and by_kind(answer):  # the check doubts; the NCC fit must doubt the box too (as the engine)
                 pixels = doubtful_by_pixels(fit, [call.images[i] for i in doubt],  # type: ignore[arg-type]
-                                            [answer.results[i] for i in doubt], es.threshold)
+                                            [answer.results[i] for i in doubt])
                 doubt = [i for i, d in zip(doubt, pixels, strict=True) if d]
             verdicts = []
             if doubt:
