@@ -26,11 +26,15 @@ def _score(r: LocalizationResult | InstanceResult) -> float:
 def _detections(r: LocalizationResult) -> list[LocalizationResult | InstanceResult]:
     """What an image's answer exports: its instances (``max_instances``), else its one answer; with instances, the
     answer first too where a second look moved it to a box not among them (``rerank=templates``' window, which
-    instances never list), so that an export holds every box the JSON answer gives."""
+    instances never list), in place of the least likely instance: never more boxes than ``max_instances`` asked
+    for."""
     if r.instances is None:
         return [r]
     if r.reranked and all(list(i.box) != list(r.box) for i in r.instances):
-        return [r, *r.instances]
+        if not r.instances:
+            return [r]
+        least = min(range(len(r.instances)), key=lambda k: (_score(r.instances[k]), -k))  # ties: the later one
+        return [r, *(i for k, i in enumerate(r.instances) if k != least)]
     return list(r.instances)
 
 

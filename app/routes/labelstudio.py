@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response, Security, UploadFile, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBasic, HTTPBasicCredentials
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.datastructures import Headers
@@ -99,10 +99,21 @@ async def labelstudio_caller(
 LabelStudioCallerDep = Annotated[Caller, Security(labelstudio_caller)]
 
 
+def _storable_project(project: object) -> object:
+    """A project id that every database can store: NUL bytes are refused (PostgreSQL's text cannot hold them)."""
+    pid = project.get("id") if isinstance(project, dict) else project
+    if isinstance(pid, str) and "\x00" in pid:
+        raise ValueError("project contains a NUL byte (\\x00); remove it")
+    return project
+
+
+StorableProject = Annotated[str | int | None, AfterValidator(_storable_project)]
+
+
 class SetupRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    project: str | int | None = None
+    project: StorableProject = None
     label_config: str | None = Field(None, alias="schema")  # "schema" would shadow a BaseModel attribute
     hostname: str | None = Field(None, max_length=2048)
     access_token: str | None = Field(None, max_length=1024)
@@ -113,7 +124,7 @@ class PredictRequest(BaseModel):
 
     tasks: list[dict[str, Any]]
     label_config: str | None = None
-    project: str | int | None = None
+    project: StorableProject = None
     params: dict[str, Any] | None = None
 
 
@@ -121,7 +132,7 @@ class WebhookEvent(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     action: str
-    project: dict[str, Any] | str | int | None = None
+    project: Annotated[dict[str, Any] | str | int | None, AfterValidator(_storable_project)] = None
 
 
 def _refusal(e: Refused) -> HTTPException:

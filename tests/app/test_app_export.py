@@ -106,7 +106,8 @@ def test_labelstudio_not_found_answers_have_an_empty_result(client):
 
 def test_exports_hold_a_second_looks_window_that_instances_do_not_list():
     """With ``max_instances``, a doubtful answer moved by ``rerank=templates`` to template matching's window (never
-    among the instances) is exported too, first; an answer moved to one of its instances is exported once."""
+    among the instances) is exported too, first, in place of the least likely instance (no more boxes than the
+    instances asked for); an answer moved to one of its instances is exported once."""
     from app.export import coco, labelstudio
     from app.schemas import InstanceResult, LocalizationResult
 
@@ -117,6 +118,8 @@ def test_exports_hold_a_second_looks_window_that_instances_do_not_list():
     moved = window.model_copy(update={"box": [50.0, 50.0, 70.0, 70.0], "confidence": 0.7})  # to instance 2
     kept = window.model_copy(update={"reranked": None, "box": [10.0, 10.0, 30.0, 30.0], "confidence": 0.3,
                                      "found": False})
+    every = coco([window], image_ids=[1], category_id=1, category_name="x", only_found=False)["annotations"]
+    assert [a["bbox"] for a in every] == [[40.0, 0.0, 20.0, 20.0], [50.0, 50.0, 20.0, 20.0]]  # 0.3 left out: 2 boxes
     out = coco([window, moved, kept], image_ids=[1, 2, 3], category_id=1, category_name="x", only_found=True)
     assert [(a["image_id"], a["bbox"]) for a in out["annotations"]] == [
         (1, [40.0, 0.0, 20.0, 20.0]), (1, [50.0, 50.0, 20.0, 20.0]), (2, [50.0, 50.0, 20.0, 20.0]),

@@ -390,9 +390,15 @@ def test_what_setup_gave_is_seen_by_every_api_process(api, db_settings, fake_ls)
         r = api.post(f"/v1/labelstudio/{sid}/setup", json={"project": "3.1712345678", "schema": CONFIG})
         assert r.status_code == 200  # max_instances back to 1; the address and token it did not give are kept
         assert predict(second, sid, [data_uri(imgs[0])]).json()["results"][0]["result"][0]["id"] == "qloc-0"
-        for bad in ({"hostname": "http://a\x00b"}, {"access_token": "t\x00"}, {"hostname": "http://" + "h" * 2050}):
+        for bad in ({"hostname": "http://a\x00b"}, {"access_token": "t\x00"}, {"hostname": "http://" + "h" * 2050},
+                    {"project": "3\x00.1"}):
             r = api.post(f"/v1/labelstudio/{sid}/setup", json={"project": "3.1", "schema": CONFIG, **bad})
             assert r.status_code == 422, (bad, r.text)
+        r = second.post(f"/v1/labelstudio/{sid}/predict", json={
+            "tasks": tasks_of([data_uri(imgs[0])]), "label_config": CONFIG, "project": "3\x00"})
+        assert r.status_code == 422 and "NUL" in r.text, r.text
+        r = second.post(f"/v1/labelstudio/{sid}/webhook", json={"action": "START_TRAINING", "project": {"id": "3\x00"}})
+        assert r.status_code == 422 and "NUL" in r.text, r.text
     job = api.get(f"/v1/exemplar-sets/{sid}/adaptations").json()["data"][0]
     api.post(f"/v1/adaptations/{job['id']}/cancel")
     engine = make_engine(db_settings.database_url)
