@@ -21,6 +21,7 @@ not know are kept (``model.model_extra``), not refused.
 from __future__ import annotations
 
 import email.utils
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -256,6 +257,9 @@ class QlocClient:
     def update_exemplar_set(self, set_id: SetRef, **change: str | float | None) -> ExemplarSet:
         """Change the set's ``name`` and / or ``threshold`` (keywords; ``name=None`` clears the name) -> the set.
         The same request twice gives the same set: retried after a lost connection."""
+        threshold = change.get("threshold")
+        if isinstance(threshold, float) and not math.isfinite(threshold):
+            raise ValueError(f"threshold must be a finite number in [0, 1], got {threshold}")
         r = self.request("PATCH", f"/v1/exemplar-sets/{_id(set_id)}", json=change, idempotent=True)
         return ExemplarSet.model_validate(r.json())
 

@@ -55,8 +55,10 @@ class ExemplarSetChange(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(None, max_length=200, description="The set's new name; null clears it")
-    threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=(
+    name: str | None = Field(None, min_length=1, max_length=200, pattern=r"\S",
+                             description="The set's new name (some text besides spaces); null clears it")
+    threshold: float = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, strict=True,  # type: ignore[assignment]
+                             validate_default=False, description=(
         "Calibrated confidence in [0, 1] from which an answer is `found`: takes effect on the next request, for "
         "every checkpoint of the set (the calibration is not refit: it gives the confidence, the threshold reads "
         "it)"))

@@ -41,7 +41,7 @@ from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.exemplar_sets import NOT_FOUND, set_bundle, unprocessable
 from app.routes.pool import add_to_pool
 from app.routes.pool import limits as pool_limits
-from app.routes.uploads import read_images
+from app.routes.uploads import check_text, read_images
 from app.schemas import CocoResults, InstanceResult, LabelStudioTask, LocalizationResult, LocalizeResponse, Rerank
 from app.serving import CheckpointRef, InferenceBackend, InferenceRefused, LocalizeAnswer, LocalizeCall, on_its_way
 from app.storage import BlobStore
@@ -157,6 +157,9 @@ def localize(
     # dependency is entered and left on threads of their own (two thread hops per request, which one
     # client's latency felt). The set and checkpoint are read on every request (no cache): a checkpoint
     # activated by a worker process, or a set deleted by another API process, is seen at once.
+    if label is not None and not label.strip():
+        raise unprocessable("label is empty: give the rectangle's label, or leave label out for the set's name")
+    check_text(label, "label")
     opts = AnswerOptions(min_confidence, rerank, format, image_ids, category_id, label)
     check_format_options(opts, set(request.query_params), trajectory=trajectory)
     with request.app.state.session_factory() as session:

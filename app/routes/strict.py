@@ -68,6 +68,10 @@ async def known_parameters(request: Request) -> None:
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
             f"{request.method} {route.path} takes multipart/form-data (curl -F files=@image.png -F name=value), got "
             f"{ctype.split(';')[0] or 'a body without a Content-Type'}"))
+    if body and not _takes_a_form(route) and _has_body(request) and not ctype.startswith("application/json"):
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
+            f"{request.method} {route.path} takes a JSON body (Content-Type: application/json; curl -H "
+            f"'Content-Type: application/json' -d '{{...}}'), got {ctype.split(';')[0] or 'no Content-Type'}"))
     if ctype.startswith("application/x-www-form-urlencoded") and any(
             isinstance(p.field_info, params.File) for p in route.dependant.body_params):
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (

@@ -58,7 +58,9 @@ def test_patch_changes_the_threshold_and_name_and_refuses_bad_changes_writing_no
     assert r.status_code == 200 and r.json()["name"] == "tabby cats" and r.json()["threshold"] == 0.6
     assert client.patch(url, json={"name": None}).json()["name"] is None
     for body, says in (({}, "nothing to change"), ({"threshold": 1.5}, "threshold"), ({"threshold": -0.1}, "threshold"),
-                       ({"threshold": None}, "not null"), ({"threshold": "high"}, "threshold"),
+                       ({"threshold": None}, "threshold"), ({"threshold": "high"}, "threshold"),
+                       ({"threshold": True}, "threshold"), ({"threshold": "0.4"}, "threshold"),
+                       ({"name": ""}, "name"), ({"name": "   "}, "name"),
                        ({"name": "x" * 201}, "name"), ({"name": "a\x00b"}, "NUL"),
                        ({"threshold": 0.2, "calibration": {}}, "calibration"), ([0.2], "")):
         r = client.patch(url, json=body)
@@ -67,8 +69,12 @@ def test_patch_changes_the_threshold_and_name_and_refuses_bad_changes_writing_no
                       (b"not json", "JSON"), (b'{"name": "a\\ud800"}', "unicode")):  # JSON's escape of no text
         r = client.patch(url, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 422 and says in r.text, (raw, r.text)
+    for ctype, raw in (("application/x-www-form-urlencoded", b"threshold=0.2"), ("text/plain", b'{"threshold": 0.2}')):
+        r = client.patch(url, content=raw, headers={"content-type": ctype})
+        assert r.status_code == 415 and "takes a JSON body" in r.text, (ctype, r.text)
     got = client.get(url).json()
     assert got["threshold"] == 0.6 and got["name"] is None  # nothing of the refused changes written
+    assert client.patch(url, json={"threshold": 1}).json()["threshold"] == 1.0  # a JSON integer is a number
     assert client.patch(f"/v1/exemplar-sets/{uuid.uuid4()}", json={"threshold": 0.3}).status_code == 404
 
 

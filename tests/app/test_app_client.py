@@ -327,6 +327,8 @@ def test_negatives_threshold_and_the_calibrated_answer(qloc: QlocClient) -> None
     with pytest.raises(QlocError, match="threshold") as e:
         qloc.update_exemplar_set(es, threshold=2)
     assert e.value.status == 422
+    with pytest.raises(ValueError, match="finite number"):
+        qloc.update_exemplar_set(es, threshold=float("nan"))
 
 
 def test_max_instances_typed_and_judged_with_the_negatives(qloc: QlocClient) -> None:

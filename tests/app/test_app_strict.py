@@ -125,6 +125,9 @@ def test_an_empty_label_is_422_not_the_sets_name(client):
     set_id = register_set(client)
     r = client.post(f"{URL}/{set_id}/localize?format=labelstudio&label=", files=files(png_bytes()))
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "label"], r.text
+    for label, says in (("%20%20", "label is empty"), ("a%00b", "NUL")):
+        r = client.post(f"{URL}/{set_id}/localize?format=labelstudio&label={label}", files=files(png_bytes()))
+        assert r.status_code == 422 and says in r.text, r.text
 
 
 def test_keep_with_an_export_format_gives_the_kept_ids_in_a_header(client):
