@@ -245,7 +245,8 @@ def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep)
 
 
 @router.patch("/{set_id}", response_model=ExemplarSetPublic,
-              responses={**UNKNOWN, 422: invalid("Unknown field, a value out of range, or nothing to change")})
+              responses={**UNKNOWN, 415: error("The body is not JSON (Content-Type: application/json)"),
+                         422: invalid("Unknown field, a value out of range, or nothing to change")})
 def update_exemplar_set(set_id: uuid.UUID, change: ExemplarSetChange, session: SessionDep,
                         caller: CallerDep) -> ExemplarSetPublic:
     """Rename the set, or change the confidence from which its answers are `found` (JSON body, e.g.
