@@ -199,7 +199,7 @@ def health(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDep)
 
 
 @router.post("/setup", responses={422: invalid("Invalid body, or a label config without a usable RectangleLabels tag")})
-def setup(set_id: uuid.UUID, body: SetupRequest, request: Request, session: SessionDep, settings: SettingsDep,
+def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: SettingsDep,
           caller: LabelStudioCallerDep) -> dict[str, Any]:
     """Label Studio connects: the config must have a RectangleLabels on an Image with a label for the set;
     answers the model version (the set's active checkpoint id). Label Studio's ``hostname`` and ``access_token``
@@ -333,7 +333,7 @@ def _project_images(fetcher: ImageFetcher, project: dict[str, Any], es: Exemplar
     422: invalid("Invalid body, or no image to adapt on: the project's images could not be read and the set's "
                  "pool is empty"),
     503: error("The job queue is unreachable")})
-def webhook(set_id: uuid.UUID, event: WebhookEvent, request: Request, response: Response, session: SessionDep,
+def webhook(set_id: uuid.UUID, event: WebhookEvent, response: Response, session: SessionDep,
             settings: SettingsDep, store: StoreDep, queue: QueueDep, bundles: BundlesDep,
             caller: LabelStudioCallerDep, remote: RemoteDep) -> dict[str, Any]:
     """``START_TRAINING`` (Label Studio's "Start Training", and every N annotations when "Start model training
