@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response, Security, UploadFile, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBasic, HTTPBasicCredentials
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.datastructures import Headers
@@ -107,7 +107,8 @@ def _storable_project(project: object) -> object:
     return project
 
 
-StorableProject = Annotated[str | int | None, AfterValidator(_storable_project)]
+StorableProject = Annotated[StrictStr | StrictInt | None, AfterValidator(_storable_project)]
+"""Label Studio's project: its id as text (``"12.1712345678"``) or a number; ``true`` is not one."""
 
 
 class SetupRequest(BaseModel):
@@ -132,7 +133,7 @@ class WebhookEvent(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     action: str
-    project: Annotated[dict[str, Any] | str | int | None, AfterValidator(_storable_project)] = None
+    project: Annotated[dict[str, Any] | StrictStr | StrictInt | None, AfterValidator(_storable_project)] = None
 
 
 def _refusal(e: Refused) -> HTTPException:
@@ -216,6 +217,10 @@ def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: 
     check_text(body.hostname, "hostname")
     check_text(body.access_token, "access_token")
     hostname = body.hostname if body.hostname and body.hostname.startswith(("http://", "https://")) else None
+    if body.hostname and hostname is None:  # Label Studio's LABEL_STUDIO_HOST without a scheme: not an address
+        log.warning("Label Studio /setup for set %s: hostname %r is not an http(s) URL; its task images on Label "
+                    "Studio's paths cannot be fetched (set LABEL_STUDIO_HOST with http://, or QLOC_LABELSTUDIO_URL)",
+                    set_id, body.hostname[:200])
     crud.put_labelstudio_setup(session, set_id=set_id, project=project_id(body.project),
                                url=hostname and hostname.rstrip("/"), token=body.access_token or None, max_instances=k)
     session.commit()

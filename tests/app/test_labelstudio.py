@@ -391,7 +391,7 @@ def test_what_setup_gave_is_seen_by_every_api_process(api, db_settings, fake_ls)
         assert r.status_code == 200  # max_instances back to 1; the address and token it did not give are kept
         assert predict(second, sid, [data_uri(imgs[0])]).json()["results"][0]["result"][0]["id"] == "qloc-0"
         for bad in ({"hostname": "http://a\x00b"}, {"access_token": "t\x00"}, {"hostname": "http://" + "h" * 2050},
-                    {"project": "3\x00.1"}):
+                    {"project": "3\x00.1"}, {"project": True}, {"project": 3.5}):
             r = api.post(f"/v1/labelstudio/{sid}/setup", json={"project": "3.1", "schema": CONFIG, **bad})
             assert r.status_code == 422, (bad, r.text)
         r = second.post(f"/v1/labelstudio/{sid}/predict", json={
