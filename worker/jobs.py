@@ -145,7 +145,8 @@ class AdaptationRun:
             self.last_iteration = self.iteration = latest.iteration
             self.mean_reward = latest.metrics.get("mean_reward")
             log.info("job %s resumes from checkpoint %s at iteration %d", self.job_id, latest.id, latest.iteration)
-        self._sync()  # a rerun's progress is where it restarts (the last run's may be ahead of its last checkpoint)
+        if self.attempt > 1:  # a rerun's progress is where it restarts (the last run's may be past its last checkpoint)
+            self._sync()
         self.bundle = bundle
 
         # Decoded as the API decodes uploads: upright (EXIF orientation), downscaled to decode_max_side.

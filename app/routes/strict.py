@@ -72,8 +72,8 @@ async def known_parameters(request: Request) -> None:
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
             f"{request.method} {route.path} takes a JSON body (Content-Type: application/json; curl -H "
             f"'Content-Type: application/json' -d '{{...}}'), got {ctype.split(';')[0] or 'no Content-Type'}"))
-    if ctype.startswith("application/x-www-form-urlencoded") and any(
-            isinstance(p.field_info, params.File) for p in route.dependant.body_params):
+    if ctype.startswith("application/x-www-form-urlencoded") and any(  # a route that needs files (a job need not)
+            isinstance(p.field_info, params.File) and p.field_info.is_required() for p in route.dependant.body_params):
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, (
             f"{request.method} {route.path} takes files: send multipart/form-data (curl -F files=@image.png -F "
             "name=value), not an urlencoded form (curl -d), which cannot carry files"))
