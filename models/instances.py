@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from models.config import EnvConfig
-from models.core.boxes import candidate_boxes, clip_boxes, top_k_per_image
+from models.core.boxes import box_area, candidate_boxes, clip_boxes, paired_intersection, top_k_per_image
 from models.nets.agent import Agent
 from models.nets.embedding import RoIEmbedder
 from models.rollout import rollout, steer
@@ -160,10 +160,8 @@ def kept_apart(boxes: Tensor, valid: Tensor, contained: float = CONTAINED) -> Te
     """``boxes [B, K, 4]`` of each image's instances, best first, ``valid [B, K]`` -> which of them to answer:
     ``valid`` without those mostly inside or around a better kept one (``CONTAINED``). Greedy over the K ranks,
     every image at once."""
-    lo = torch.maximum(boxes[:, :, None, :2], boxes[:, None, :, :2])
-    hi = torch.minimum(boxes[:, :, None, 2:], boxes[:, None, :, 2:])
-    inter = (hi - lo).clamp(min=0).prod(-1)  # [B, K, K]
-    area = (boxes[..., 2:] - boxes[..., :2]).clamp(min=0).prod(-1)  # [B, K]
+    inter = paired_intersection(boxes[:, :, None], boxes[:, None])  # [B, K, K]
+    area = box_area(boxes)  # [B, K]
     smaller = torch.minimum(area[:, :, None], area[:, None, :]).clamp(min=1e-9)
     inside = inter / smaller > contained
     keep = valid.clone()

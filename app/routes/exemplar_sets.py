@@ -254,8 +254,6 @@ def update_exemplar_set(set_id: uuid.UUID, change: ExemplarSetChange, session: S
     given = change.model_fields_set
     if not given:
         raise unprocessable("nothing to change: send a JSON object with `name` and/or `threshold`")
-    if "threshold" in given and change.threshold is None:
-        raise unprocessable("threshold must be a number in [0, 1], not null")
     check_text(change.name, "name")
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:

@@ -12,14 +12,19 @@ def box_area(boxes: Tensor) -> Tensor:
     return (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
 
 
-def paired_iou(a: Tensor, b: Tensor) -> Tensor:
-    """IoU of ``a[..., 4]`` with ``b[..., 4]`` element-wise (broadcasting) -> ``Tensor[...]``."""
+def paired_intersection(a: Tensor, b: Tensor) -> Tensor:
+    """Area of ``a[..., 4]`` intersected with ``b[..., 4]`` element-wise (broadcasting) -> ``Tensor[...]``."""
     a = a.float() if a.dtype != torch.float64 else a
     b = b.float() if b.dtype != torch.float64 else b
     lt = torch.maximum(a[..., :2], b[..., :2])
     rb = torch.minimum(a[..., 2:], b[..., 2:])
     wh = (rb - lt).clamp(min=0)  # [..., 2]
-    inter = wh[..., 0] * wh[..., 1]
+    return wh[..., 0] * wh[..., 1]
+
+
+def paired_iou(a: Tensor, b: Tensor) -> Tensor:
+    """IoU of ``a[..., 4]`` with ``b[..., 4]`` element-wise (broadcasting) -> ``Tensor[...]``."""
+    inter = paired_intersection(a, b)
     union = box_area(a) + box_area(b) - inter
     return inter / union.clamp(min=1e-9)
 
