@@ -51,17 +51,40 @@ def _array_to_png(arr: Any) -> bytes:
 
 
 def _pil_to_png(img: Any) -> bytes:
+    from PIL import ImageOps
+
+    # As a viewer shows it, as the API reads a file sent by path: a JPEG opened with PIL keeps its EXIF orientation
+    # in its metadata, which a re-encoded PNG would lose (the boxes would come back in the sideways frame).
+    img = ImageOps.exif_transpose(img)
+    if img.mode in ("I", "F"):  # 32-bit integers or floats: PIL's conversion to 8 bits would clip them
+        return _wide_to_png(img)
     if img.mode in ("I;16B", "I;16L", "I;16N"):
         img = img.convert("I;16")
     if img.mode == "PA":
         img = img.convert("RGBA")
     # PNG holds these as they are (transparency and palettes too: the API composites them as it would the file's);
-    # 16-bit grayscale stays 16-bit (the API scales it). Other modes (CMYK, YCbCr, I, F, ...) go as RGB.
+    # 16-bit grayscale stays 16-bit (the API scales it). Other modes (CMYK, YCbCr, ...) go as RGB.
     if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16"):
         img = img.convert("RGB")
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return buf.getvalue()
+
+
+def _wide_to_png(img: Any) -> bytes:
+    """A PIL image of mode ``I`` (how PIL often holds 16-bit data) or ``F`` -> PNG bytes, by the array rules: ``I``
+    values within 0..255 as 8 bits, up to 65535 as 16-bit grayscale (the API scales it), others a ``ValueError``;
+    ``F`` as a float array ([0, 1], or else [0, 255])."""
+    import numpy as np
+
+    a = np.asarray(img)
+    if img.mode == "I" and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi > 65535:
+            raise ValueError(f"a PIL image of mode I is read as 8 bits (0..255) or 16 bits (0..65535); got values "
+                             f"from {lo} to {hi}: scale it first")
+        a = a.astype(np.uint16 if hi > 255 else np.uint8)
+    return _array_to_png(a)
 
 
 def encode_image(image: ImageInput, index: int = 0) -> tuple[str, bytes, str]:

@@ -1,8 +1,8 @@
 """The ``qloc`` command line: train-embedding, train-agent, adapt, evaluate, localize, reproduce, fetch-photos,
 fetch-real-photos.
 
-Every command takes ``--seed`` and ``--device`` (auto|cpu|cuda), prints JSON metrics and writes them
-(and its PNG figures) next to its output.
+Every command prints JSON; those that train, adapt, evaluate or localize take ``--seed`` and ``--device``
+(auto|cpu|cuda) and write their metrics (and PNG figures) next to their output.
 """
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ def cmd_evaluate(a: argparse.Namespace) -> dict:
 
 def cmd_localize(a: argparse.Namespace) -> dict:
     """The service's answer without the service: the same preprocessing, prototype and search."""
-    from PIL import Image
+    from PIL import Image, ImageOps
+
+    from models.inference import to_8bit
 
     dev = resolve_device(a.device)
     bundle = load_bundle(a.bundle, dev)
@@ -181,17 +183,26 @@ def cmd_localize(a: argparse.Namespace) -> dict:
     loc = Localizer(bundle, dev)
 
     def read(path: str) -> Image.Image:
+        """The file as the API decodes an upload: PNG, JPEG or WebP only, no animation, upright by its EXIF
+        orientation (boxes in the frame a viewer shows), 16-bit grayscale scaled to 8 bits."""
         with Image.open(path) as im:
+            if im.format not in ("PNG", "JPEG", "MPO", "WEBP"):
+                raise ValueError(f"{path}: a {im.format or 'unknown'} image; PNG, JPEG or WebP are taken (as by "
+                                 "the API)")
+            if im.format in ("PNG", "WEBP") and getattr(im, "n_frames", 1) > 1:
+                raise ValueError(f"{path}: an animated image ({im.n_frames} frames); give the frame to use as a "
+                                 "still image (as the API asks)")
             im.load()
-            return im
+            return to_8bit(ImageOps.exif_transpose(im), int32_is_16bit=im.format == "PNG")
 
     proto = loc.prototype([read(p) for p in a.exemplars])
     nearest = {"auto": None, "yes": True, "no": False}[a.nearest]
-    found = loc.localize([read(p) for p in a.images], proto, state, samples=a.samples, nearest=nearest)
+    images = [read(p) for p in a.images]
+    found = loc.localize(images, proto, state, samples=a.samples, nearest=nearest)
     return {"bundle": bundle.name, "policy": a.policy or "base", "samples": a.samples,
             "nearest": loc.default_nearest if nearest is None else nearest,
-            "results": [{"file": str(p), "box": list(r.box), "score": r.score}
-                        for p, r in zip(a.images, found, strict=True)]}
+            "results": [{"file": str(p), "width": im.width, "height": im.height, "box": list(r.box), "score": r.score}
+                        for p, im, r in zip(a.images, images, found, strict=True)]}
 
 
 def cmd_reproduce(a: argparse.Namespace) -> dict:

@@ -361,6 +361,40 @@ def test_16_bit_arrays_and_images_are_sent_so_the_api_sees_their_8_bit_scale() -
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)))[..., 0], eight)
 
 
+def test_pil_images_of_32_bit_modes_are_sent_by_the_array_rules_not_clipped() -> None:
+    """Mode ``I`` (how PIL often holds 16-bit data) up to 65535 goes up as 16 bits and within 0..255 as 8 bits, mode
+    ``F`` as a float array; PIL's own conversion sent every value above 255 as white (an all-white image)."""
+    eight = (np.random.default_rng(2).random((20, 30)) * 255).astype(np.uint8)
+    limits = UploadLimits(max_file_bytes=1_000_000, max_image_pixels=100_000)
+    for img in (Image.fromarray(eight.astype(np.int32) * 257), Image.fromarray(eight.astype(np.int32)),
+                Image.fromarray(eight.astype(np.float32) / 255.0), Image.fromarray(eight.astype(np.float32))):
+        assert img.mode in ("I", "F")
+        name, data, content_type = encode_image(img)
+        seen = decode_image(data, filename=name, declared_type=content_type, limits=limits).image
+        assert np.abs(np.asarray(seen).astype(int) - eight).max() <= 0, img.mode
+    with pytest.raises(ValueError, match="from 0 to 70000"):
+        encode_image(Image.fromarray(np.array([[0, 70000]], dtype=np.int32)))
+
+
+def test_a_pil_image_with_an_exif_orientation_goes_up_as_a_viewer_shows_it() -> None:
+    """A JPEG opened with PIL keeps its EXIF orientation in its metadata only: the client sends it upright, so the
+    API sees the same frame (and answers boxes in it) as for the file sent by path."""
+    stored = Image.new("RGB", (40, 20), (200, 30, 30))
+    stored.paste((20, 20, 220), (0, 0, 10, 20))  # a blue band on the stored image's left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown rotated 90 degrees clockwise
+    buf = io.BytesIO()
+    stored.save(buf, "JPEG", exif=exif, quality=95)
+    limits = UploadLimits(max_file_bytes=1_000_000, max_image_pixels=100_000)
+    by_path = decode_image(buf.getvalue(), filename="f.jpg", declared_type="image/jpeg", limits=limits)
+    name, data, content_type = encode_image(Image.open(io.BytesIO(buf.getvalue())))
+    by_pil = decode_image(data, filename=name, declared_type=content_type, limits=limits)
+    assert (by_pil.width, by_pil.height) == (by_path.width, by_path.height) == (20, 40)
+    top = np.asarray(by_pil.image.convert("RGB"))[:8, :, 2].mean()  # the band is on top once upright
+    assert top > 150 and np.abs(np.asarray(by_pil.image.convert("RGB")).astype(int)
+                               - np.asarray(by_path.image.convert("RGB")).astype(int)).mean() < 4
+
+
 def test_arrays_outside_the_scales_they_are_read_on_are_refused_not_clipped() -> None:
     """A float array is read as [0, 1] (all of it within) or else [0, 255]; an integer one as [0, 255]: values
     outside, NaN or infinity are a ValueError saying so, not an image clipped to black or white."""

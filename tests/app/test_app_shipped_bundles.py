@@ -157,6 +157,47 @@ def test_api_boxes_match_the_cli(shipped_client, tmp_path, capsys):
         assert len({tuple(b) for b in api_boxes}) > 8  # one answer per image, not a constant
 
 
+def test_the_cli_decodes_files_as_the_api_does(shipped_client, tmp_path, capsys):
+    """``qloc localize`` on a JPEG stored sideways (EXIF orientation 6): the upright frame's size and the API's box
+    for the same file; a GIF and an animated PNG are refused, as the API refuses them."""
+    import json
+
+    from app.config import Settings
+    from models.cli import main
+    from models.data.types import exemplar_crops
+    from models.experiments.cmnist import cmnist
+
+    crops = [_png((c[0].numpy() * 255).round().astype(np.uint8)) for c in exemplar_crops(cmnist(4, "train", 5))]
+    scene = cmnist(4, "test", 1, seed=5).images[0][0].numpy()
+    upright = Image.fromarray((np.pad(scene, ((0, 0), (0, 84))) * 255).round().astype(np.uint8))  # 168 x 84
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    upright.transpose(Image.Transpose.ROTATE_90).save(buf, "JPEG", exif=exif, quality=95)  # stored 84 x 168
+    paths = []
+    for i, c in enumerate(crops):
+        (tmp_path / f"c{i}.png").write_bytes(c)
+        paths.append(str(tmp_path / f"c{i}.png"))
+    (tmp_path / "side.jpg").write_bytes(buf.getvalue())
+    sid = shipped_client.post("/v1/exemplar-sets", files=[("files", (f"c{i}.png", c, "image/png"))
+                                                          for i, c in enumerate(crops)]).json()["id"]
+    api = shipped_client.post(f"/v1/exemplar-sets/{sid}/localize",
+                              files=[("files", ("side.jpg", buf.getvalue(), "image/jpeg"))]).json()["results"][0]
+    bundle = str(SHIPPED / f"{Settings().default_bundle}.pt")
+    assert main(["localize", "--bundle", bundle, "--device", "cpu", "--exemplars", *paths,
+                 "--images", str(tmp_path / "side.jpg")]) == 0
+    cli = json.loads(capsys.readouterr().out)["results"][0]
+    assert (cli["width"], cli["height"]) == (api["width"], api["height"]) == (168, 84)
+    assert cli["box"] == pytest.approx(api["box"], abs=0.5)
+    frames = [Image.new("L", (20, 20), v) for v in (0, 255)]
+    for name, fmt in (("still.gif", "GIF"), ("moving.png", "PNG")):
+        frames[0].save(tmp_path / name, fmt, save_all=True, append_images=frames[1:])
+        assert main(["localize", "--bundle", bundle, "--device", "cpu", "--exemplars", *paths,
+                     "--images", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert ("PNG, JPEG or WebP" in err) if fmt == "GIF" else ("animated" in err), err
+
+
 @pytest.mark.parametrize(("bundle", "digit"), [(None, 4), (None, 7), ("mnist-digit4", 4)])
 def test_cmnist_bundles_localize_through_the_api(shipped_client, bundle, digit):
     """The served default (``mnist-general``, all ten digits) and the paper's one-digit bundle."""
