@@ -88,9 +88,12 @@ class DecodedImage:
         return self.width / self.image.width, self.height / self.image.height
 
     def box_to_full(self, box: Box) -> Box:
-        """A box in the pixels of ``image`` -> the same box in the full (upright) image's pixels."""
+        """A box in the pixels of ``image`` -> the same box in the full (upright) image's pixels, within the image
+        (the model's float32 arithmetic can overshoot an edge by a rounding error, which strict readers refuse)."""
         sx, sy = self.scale
-        return box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy
+        w, h = self.width, self.height
+        return (min(max(box[0] * sx, 0.0), w), min(max(box[1] * sy, 0.0), h),
+                min(max(box[2] * sx, 0.0), w), min(max(box[3] * sy, 0.0), h))
 
     def box_to_decoded(self, box: Box) -> Box:
         """A box in the full (upright) image's pixels -> the same box in the pixels of ``image``."""
