@@ -24,7 +24,9 @@ MAX_INSTANCES = 32
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="QLOC_", extra="ignore")
+    # hide_input_in_errors: a refused setting is named with its rule, never echoed (a cross-field check's input is
+    # every setting read: API keys, the Label Studio token, a database URL's password would reach the logs).
+    model_config = SettingsConfigDict(env_prefix="QLOC_", extra="ignore", hide_input_in_errors=True)
 
     # --- where things live
     database_url: str = "sqlite:///var/qloc.db"
@@ -363,5 +365,12 @@ if __name__ == "__main__":  # scripts/run asks: python -m app.config api-process
     names = sys.argv[1:]
     if not names or any(n not in UVICORN_OPTIONS for n in names):
         raise SystemExit(f"usage: python -m app.config {{{'|'.join(UVICORN_OPTIONS)}}} ...")
-    settings = get_settings()
+    from pydantic import ValidationError
+
+    try:
+        settings = get_settings()
+    except ValidationError as e:  # one line per refused setting, without its value (hide_input_in_errors)
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}"
+                             for err in e.errors(include_input=False, include_url=False))
+        raise SystemExit(f"qloc: invalid settings (QLOC_* environment variables): {problems}") from None
     print(" ".join(UVICORN_OPTIONS[n](settings) for n in names))

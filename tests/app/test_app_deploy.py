@@ -235,3 +235,25 @@ def test_several_api_processes_serve_and_metrics_add_up_over_them(tmp_path, bund
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         log.close()
+
+
+def test_a_refused_setting_is_named_without_echoing_any_setting(tmp_path):
+    """``scripts/run`` reads the settings first (``python -m app.config``): a refused one stops it with one line
+    per problem and never the values read (pydantic printed every setting of a cross-field check, API keys and the
+    Label Studio token among them)."""
+    import sys
+
+    env = {**os.environ, "QLOC_API_KEYS": "short,s3cr3t-tenant-key-AAAA", "QLOC_LABELSTUDIO_API_KEY": "ls-token-XYZ",
+           "QLOC_DATABASE_URL": f"sqlite:///{tmp_path}/q.db"}
+    r = subprocess.run([sys.executable, "-m", "app.config", "api-processes"], env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert r.returncode == 1
+    assert "API keys must be at least 16 characters long" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "s3cr3t" not in r.stderr + r.stdout and "ls-token" not in r.stderr + r.stdout
+    from pydantic import ValidationError
+
+    from app.config import Settings
+
+    with pytest.raises(ValidationError) as e:
+        Settings(api_keys=["s3cr3t-tenant-key-AAAA", "short"], labelstudio_api_key="ls-token-XYZ")
+    assert "s3cr3t" not in str(e.value) and "ls-token" not in str(e.value)
