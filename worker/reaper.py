@@ -26,6 +26,7 @@ need not wait for the heartbeat to go stale: its main process knows which proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -36,7 +37,8 @@ from sqlalchemy import and_, or_, select, update
 
 from app import jobstates
 from app.jobstates import JobState
-from app.tables import AdaptationJob, utcnow
+from app.storage import job_prefix
+from app.tables import FINISHED_STATES, AdaptationJob, JobImage, utcnow
 from worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,31 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
     for job_id in failed:
         log.error("job %s: abandoned too often; marked failed", job_id)
     return requeued, failed
+
+
+def drop_finished_uploads(ctx: WorkerContext, *, limit: int = 512) -> int:
+    """Delete the files finished jobs were posted with -> how many. A finished job never runs again (a retried
+    creation answers with the same job), so the copies of its own uploads only took storage; the images it took
+    from the set's pool are the pool's and stay. Its ``job_images`` rows keep each image's name, size and hash,
+    their ``blob`` emptied first (committed), then the files go: a crash between leaves a file, never a row
+    naming a missing one."""
+    with ctx.session_factory() as s:
+        rows = s.execute(select(JobImage.id, JobImage.blob, AdaptationJob.exemplar_set_id, AdaptationJob.id)
+                         .join(AdaptationJob, AdaptationJob.id == JobImage.job_id)
+                         .where(AdaptationJob.status.in_(FINISHED_STATES), JobImage.pool_image_id.is_(None),
+                                JobImage.blob != "").limit(limit)).all()
+    if not rows:
+        return 0
+    with ctx.session_factory.begin() as s:
+        s.execute(update(JobImage).where(JobImage.id.in_([r[0] for r in rows]), JobImage.pool_image_id.is_(None))
+                  .values(blob="").execution_options(synchronize_session=False))
+    for _, blob, _, _ in rows:
+        ctx.store.delete(blob)
+    for set_id, job_id in {(r[2], r[3]) for r in rows}:
+        folder = ctx.store.path(job_prefix(set_id, job_id) + "/images")
+        with contextlib.suppress(OSError):  # gone, or not empty (a row of a later round): left to that round
+            folder.rmdir()
+    return len(rows)
 
 
 def expire_lease(ctx: WorkerContext, job_id: uuid.UUID, worker: str, *, now: datetime | None = None) -> bool:
@@ -140,7 +167,8 @@ class Reaper:
         self._stop.set()
 
     def run_once(self, *, now: datetime | None = None) -> list[uuid.UUID]:
-        """One round: requeue or fail abandoned jobs, then send every job due -> the job ids sent."""
+        """One round: requeue or fail abandoned jobs, send every job due, delete finished jobs' uploads -> the job
+        ids sent."""
         now = now or utcnow()
         requeued, _ = reap_abandoned_jobs(self.ctx, now=now)
         due: dict[uuid.UUID, datetime | None] = dict.fromkeys(requeued)
@@ -158,8 +186,12 @@ class Reaper:
             if due[job_id] is None:
                 log.warning("job %s: queued, its task never confirmed sent; sent it", job_id)
             else:
-                log.warning("job %s: still queued %g s after its task was sent; sent it again", job_id,
-                            self.ctx.settings.requeue_after)
+                log.warning("job %s: still queued %g s after its task was sent (its message lost, or every worker "
+                            "busy); sent it again (a duplicate is harmless)", job_id, self.ctx.settings.requeue_after)
+        try:
+            drop_finished_uploads(self.ctx)
+        except Exception:  # storage or database trouble: the next round tries again
+            log.exception("reaper: could not delete finished jobs' uploads")
         return sent
 
     def _loop(self) -> None:

@@ -112,6 +112,10 @@ def create_adaptation(
     if source == "files" and not files:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             "at least one file is required with source=files (source=pool adapts on the set's pool)")
+    if source == "both" and not files:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            "source=both adapts on posted files and the set's pool: no file was posted (attach them "
+                            "as 'files'), or use source=pool for the pool alone")
     if files:
         check_file_count(files, settings)
     raw = read_raw(files, settings)

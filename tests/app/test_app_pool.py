@@ -219,7 +219,7 @@ def test_jobs_on_the_pool_the_files_or_both(api, pool_settings):
     url = f"/v1/exemplar-sets/{set_id}/adaptations"
     before = snapshot(pool_settings)
     for data, upload, needle in [({}, None, "pool is empty"), ({"source": "pool"}, None, "pool is empty"),
-                                 ({"source": "both"}, None, "pool is empty"),
+                                 ({"source": "both"}, None, "no file was posted"),
                                  ({"source": "files"}, None, "at least one file"),
                                  ({"source": "pool"}, named("a"), "post no files"),
                                  ({"source": "everything"}, named("a"), "")]:
@@ -234,6 +234,8 @@ def test_jobs_on_the_pool_the_files_or_both(api, pool_settings):
     assert pooled.json()["params"]["num_images"] == pooled.json()["params"]["num_pool_images"] == 3
     implicit = api.post(url, data={"iterations": "2"})  # no file: the pool
     assert implicit.json()["params"]["num_pool_images"] == 3
+    r = api.post(url, data={"source": "both", "iterations": "2"})  # the files lost on the way: not a pool job
+    assert r.status_code == 422 and "no file was posted" in r.json()["detail"]
     both = api.post(url, data={"source": "both", "iterations": "2"}, files=named("f1", "f2"))
     assert both.status_code == 202, both.text
     assert both.json()["params"]["num_images"] == 5 and both.json()["params"]["num_pool_images"] == 3

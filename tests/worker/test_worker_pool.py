@@ -70,6 +70,32 @@ def test_a_job_adapts_on_the_pool_it_was_created_with(api, ctx, monkeypatch):
     assert api.delete(f"/v1/exemplar-sets/{set_id}/images").status_code == 204
 
 
+def test_a_finished_jobs_own_uploads_are_deleted_its_pool_images_kept(api, ctx):
+    """A finished job never runs again: the reaper deletes the copies of the files it was posted with (succeeded,
+    or canceled while queued), keeps the pool's images it took, and the job's record stays readable."""
+    from worker.reaper import drop_finished_uploads
+
+    set_id = api.post("/v1/exemplar-sets", files=named("crop", seed=9)).json()["id"]
+    assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b", seed=10)).status_code == 201
+    url = f"/v1/exemplar-sets/{set_id}/adaptations"
+    ran = api.post(url, data={"source": "both", "iterations": "2", "activate": "false"},
+                   files=named("own1", "own2", seed=50)).json()
+    canceled = api.post(url, data={"iterations": "2"}, files=named("own3", seed=60)).json()
+    assert api.post(f"/v1/adaptations/{canceled['id']}/cancel").status_code == 202
+    root = ctx.settings.storage_dir
+    uploads = [f for f in stored_files(root) if "/images/" in f and "/jobs/" in f]
+    pool = [f for f in stored_files(root) if "/pool/" in f]
+    assert len(uploads) == 3 and len(pool) == 2
+    assert drop_finished_uploads(ctx) == 1  # the canceled job's; the other is queued: its files are needed
+    assert run_adaptation_job(ctx, uuid.UUID(ran["id"]), worker="test") == "succeeded"
+    assert drop_finished_uploads(ctx) == 2 and drop_finished_uploads(ctx) == 0
+    left = stored_files(root)
+    assert not [f for f in left if "/images/" in f and "/jobs/" in f] and [f for f in left if "/pool/" in f] == pool
+    assert not any((root / f"exemplar-sets/{set_id}/jobs/{j['id']}/images").exists() for j in (ran, canceled))
+    done = api.get(f"/v1/adaptations/{ran['id']}").json()
+    assert done["status"] == "succeeded" and done["params"]["num_images"] == 4
+
+
 @pytest.fixture(params=["embedded", "postgres_redis"])
 def stack(request, tmp_path, bundle_dir):
     with running_stack(request.param, request, tmp_path, bundle_dir, make=live_worker_settings) as st:
