@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.datastructures import UploadFile as StarletteUploadFile
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import warmup, web
@@ -96,6 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="qloc", version="1.0.0", lifespan=lifespan, docs_url=None, redoc_url=None,  # app.web serves them
+        redirect_slashes=False,  # a trailing slash is a 404 saying so (an empty 307 printed nothing with curl -F)
         description="Query object localization: register exemplar crops, localize the object in images, "
                     "adapt the localization policy to your images without labels.")
     app.state.settings = settings
@@ -132,6 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, labelstudio):  # probes, and Label Studio's protocol: what they do not take is ignored
         app.include_router(module.router)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
     web.install(app)  # the page at / and the API docs, offline
     return app
 
@@ -158,7 +162,10 @@ def _error(e: dict) -> dict:
                       f"text as the value; -F '{field}=@file' sends the file)")
     if "Expected UploadFile" in str(e.get("msg", "")) and len(e.get("loc", ())) >= 2:  # -F files=text
         field = e["loc"][1]
-        out["msg"] = f"{field} takes files, not text: attach one (curl -F '{field}=@image.png')"
+        out["msg"] = (f"{field} takes files, not text: attach one (curl -F '{field}=@image.png'); a part sent "
+                      "without a filename (or with an empty one) is read as text: give each file a filename")
+        if isinstance(e["input"], str):  # perhaps a whole image read as text: not echoed back
+            out["input"] = f"text of {len(e['input'])} characters (not shown)"
     return out
 
 
@@ -167,6 +174,34 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     invalid values cut to their first ``INPUT_SHOWN`` characters, and a file sent for a text field said so."""
     errors = [_error(e) for e in exc.errors()]  # type: ignore[attr-defined]
     return JSONResponse(status_code=422, content={"detail": _encodable(jsonable_encoder(errors))})
+
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _path_methods(request: Request, path: str) -> set[str]:
+    """Every method some route of the app takes on ``path`` (asked of each route as the router asks it)."""
+    scopes = [{**request.scope, "path": path, "method": m} for m in HTTP_METHODS]
+    return {scope["method"] for scope in scopes
+            if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes)}
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals, with a detail that says what to fix: a 405 names (and its ``Allow`` lists) every
+    method the path takes, not only the first route's; a 404 for a path with a trailing slash names the path
+    without it. Every other ``HTTPException`` as FastAPI answers it."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if exc.status_code == 405:
+        allowed = sorted(_path_methods(request, path))
+        return JSONResponse({"detail": f"{request.method} is not allowed on {path}: it takes {', '.join(allowed)}"},
+                            status_code=405, headers={"Allow": ", ".join(allowed)})
+    if exc.status_code == 404 and exc.detail == "Not Found" and len(path) > 1 and path.endswith("/"):
+        bare = path.rstrip("/")
+        if _path_methods(request, bare):
+            return JSONResponse({"detail": f"no such path: {path}; without the trailing slash, {bare}"},
+                                status_code=404)
+    return await http_exception_handler(request, exc)
 
 
 def _encodable(value: object) -> object:

@@ -85,6 +85,9 @@ def test_an_empty_form_field_is_422_not_the_default_and_nothing_is_written(clien
     assert r.status_code == 422 and "form field 'files' is empty: attach a file (curl -F 'files=@" in r.text, r.text
     r = client.post(URL, files=files(png_bytes()) + [("files", (None, b"hello"))])  # -F files=hello: text
     assert r.status_code == 422 and "files takes files, not text" in r.text and "<class" not in r.text, r.text
+    png = png_bytes()
+    r = client.post(URL, files=files(png) + [("files", ("", png, "image/png"))])  # a file with an empty filename
+    assert r.status_code == 422 and "give each file a filename" in r.text and "PNG" not in r.text, r.text
     assert snapshot(settings) == before
 
 
@@ -150,3 +153,24 @@ def test_a_json_body_to_a_form_route_is_415_saying_it_takes_a_form(client, setti
     set_id = register_set(client)
     r = client.post(f"{URL}/{set_id}/adaptations", data={"source": "pool"})  # a form without files: read as one
     assert r.status_code == 422 and "pool" in r.json()["detail"], r.text
+
+
+def test_a_method_a_path_does_not_take_is_405_naming_every_method_it_takes(client):
+    """``Allow`` and the detail list every method of the path (Starlette named the first route's only)."""
+    set_id = register_set(client)
+    for method, url, allowed in (("PUT", f"/v1/exemplar-sets/{set_id}", "DELETE, GET, PATCH"),
+                                 ("PUT", "/v1/exemplar-sets", "GET, POST"),
+                                 ("OPTIONS", f"/v1/exemplar-sets/{set_id}/images", "DELETE, GET, POST"),
+                                 ("PUT", "/healthz", "GET, HEAD")):
+        r = client.request(method, url)
+        assert r.status_code == 405 and r.headers["allow"] == allowed, (url, r.headers)
+        assert r.json()["detail"] == f"{method} is not allowed on {url}: it takes {allowed}"
+
+
+def test_a_trailing_slash_is_a_json_404_naming_the_path_without_it(client, settings):
+    """Not an empty 307 (``curl -F`` without ``-L`` printed nothing, and nothing was created)."""
+    before = snapshot(settings)
+    r = client.post("/v1/exemplar-sets/", files=files(png_bytes(28, 28)), follow_redirects=False)
+    assert r.status_code == 404 and "without the trailing slash, /v1/exemplar-sets" in r.json()["detail"]
+    assert snapshot(settings) == before
+    assert client.get("/v1/nothing-here/").json() == {"detail": "Not Found"}
