@@ -135,7 +135,7 @@ def sniff_format(data: bytes, name: str) -> str:
         return "WEBP"
     if data.startswith(_OTHER_IMAGE_MAGIC):
         raise ImageRejected("unsupported_type", f"{name}: only {ACCEPTED} images are accepted")
-    raise ImageRejected("bad_image", f"{name}: not a {ACCEPTED} image")
+    raise ImageRejected("unsupported_type", f"{name}: not a {ACCEPTED} image")
 
 
 def header_pixels(fp: IO[bytes]) -> int | None:

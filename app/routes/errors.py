@@ -20,9 +20,9 @@ def invalid(description: str) -> dict[str, Any]:
 UNAUTHORIZED = {401: error("Missing or invalid API key (only when the server has API keys)")}
 
 UPLOAD_ERRORS = {
-    400: error("Not a readable PNG, JPEG or WebP image"),
+    400: error("A PNG, JPEG or WebP that cannot be decoded (truncated, corrupt) or an empty file"),
     413: error("Too many files, a file or image too large, more pixels in all than the request's budget "
                "(QLOC_MAX_REQUEST_PIXELS, from the headers, before decoding), or the request body too large"),
-    415: error("Not a PNG, JPEG or WebP, or an animated PNG or WebP (send the frame to use as a still image), or a "
+    415: error("Not a PNG, JPEG or WebP (whatever its name or declared type), or an animated PNG or WebP (send the frame to use as a still image), or a "
                "body that is not multipart/form-data (JSON, say)"),
 }

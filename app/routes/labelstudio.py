@@ -228,7 +228,7 @@ def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: 
 
 
 @router.post("/predict", responses={
-    400: error("A task's image is not a readable PNG, JPEG or WebP"),
+    400: error("A task's image cannot be decoded (truncated, corrupt) or is empty"),
     409: error("The set's bundle file was replaced since the set was made (as localize)"),
     413: error("A task's image is too large"),
     415: error("A task's image is not a PNG, JPEG or WebP"),

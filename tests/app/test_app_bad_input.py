@@ -49,7 +49,7 @@ def awebp_bytes(frames: int = 3) -> bytes:
 GOOD = png_bytes(40, 40)
 # (case, multipart files, expected status); the settings allow 8 files of 200 kB, 1 Mpx each
 CASES = {
-    "not_an_image": (files(b"hello, I am text, not an image"), 400),
+    "not_an_image": (files(b"hello, I am text, not an image"), 415),
     "truncated_png": (files(GOOD[: len(GOOD) // 2]), 400),
     "truncated_jpeg_header": (files(b"\xff\xd8\xff\xe0\x00\x10JFIF"), 400),
     "empty": (files(b""), 400),

@@ -512,7 +512,7 @@ def test_a_request_is_on_its_way_to_the_engine_until_it_submits_and_a_refused_on
         assert held.started.wait(30)
         assert seen == [1] and held.batcher.coming == 0  # submitted: it waits for its answer, no longer on its way
         assert c.post(f"/v1/exemplar-sets/{'0' * 32}/localize", files=files(png_bytes())).status_code == 404
-        assert c.post(url, files=[("files", ("x.png", b"not an image", "image/png"))]).status_code == 400
+        assert c.post(url, files=[("files", ("x.png", b"not an image", "image/png"))]).status_code == 415
         queued = pool.submit(c.post, url, files=files(png_bytes(seed=2), png_bytes(seed=3)))
         wait_until(lambda: held.batcher.waiting == 2, "the second request to queue")
         assert c.post(url, files=files(png_bytes(seed=4), png_bytes(seed=5))).status_code == 503  # refused: full

@@ -191,7 +191,7 @@ def test_progress_as_lines_where_the_output_is_not_a_terminal(capsys) -> None:
 def test_api_errors_raise_qloc_error_with_the_detail(qloc: QlocClient) -> None:
     with pytest.raises(QlocError) as e:
         qloc.create_exemplar_set(("notes.png", b"these are not pixels"))
-    assert e.value.status == 400 and e.value.detail == "notes.png: not a PNG, JPEG or WebP image"
+    assert e.value.status == 415 and e.value.detail == "notes.png: not a PNG, JPEG or WebP image"
     es = qloc.create_exemplar_set(crop())
     with pytest.raises(QlocError) as e:
         qloc.localize(es.id, crop(), samples=999)

@@ -117,7 +117,7 @@ def test_error_responses_match_the_spec(request, database, tmp_path, bundle_dir)
         (plain, "POST /v1/exemplar-sets", dict(body={"files": [b"\x89PNG" + b"\x00" * s.max_request_bytes]}), 413),
         (plain, "POST /v1/exemplar-sets", dict(body={"files": [b"\x00" * 30_000]}), 413),
         (plain, "POST /v1/exemplar-sets", dict(body={"files": [png_bytes()] * 3}), 413),
-        (plain, "POST /v1/exemplar-sets", dict(body={"files": [b"not an image"]}), 400),
+        (plain, "POST /v1/exemplar-sets", dict(body={"files": [b"not an image"]}), 415),
         (plain, "POST /v1/exemplar-sets", dict(body={"files": [b"GIF89a" + b"\x00" * 20]}), 415),
         (plain, "POST /v1/exemplar-sets/{set_id}/adaptations",
          dict(path_parameters=set_id, body={**good, "iterations": s.max_iterations + 1}), 422),

@@ -36,7 +36,7 @@ def test_jpeg_and_undeclared_type():
 
 @pytest.mark.parametrize("data,declared,reason", [
     (b"", "image/png", "bad_image"),
-    (b"not an image", "image/png", "bad_image"),
+    (b"not an image", "image/png", "unsupported_type"),
     (png_bytes(50, 50)[:60], "image/png", "bad_image"),
     (png_bytes(50, 50), "text/plain", "unsupported_type"),
     (encode(Image.new("L", (5, 5)), "GIF"), "image/png", "unsupported_type"),

@@ -146,7 +146,7 @@ def test_a_request_past_the_cap_is_refused_whole_and_stores_nothing(api, pool_se
     before = snapshot(pool_settings)
     bad = ("files", ("bad.png", b"nope", "image/png"))
     r = api.post(f"/v1/exemplar-sets/{fresh}/images", files=[*named("ok"), bad])
-    assert r.status_code == 400
+    assert r.status_code == 415
     assert snapshot(pool_settings) == before
 
 

@@ -294,7 +294,7 @@ def test_predict_refuses_bad_input_with_a_message(client, fake_ls, tmp_path):
         (["data:image/png;base64,!!!"], CONFIG, 422, "not valid base64"),
         (["data:nocomma"], CONFIG, 422, "comma"),
         ([data_uri(b"GIF89a" + b"0" * 20)], CONFIG, 415, "task 100"),
-        ([data_uri(b"hello")], CONFIG, 400, "task 100"),
+        ([data_uri(b"hello")], CONFIG, 415, "task 100"),
         ([data_uri(b"\x89PNG\r\n\x1a\n" + b"0" * 300_000)], CONFIG, 413, "larger than"),
         ([5], CONFIG, 422, "not a string"),
     ]

@@ -257,7 +257,7 @@ def test_errors_from_the_api_are_shown(page, stack: Stack) -> None:
     error = page.locator("#errors .error").first
     error.wait_for()
     assert error.get_attribute("data-status") == "400"
-    assert error.inner_text().startswith("Localizing: HTTP 400: notes.png: not a PNG, JPEG or WebP image")
+    assert error.inner_text().startswith("Localizing: HTTP 415: notes.png: not a PNG, JPEG or WebP image")
     error.locator("button").click()  # dismissed
     assert page.locator("#errors .error").count() == 0
 
