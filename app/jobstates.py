@@ -157,6 +157,16 @@ def requeue_abandoned(session: Session, *, job_id: uuid.UUID, attempt: int, stal
                                     .values(status=JobState.QUEUED, worker=None, enqueued_at=None)))
 
 
+def cancel_abandoned(session: Session, *, job_id: uuid.UUID, attempt: int, stale_before: datetime,
+                     now: datetime | None = None) -> bool:
+    """running → canceled, for a run whose worker stopped beating after its cancel was asked: it is not resumed
+    only to be canceled there (nor kept queued while no worker runs) -> as ``requeue_abandoned``."""
+    return _applied(session.execute(update(tables.AdaptationJob).where(
+        _abandoned(job_id, attempt, stale_before), tables.AdaptationJob.cancel_requested.is_(True))
+        .values(status=JobState.CANCELED, error=CANCELED_ON_REQUEST, finished_at=now or tables.utcnow(),
+                phase=None)))
+
+
 def fail_abandoned(session: Session, *, job_id: uuid.UUID, attempt: int, stale_before: datetime, error: str,
                    now: datetime | None = None) -> bool:
     """running → failed, for a run whose worker stopped beating once too often -> as ``requeue_abandoned``."""

@@ -51,6 +51,13 @@ def create_celery(settings: Settings) -> Celery:
         task_publish_retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1},
         worker_send_task_events=False,
         worker_hijack_root_logger=False,
+        # After a broker reconnect Celery restores the prefetch count without the task running, so a busy
+        # worker reserved the next job's message and sat on it while an idle worker waited (an outside test: 64-117
+        # s). Without prefetch a worker takes a message only when a process is free (Celery supports it on Redis).
+        worker_disable_prefetch=settings.broker_url.startswith(("redis://", "rediss://")),
+        # A broker blip must not cancel the running jobs (Celery 6's default would): the run keeps its lease
+        # and checkpoints, and a redelivered message of it is skipped (``claim_job`` is conditional).
+        worker_cancel_long_running_tasks_on_connection_loss=False,
     )
     if settings.result_backend:  # QLOC_INFERENCE=workers: the localize tasks answer through it (app/remote.py)
         app.conf.update(

@@ -1,8 +1,8 @@
 """The reaper: no job is left running without a worker, nor queued without a task message.
 
-Running jobs whose heartbeat stopped belong to a dead worker: a job abandoned fewer than
-``max_job_attempts`` times goes back to ``queued`` (the next run resumes from its latest checkpoint),
-after that it is marked ``failed``.
+Running jobs whose heartbeat stopped belong to a dead worker: a job whose cancel was asked is marked
+``canceled``; one abandoned fewer than ``max_job_attempts`` times goes back to ``queued`` (the next run
+resumes from its latest checkpoint), after that it is marked ``failed``.
 
 Queued jobs are an outbox: ``enqueued_at`` records the last send of the job's task. The reaper sends
 
@@ -48,13 +48,16 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
     """-> (job ids put back in ``queued`` with ``enqueued_at`` NULL: send their tasks; job ids marked ``failed``)."""
     now = now or utcnow()
     stale = now - timedelta(seconds=ctx.settings.heartbeat_timeout)
-    requeued, failed = [], []
+    requeued, failed, canceled = [], [], []
     with ctx.session_factory.begin() as s:
-        rows = s.execute(select(AdaptationJob.id, AdaptationJob.attempts).where(
+        rows = s.execute(select(AdaptationJob.id, AdaptationJob.attempts, AdaptationJob.cancel_requested).where(
             AdaptationJob.status == JobState.RUNNING,
             or_(AdaptationJob.heartbeat_at < stale, AdaptationJob.heartbeat_at.is_(None)))).all()
-        for job_id, attempts in rows:
-            if attempts >= ctx.settings.max_job_attempts:
+        for job_id, attempts, cancel in rows:
+            if cancel:
+                if jobstates.cancel_abandoned(s, job_id=job_id, attempt=attempts, stale_before=stale, now=now):
+                    canceled.append(job_id)
+            elif attempts >= ctx.settings.max_job_attempts:
                 error = f"worker lost {attempts} times (no heartbeat for {ctx.settings.heartbeat_timeout:g} s)"
                 if jobstates.fail_abandoned(s, job_id=job_id, attempt=attempts, stale_before=stale, error=error,
                                             now=now):
@@ -65,6 +68,8 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
         log.warning("job %s: its worker stopped beating; requeued to resume from its last checkpoint", job_id)
     for job_id in failed:
         log.error("job %s: abandoned too often; marked failed", job_id)
+    for job_id in canceled:
+        log.warning("job %s: its worker stopped beating after its cancel was asked; canceled", job_id)
     return requeued, failed
 
 

@@ -24,6 +24,18 @@ def test_configuration_from_settings():
     assert conf.task_ignore_result and conf.accept_content == ["json"]
 
 
+def test_a_busy_worker_takes_no_second_message_and_a_broker_blip_cancels_no_job():
+    """On Redis, prefetch is off (after a reconnect Celery's prefetch count forgot the running task, and a busy worker
+    reserved the next job while an idle one waited); on the SQLAlchemy transport Celery does not support it (it
+    would only warn). Running jobs survive a lost broker connection in every case."""
+    from app.queue import create_celery
+
+    for url, off in (("redis://h:6379/0", True), ("rediss://h:6380/0", True), ("sqla+sqlite:////tmp/b.db", False)):
+        conf = create_celery(Settings(broker_url=url)).conf
+        assert conf.worker_disable_prefetch is off and conf.worker_prefetch_multiplier == 1
+        assert conf.worker_cancel_long_running_tasks_on_connection_loss is False
+
+
 def test_broker_options():
     redis = Settings(broker_url="redis://h:6379/0", job_soft_time_limit=100, job_time_limit=3600,
                      broker_transport_options={"global_keyprefix": "p:"})

@@ -370,6 +370,23 @@ def test_a_run_that_lost_its_lease_writes_nothing(client, ctx):
     assert row.status == "running" and row.worker == "new"
 
 
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_a_job_whose_cancel_was_asked_before_its_worker_died_is_canceled_not_resumed(client, ctx, attempts):
+    """The cancel was accepted while the job ran (202, ``cancel_requested``), then its worker died: the reaper marks
+    it canceled rather than queueing it to resume (where it sat while no worker ran, holding its pool images) or
+    failing it for the lost worker."""
+    job = new_job(client)
+    job_id = uuid.UUID(job["id"])
+    with ctx.session_factory.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(
+            status="running", attempts=attempts, heartbeat_at=utcnow() - timedelta(hours=1)))
+    assert client.post(f"/v1/adaptations/{job['id']}/cancel").json()["cancel_requested"] is True
+    assert reap_abandoned_jobs(ctx) == ([], [])
+    polled = client.get(f"/v1/adaptations/{job['id']}").json()
+    assert polled["status"] == "canceled" and polled["error"] == "canceled on request" and polled["finished_at"]
+    assert claim_job(ctx, job_id, worker="late") is None  # never run again
+
+
 def test_jobs_abandoned_too_often_fail(client, ctx):
     job = new_job(client)
     job_id = uuid.UUID(job["id"])
