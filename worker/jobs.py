@@ -410,5 +410,24 @@ def run_adaptation_job(ctx: WorkerContext, job_id: uuid.UUID, *, worker: str) ->
         return fail_job(ctx, job_id, attempt, f"time limit exceeded ({ctx.settings.job_soft_time_limit:g} s); "
                                               "checkpoints written so far are kept")
     except Exception as e:
+        stop = _stopping(e)
+        if stop is not None:  # the process is being stopped: a lost run (it resumes), not a failed job
+            log.warning("job %s: its process was stopped (%s: %s); the job resumes from its last checkpoint",
+                        job_id, type(e).__name__, e)
+            raise stop from e
         log.exception("job %s failed", job_id)
         return fail_job(ctx, job_id, attempt, f"{type(e).__name__}: {e}")
+
+
+def _stopping(e: BaseException) -> BaseException | None:
+    """The ``SystemExit`` or ``KeyboardInterrupt`` behind ``e``, if any: a shutdown that interrupted a database call
+    surfaces as the driver's error while cleaning up (psycopg's "connection in transaction status ACTIVE"), with
+    the interruption as its context."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if not isinstance(cause, Exception):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__context__ or cause.__cause__
+    return None

@@ -341,6 +341,28 @@ def test_cancel_is_honoured_during_the_reward_repair(client, ctx, monkeypatch):
     assert polled["progress"]["phase"] is None and job_row(ctx, job["id"]).phase is None  # not running
 
 
+def test_a_shutdown_that_breaks_a_database_call_is_a_lost_run_not_a_failed_job(client, ctx, monkeypatch):
+    """A cold shutdown raised ``SystemExit`` inside psycopg; the cleanup then raised the driver's own error, which
+    failed the job for good. The interruption behind it is raised instead: the job stays running (the worker's
+    ``on_failure`` expires its lease, the reaper requeues it) and resumes from its last checkpoint."""
+    job = new_job(client)
+    save = AdaptationRun.save_checkpoint
+
+    def shut_down(self, iteration, state):
+        save(self, iteration, state)
+        try:
+            raise SystemExit(-241)
+        except SystemExit:
+            raise RuntimeError("can't change 'autocommit' now: connection in transaction status ACTIVE")  # noqa: B904
+
+    monkeypatch.setattr(AdaptationRun, "save_checkpoint", shut_down)
+    with pytest.raises(SystemExit):
+        run_adaptation_job(ctx, uuid.UUID(job["id"]), worker="stopping")
+    row = job_row(ctx, job["id"])
+    assert row.status == "running" and row.error is None
+    assert [c.iteration for c in checkpoints_of(ctx, job["id"])] == [2]
+
+
 def test_soft_time_limit_fails_the_job_and_keeps_checkpoints(client, ctx, monkeypatch):
     job = new_job(client)
     save = AdaptationRun.save_checkpoint
