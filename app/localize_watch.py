@@ -49,6 +49,8 @@ class ConsumerWatch:
         """Whether any worker consumed the queue at some check since this API started."""
         self.checked_at: float | None = None
         self.unknown = "not checked yet"
+        self.ask_error: str | None = None
+        """Why the last broadcast failed (the broker could not be asked), or ``None``."""
         self.backend_error: str | None = None
         """Why the result backend did not answer at the last check, or ``None``."""
         self._stop = threading.Event()
@@ -74,9 +76,11 @@ class ConsumerWatch:
         except Exception as e:  # noqa: BLE001 -- the broker's own check (/readyz "broker") reports it
             log.warning("localize queue: cannot ask the workers: %s", e)
             self.workers, self.misses, self.unknown = None, 0, f"cannot ask the workers ({type(e).__name__})"
+            self.ask_error = self.unknown
             self.recent.clear()
             self.checked_at = time.monotonic()
             return
+        self.ask_error = None
         names = [name for reply in replies if isinstance(reply, dict) for name, queues in reply.items()
                  if any(isinstance(q, dict) and q.get("name") == self.queue for q in queues or ())]
         workers = len(names)
@@ -118,10 +122,14 @@ class ConsumerWatch:
     def readiness(self) -> str:
         """``/readyz``'s entry: ``ok`` (a worker answered the last check), ``error: ...`` (none, ``absent``; also
         until the watch has seen one since the API started: not checked yet, or none at the first check), or
-        ``unknown: ...`` (one miss after workers were seen, a watch turned off, or a broker that cannot tell)."""
+        ``unknown: ...`` (one miss after workers were seen, a watch turned off, or a broker that cannot tell). A
+        broker that broadcasts but could not be asked (Redis down, or coming back) is an error, not unknown: no
+        worker is known to take calls."""
         why = self.absent()
         if why is not None:
             return f"error: {why}"
+        if self.ask_error is not None and not self._stale():
+            return f"error: {self.ask_error}; checking again"
         if self.workers:
             return "ok"
         if not self.seen and self._thread is not None and (self.checked_at is None or self.misses):

@@ -59,7 +59,7 @@ class Metrics:
             "qloc_http_request_duration_seconds", "HTTP request latency", ["method", "route", "status"],
             registry=own, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.localize_batch = Histogram(
-            "qloc_localize_batch_size", "Images per localize request", registry=own,
+            "qloc_localize_batch_size", "Images per answered localize request", registry=own,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.engine_batch = Histogram(
             "qloc_engine_batch_images", "Images per forward pass of the API's localize engine (requests batched "

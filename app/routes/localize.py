@@ -316,7 +316,6 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
             pool.check_room(es, images, pool_limits(settings))
         except pool.PoolFull as e:
             raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
-    metrics.localize_batch.observe(len(images))
     fit = None if calibration is None else decoded(calibration, calibration_key)
     ncc = fit is not None and fit.ncc is not None
     # rerank=templates / auto: a second look only where the confidence is the NCC fit's (grayscale bundles' sets)
@@ -369,6 +368,7 @@ def _localize_files(session: Session, set_id: uuid.UUID, settings: Settings, inf
         return answer, judged
 
     answer, judged = answered(call)
+    metrics.localize_batch.observe(len(images))  # answered: a request refused (503, 409) was no batch
     located = list(answer.results)
     if look:
         # The second look: the candidates of the images whose answer is doubtful, searched for them alone (the rest

@@ -305,6 +305,7 @@ def test_no_localize_worker_answers_503_with_retry_after(base, redis_prefix):
             set_id = loc.post("/v1/exemplar-sets", files=files(png_bytes(28, 28, seed=1))).json()["id"]
             r = w.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes(84, 84)))
             assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
+            assert "qloc_localize_batch_size_count 0.0" in w.get("/metrics").text  # refused: not a batch
             r = w.post(f"/v1/exemplar-sets/{set_id}/adaptations", files=files(png_bytes(84, 84)))
             assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text
             assert time.monotonic() - t0 < 20  # three calls of 1.5 s, never a hang
@@ -522,6 +523,18 @@ def test_the_localize_watch_tells_nothing_where_the_broker_cannot_broadcast(tmp_
     assert remote.consumers.absent() is None and remote.consumers.workers is None
     assert remote.consumers.readiness().startswith("unknown: the broker") and "cannot broadcast" in \
         remote.consumers.readiness()
+
+
+def test_a_broker_that_broadcasts_but_cannot_be_asked_is_not_ready(tmp_path, bundle_dir):
+    """Redis down (or coming back): the broadcast fails, no worker is known to take calls, so ``/readyz``'s entry is
+    an error (a load balancer sent calls here while it read ``unknown``); once asked again, as before."""
+    settings = make_test_settings(tmp_path, bundle_dir, inference="workers", broker_url="redis://127.0.0.1:1/0",
+                                  result_backend="cache+memory://", localize_worker_check_s=0)
+    watch = create_app(settings).state.remote.consumers
+    watch.check()
+    assert watch.ask_error is not None and watch.readiness().startswith("error: cannot ask the workers")
+    watch.ask_error = None  # a broadcast that went through since
+    assert watch.readiness().startswith("unknown:")
 
 
 def test_workers_mode_refuses_to_start_without_a_result_backend(tmp_path, bundle_dir):
