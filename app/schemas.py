@@ -6,7 +6,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.jobstates import JobState
 
@@ -53,15 +53,32 @@ class Page(BaseModel):
 class ExemplarSetChange(BaseModel):
     """``PATCH /v1/exemplar-sets/{id}``: what to change; a field left out is left as it is."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
     name: str | None = Field(None, min_length=1, max_length=200, pattern=r"\S",
-                             description="The set's new name (some text besides spaces); null clears it")
+                             description="The set's new name (some text besides spaces, trimmed as at creation); "
+                                         "null clears it")
     threshold: float = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, strict=True,  # type: ignore[assignment]
                              validate_default=False, description=(
         "Calibrated confidence in [0, 1] from which an answer is `found`: takes effect on the next request, for "
         "every checkpoint of the set (the calibration is not refit: it gives the confidence, the threshold reads "
         "it)"))
+
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _trimmed(cls, v: object) -> object:
+        """Trimmed as a set's name is at creation; only spaces is refused in the words creation uses."""
+        if isinstance(v, str):
+            v = v.strip()
+            if not v:
+                raise ValueError("name is empty (only spaces): give it some text, or null to clear it")
+        return v
+
+    @field_validator("threshold")
+    @classmethod
+    def _no_negative_zero(cls, v: float) -> float:
+        return v + 0.0  # -0.0 is stored and shown as 0.0
 
 
 class ExemplarSetPublic(BaseModel):

@@ -9,6 +9,7 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Header, HTTPException, Query, Response, UploadFile, status
+from pydantic import BeforeValidator
 from sqlalchemy.exc import IntegrityError
 
 from app import crud, jobstates, pool
@@ -46,6 +47,10 @@ def to_public(job: AdaptationJob) -> AdaptationJobPublic:
         started_at=job.started_at, finished_at=job.finished_at)
 
 
+def _lowered(v: object) -> object:
+    return v.lower() if isinstance(v, str) else v
+
+
 def request_digest(set_id: uuid.UUID, params: dict, files: list[UploadFile], raw: list[bytes]) -> str:
     body = {"exemplar_set_id": str(set_id), **params,
             "files": [[f.filename, hashlib.sha256(d).hexdigest()] for f, d in zip(files, raw, strict=True)]}
@@ -74,7 +79,7 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
 def create_adaptation(
     set_id: uuid.UUID, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
     queue: QueueDep, bundles: BundlesDep, caller: CallerDep, remote: RemoteDep,
-    files: Annotated[list[UploadFile] | None, File(description=(
+    files: Annotated[list[UploadFile] | None, File(min_length=1, description=(
         "Unlabeled images to adapt the set's policy on (with source=files or both)"))] = None,
     source: Annotated[Literal["files", "pool", "both"] | None, Form(description=(
         "Which images the job adapts on: `files` (the ones posted), `pool` (every image of the set's pool, "
@@ -85,8 +90,9 @@ def create_adaptation(
         "QLOC_MAX_ITERATIONS (5000 unless the server says otherwise: more is a 422 naming the limit)"))] = None,
     learning_rate: Annotated[float | None, Form(gt=0, le=1, allow_inf_nan=False)] = None,
     seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
-    activate: Annotated[Literal["auto", "true", "false"], Form(description=(
-        "auto (default): make the best checkpoint the set's active policy only if it beats the starting policy "
+    activate: Annotated[Literal["auto", "true", "false"], BeforeValidator(_lowered), Form(description=(
+        "auto|true|false, in any case (`True`, as Python prints it, is true). auto (default): make the best "
+        "checkpoint the set's active policy only if it beats the starting policy "
         "on the job's probes (labeled checks built from the set's exemplars and the uploaded images; on a photo "
         "bundle the set's labeled examples must confirm the gain too, beyond their own noise, as pasted crops do not "
         "predict real photos: with 5 of them, 3 more right and none lost); true: the final checkpoint, whatever "

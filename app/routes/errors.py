@@ -23,6 +23,7 @@ UPLOAD_ERRORS = {
     400: error("A PNG, JPEG or WebP that cannot be decoded (truncated, corrupt) or an empty file"),
     413: error("Too many files, a file or image too large, more pixels in all than the request's budget "
                "(QLOC_MAX_REQUEST_PIXELS, from the headers, before decoding), or the request body too large"),
-    415: error("Not a PNG, JPEG or WebP (whatever its name or declared type), or an animated PNG or WebP (send the frame to use as a still image), or a "
+    415: error("Not a PNG, JPEG or WebP (whatever its name or declared type), or an animated PNG or WebP (send "
+               "the frame to use as a still image), or a "
                "body that is not multipart/form-data (JSON, say)"),
 }

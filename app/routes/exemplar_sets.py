@@ -169,13 +169,13 @@ def check_crops(images: list[DecodedImage], field: str) -> list[Box | None]:
 def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep, remote: RemoteDep,
-    files: Annotated[list[UploadFile], File(description=(
+    files: Annotated[list[UploadFile], File(min_length=1, description=(
         "1..64 PNG/JPEG/WebP crops of the object sought (at least 2 pixels on each side); with `boxes`, whole images "
         "that show it"))],
     name: Annotated[str | None, Form(max_length=200)] = None,
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
-    negative_files: Annotated[list[UploadFile] | None, File(description=NEGATIVES_DESCRIPTION)] = None,
+    negative_files: Annotated[list[UploadFile] | None, File(min_length=1, description=NEGATIVES_DESCRIPTION)] = None,
     threshold: Annotated[float, Form(ge=0.0, le=1.0, allow_inf_nan=False, description=THRESHOLD_DESCRIPTION)] = 0.5,
 ) -> ExemplarSetPublic:
     """Register exemplar crops: their mean embedding becomes the set's prototype.
@@ -183,6 +183,7 @@ def create_exemplar_set(
     With ``boxes``, the files are whole images and the crops are cut from the boxes; the images are kept with
     their boxes as the set's labeled examples. Everything is checked before anything is written."""
     check_text(name, "name")
+    threshold += 0.0  # -0 is stored and shown as 0
     images = read_images(files, settings)
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else check_crops(images, "files")
     negative_images = read_images(negative_files, settings, keep_data=False) if negative_files else []

@@ -68,7 +68,7 @@ def state(session: Session, settings: Settings, set_id: uuid.UUID) -> dict[str, 
     422: invalid("Invalid fields, no file, or a field the route does not take")})
 def add_pool_images(
     set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, caller: CallerDep,
-    files: Annotated[list[UploadFile], File(description=(
+    files: Annotated[list[UploadFile], File(min_length=1, description=(
         "Unlabeled PNG/JPEG/WebP images of the kind the set's object appears in (as many per request as other uploads "
         "allow: QLOC_MAX_FILES_PER_REQUEST)"))],
 ) -> PoolImagesAdded:

@@ -63,6 +63,17 @@ def test_create_poll_and_enqueue(client, settings):
     assert 'qloc_jobs{status="queued"} 1.0' in client.get("/metrics").text
 
 
+def test_activate_is_read_in_any_case_and_anything_else_is_422(client):
+    """``activate`` is an enum (auto|true|false), read in any case: Python's ``str(True)`` is ``True``."""
+    es = make_set(client)
+    url = f"/v1/exemplar-sets/{es['id']}/adaptations"
+    for sent, stored in (("True", "true"), ("FALSE", "false"), ("Auto", "auto")):
+        r = client.post(url, files=files(png_bytes()), data={"iterations": "2", "activate": sent})
+        assert r.status_code == 202 and r.json()["params"]["activate"] == stored, r.text
+    r = client.post(url, files=files(png_bytes()), data={"iterations": "2", "activate": "yes"})
+    assert r.status_code == 422 and "'auto', 'true' or 'false'" in r.text
+
+
 def test_idempotency_key(client, settings):
     es = make_set(client)
     url = f"/v1/exemplar-sets/{es['id']}/adaptations"

@@ -75,6 +75,13 @@ def test_patch_changes_the_threshold_and_name_and_refuses_bad_changes_writing_no
     got = client.get(url).json()
     assert got["threshold"] == 0.6 and got["name"] is None  # nothing of the refused changes written
     assert client.patch(url, json={"threshold": 1}).json()["threshold"] == 1.0  # a JSON integer is a number
+    assert client.patch(url, json={"name": " padded "}).json()["name"] == "padded"  # trimmed, as at creation
+    r = client.patch(url, json={"name": "   "})
+    assert "name is empty (only spaces): give it some text, or null to clear it" in r.text, r.text
+    zero = client.patch(url, json={"threshold": -0.0}).json()["threshold"]
+    assert zero == 0.0 and math.copysign(1.0, zero) == 1.0  # -0 is 0
+    assert math.copysign(1.0, new_set(client, threshold="-0")["threshold"]) == 1.0
+    assert client.app.openapi()["components"]["schemas"]["ExemplarSetChange"]["minProperties"] == 1
     assert client.patch(f"/v1/exemplar-sets/{uuid.uuid4()}", json={"threshold": 0.3}).status_code == 404
 
 
