@@ -120,6 +120,10 @@ def get_caller(settings: SettingsDep, api_key: Annotated[str | None, Security(_a
                bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None) -> Caller:
     if not settings.auth_enabled:
         return Caller(None)
+    if api_key and bearer and not hmac.compare_digest(api_key.encode(), bearer.credentials.encode()):
+        # two keys would be two tenants: which one was meant cannot be told (the X-API-Key won, silently)
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "two different API keys given (X-API-Key and Bearer): "
+                            "send one", headers={"WWW-Authenticate": "Bearer"})
     key = api_key or (bearer.credentials if bearer else None)
     # Compare against every key, in constant time per key.
     if not key or not any([hmac.compare_digest(key.encode(), k.encode()) for k in settings.api_keys]):

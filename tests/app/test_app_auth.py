@@ -23,6 +23,10 @@ def test_keys_are_required(keyed):
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert keyed.get("/v1/exemplar-sets", headers={"X-API-Key": KEY_A}).status_code == 200
     assert keyed.get("/v1/exemplar-sets", headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
+    both = {"X-API-Key": KEY_A, "Authorization": f"Bearer {KEY_B}"}  # two tenants: not one silently
+    r = keyed.get("/v1/exemplar-sets", headers=both)
+    assert r.status_code == 401 and "two different API keys" in r.json()["detail"]
+    assert keyed.get("/v1/exemplar-sets", headers={**both, "Authorization": f"Bearer {KEY_A}"}).status_code == 200
     # liveness and readiness stay open; metrics need a key too
     assert keyed.get("/healthz").status_code == 200
     assert keyed.get("/readyz").status_code == 200
