@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -192,7 +193,10 @@ def cmd_localize(a: argparse.Namespace) -> dict:
             if im.format in ("PNG", "WEBP") and getattr(im, "n_frames", 1) > 1:
                 raise ValueError(f"{path}: an animated image ({im.n_frames} frames); give the frame to use as a "
                                  "still image (as the API asks)")
-            im.load()
+            try:
+                im.load()
+            except OSError as e:  # truncated, corrupt: name the file, as the API does
+                raise ValueError(f"{path}: cannot decode image ({e})") from e
             return to_8bit(ImageOps.exif_transpose(im), int32_is_16bit=im.format == "PNG")
 
     proto = loc.prototype([read(p) for p in a.exemplars])
@@ -297,13 +301,30 @@ def cmd_photo(a: argparse.Namespace) -> dict:
     return photo_train_command(a) if a.command == "photo-train" else photo_reproduce_command(a)
 
 
+MAX_SEARCH_SAMPLES = 63
+"""The most sampled episodes ``qloc localize --samples`` takes: the API's bound (``app.config.MAX_SAMPLES``)."""
+
+
+def _search_samples(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= MAX_SEARCH_SAMPLES:
+        raise argparse.ArgumentTypeError(f"{n} is not in 0..{MAX_SEARCH_SAMPLES}")
+    return n
+
+
+def _device(text: str) -> str:
+    if text not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, cpu, cuda or cuda:N")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qloc", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, digit: int | None = 4):
         sp.add_argument("--seed", type=int, default=0)
-        sp.add_argument("--device", default="auto", help="auto | cpu | cuda")
+        sp.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda (or cuda:N)")
         if digit is not None:
             sp.add_argument("--data", default="cmnist", choices=("cmnist", "glyphs", "photos"),
                             help="the dataset kind: cMNIST (--digit, --background), glyphs on cMNIST canvases "
@@ -381,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--policy", help="an adapted policy checkpoint (default: the bundle's base policy)")
     sp.add_argument("--exemplars", nargs="+", required=True, help="exemplar crop files (PNG/JPEG/WebP)")
     sp.add_argument("--images", nargs="+", required=True, help="images to search")
-    sp.add_argument("--samples", type=int, default=0, help="best-of-(1 + N) search, as localize?samples=N")
+    sp.add_argument("--samples", type=_search_samples, default=0,
+                    help=f"best-of-(1 + N) search, as localize?samples=N (0..{MAX_SEARCH_SAMPLES})")
     sp.add_argument("--nearest", choices=("auto", "yes", "no"), default="auto",
                     help="answer with the visited box nearest the prototype (auto: the bundle's default)")
     sp.set_defaults(func=cmd_localize)

@@ -189,6 +189,17 @@ def test_the_cli_decodes_files_as_the_api_does(shipped_client, tmp_path, capsys)
     cli = json.loads(capsys.readouterr().out)["results"][0]
     assert (cli["width"], cli["height"]) == (api["width"], api["height"]) == (168, 84)
     assert cli["box"] == pytest.approx(api["box"], abs=0.5)
+    (tmp_path / "cut.jpg").write_bytes(buf.getvalue()[:400])  # truncated: named, as the API names it
+    assert main(["localize", "--bundle", bundle, "--device", "cpu", "--exemplars", *paths,
+                 "--images", str(tmp_path / "cut.jpg")]) == 2
+    assert "cut.jpg: cannot decode image" in capsys.readouterr().err
+    for bad in (["--samples", "-1"], ["--samples", "64"], ["--device", "gpu"]):  # refused by the parser, as by the API
+        with pytest.raises(SystemExit) as e:
+            main(["localize", "--bundle", bundle, *bad, "--exemplars", *paths, "--images", str(tmp_path / "side.jpg")])
+        assert e.value.code == 2 and ("not in 0..63" in capsys.readouterr().err or bad[0] == "--device")
+    from app.config import MAX_SAMPLES
+    from models.cli import MAX_SEARCH_SAMPLES
+    assert MAX_SEARCH_SAMPLES == MAX_SAMPLES
     frames = [Image.new("L", (20, 20), v) for v in (0, 255)]
     for name, fmt in (("still.gif", "GIF"), ("moving.png", "PNG")):
         frames[0].save(tmp_path / name, fmt, save_all=True, append_images=frames[1:])
