@@ -15,6 +15,7 @@ from typing import Annotated, Literal, ParamSpec, TypeVar
 import torch
 from fastapi import APIRouter, File, HTTPException, Query, Request, Response, UploadFile, status
 from fastapi.responses import JSONResponse
+from pydantic import BeforeValidator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -54,9 +55,22 @@ T = TypeVar("T")
 
 router = APIRouter(prefix="/v1/exemplar-sets", tags=["exemplar-sets"], responses=UNAUTHORIZED)
 
-CheckpointQuery = Annotated[str, Query(
-    pattern=r"^(active|base|[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12})$",
-    description="`active` (default), `base` (the bundle's own policy) or a checkpoint id of this set")]
+def _checkpoint_name(v: object) -> object:
+    """``active``, ``base`` (any case) or a checkpoint id in any spelling the path's ids take -> ``active``,
+    ``base`` or the id's canonical form; anything else a ValueError in plain words (not the pattern)."""
+    if not isinstance(v, str):
+        return v
+    if v.lower() in ("active", "base"):
+        return v.lower()
+    try:
+        return str(uuid.UUID(v))
+    except ValueError:
+        raise ValueError("checkpoint is `active`, `base` or a checkpoint id of this set (a UUID, as "
+                         "GET /v1/exemplar-sets/{id}/checkpoints lists them)") from None
+
+
+CheckpointQuery = Annotated[str, BeforeValidator(_checkpoint_name), Query(
+    max_length=100, description="`active` (default), `base` (the bundle's own policy) or a checkpoint id of this set")]
 
 
 def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active: Checkpoint | None = None

@@ -174,3 +174,21 @@ def test_a_trailing_slash_is_a_json_404_naming_the_path_without_it(client, setti
     assert r.status_code == 404 and "without the trailing slash, /v1/exemplar-sets" in r.json()["detail"]
     assert snapshot(settings) == before
     assert client.get("/v1/nothing-here/").json() == {"detail": "Not Found"}
+
+
+def test_the_checkpoint_parameter_takes_what_the_path_takes_and_says_so_in_words(client):
+    """``active`` / ``base`` in any case, an id in any spelling the path's ids take; anything else a 422 saying
+    what it takes (not a regular expression)."""
+    import uuid
+
+    set_id = register_set(client)
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+    base = client.get(f"/v1/exemplar-sets/{set_id}/checkpoints").json()["data"][0]["id"]
+    for name in ("ACTIVE", "Base", base.upper(), uuid.UUID(base).hex, f"{{{base}}}"):
+        r = client.post(url, params={"checkpoint": name}, files=files(png_bytes(84, 84)))
+        assert r.status_code == 200 and r.json()["checkpoint_id"] == base, (name, r.text)
+    r = client.post(url, params={"checkpoint": "latest"}, files=files(png_bytes(84, 84)))
+    assert r.status_code == 422 and "checkpoint is `active`, `base` or a checkpoint id" in r.text
+    assert "pattern" not in r.text
+    r = client.post(url, params={"checkpoint": str(uuid.uuid4())}, files=files(png_bytes(84, 84)))
+    assert r.status_code == 404
