@@ -61,6 +61,7 @@ function showError(context, err) {
   console.error(context, err);
   const box = document.createElement("div");
   box.className = "error";
+  box.dataset.context = context;
   if (err && err.status !== undefined) box.dataset.status = String(err.status);
   const msg = document.createElement("span");
   msg.className = "msg";
@@ -82,7 +83,10 @@ function say(text) { $("#status").textContent = text; }
 async function act(context, button, fn) {
   if (button) button.disabled = true;
   try {
-    return await fn();
+    const done = await fn();
+    // this action went through: an error it showed before (a retry's first try) is stale now
+    for (const box of $("#errors").querySelectorAll(".error")) if (box.dataset.context === context) box.remove();
+    return done;
   } catch (e) {
     showError(context, e);
     return undefined;
@@ -94,6 +98,18 @@ async function act(context, button, fn) {
 window.addEventListener("unhandledrejection", (ev) => showError("Unexpected error", ev.reason));
 
 // ---------------------------------------------------------------- small helpers
+
+const PAGE = 200;  // the API's largest page
+
+async function listAll(path) {
+  // every item of a paged list (the API pages by limit/offset and says the count): a 201st set is not cut off
+  const data = [];
+  for (;;) {
+    const res = await api("GET", path, { query: { limit: PAGE, offset: data.length } });
+    data.push(...res.data);
+    if (!res.data.length || data.length >= res.count) return { data, count: res.count };
+  }
+}
 
 const shortId = (id) => (id ? String(id).slice(0, 8) : "—");
 const fmt = (v, digits = 3) => (typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toFixed(digits)) : v ?? "—");
@@ -225,7 +241,7 @@ async function loadBundles() {
 
 async function loadSets(selectId) {
   await act("Loading the exemplar sets", null, async () => {
-    const res = await api("GET", "/v1/exemplar-sets", { query: { limit: 200 } });
+    const res = await listAll("/v1/exemplar-sets");
     const sel = $("#set-select");
     const keep = selectId ?? sel.value;
     sel.replaceChildren(el("option", { value: "", text: res.data.length ? "— choose a set —" : "— none yet —" }),
@@ -594,7 +610,7 @@ async function loadCheckpoints() {
   const s = state.set;
   const body = $("#checkpoints tbody");
   if (!s) { body.replaceChildren(); return; }
-  const res = await api("GET", `/v1/exemplar-sets/${s.id}/checkpoints`, { query: { limit: 200 } });
+  const res = await listAll(`/v1/exemplar-sets/${s.id}/checkpoints`);
   const byId = new Map(res.data.map((c) => [c.id, c]));
   const lineage = (c) => {
     const chain = [];

@@ -248,6 +248,29 @@ def test_activate_the_base_checkpoint(page, stack: Stack) -> None:
     assert row.locator("button.activate").is_disabled()
 
 
+def test_the_page_lists_every_set_past_the_apis_largest_page(page, stack: Stack) -> None:
+    """More sets than one page of the API (200): the newest, made last, is listed and can be chosen."""
+    from datetime import timedelta
+
+    with QlocClient(stack.base_url) as qloc:
+        one = qloc.create_exemplar_set(crop(), name="first")
+    from sqlalchemy import create_engine, select
+
+    from app.tables import ExemplarSet
+    engine = create_engine(stack.settings.database_url)
+    with engine.begin() as conn:  # 200 copies of its row (one creation each would take minutes)
+        row = dict(conn.execute(select(ExemplarSet.__table__).where(ExemplarSet.id == one.id)).mappings().one())
+        copies = [{**row, "id": uuid.uuid4(), "name": f"copy {i}", "active_checkpoint_id": None,
+                   "created_at": row["created_at"] + timedelta(seconds=i + 1)} for i in range(200)]
+        conn.execute(ExemplarSet.__table__.insert(), copies)
+    engine.dispose()
+    newest = copies[-1]["id"]
+    open_page(page)
+    assert page.locator("#set-select option").count() >= 202  # "choose a set" + every set
+    page.select_option("#set-select", str(newest))
+    page.wait_for_selector(f'#set-info[data-set-id="{newest}"]')
+
+
 def test_errors_from_the_api_are_shown(page, stack: Stack) -> None:
     with QlocClient(stack.base_url) as qloc:
         set_id = str(qloc.create_exemplar_set(crop()).id)
@@ -256,7 +279,7 @@ def test_errors_from_the_api_are_shown(page, stack: Stack) -> None:
                                                     "buffer": b"these are not pixels"}])
     error = page.locator("#errors .error").first
     error.wait_for()
-    assert error.get_attribute("data-status") == "400"
+    assert error.get_attribute("data-status") == "415"
     assert error.inner_text().startswith("Localizing: HTTP 415: notes.png: not a PNG, JPEG or WebP image")
     error.locator("button").click()  # dismissed
     assert page.locator("#errors .error").count() == 0
@@ -272,7 +295,12 @@ def test_errors_from_the_api_are_shown(page, stack: Stack) -> None:
     assert "samples: Input should be less than or equal to 63" in page.inner_text("#errors")
     assert page.locator("figure.result").count() == 0
 
-    page.fill("#opt-samples", "")  # a set deleted behind the page's back: 404
+    page.fill("#opt-samples", "")  # the retry goes through: the errors of its earlier tries are gone
+    page.set_input_files("#localize-files", files=[{"name": "a.png", "mimeType": "image/png", "buffer": crop()}])
+    page.wait_for_selector("figure.result")
+    assert page.locator("#errors .error").count() == 0
+
+    # a set deleted behind the page's back: 404
     assert httpx.delete(f"{stack.base_url}/v1/exemplar-sets/{set_id}").status_code == 204
     page.set_input_files("#localize-files", files=[{"name": "a.png", "mimeType": "image/png", "buffer": crop()}])
     page.wait_for_selector("#errors .error[data-status='404']")
