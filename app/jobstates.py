@@ -119,11 +119,13 @@ CANCELED_ON_REQUEST = "canceled on request"
 
 
 def fail_unsent(session: Session, *, job_id: uuid.UUID, error: str, now: datetime | None = None) -> bool:
-    """queued → failed, for a job whose task could not be sent -> False when a reaper has sent it meanwhile."""
+    """queued → failed, for a job whose task could not be sent -> False when a reaper has sent it meanwhile. The
+    request was answered 503 ("retry later"): its ``Idempotency-Key`` is freed, so the retry with the same key
+    makes the job (it answered with this failed one before)."""
     job = tables.AdaptationJob
     return _applied(session.execute(
         update(job).where(job.id == job_id, job.status == JobState.QUEUED, job.enqueued_at.is_(None))
-        .values(status=JobState.FAILED, error=error, finished_at=now or tables.utcnow())))
+        .values(status=JobState.FAILED, error=error, finished_at=now or tables.utcnow(), idempotency_key=None)))
 
 
 def cancel_queued(session: Session, *, job_id: uuid.UUID, now: datetime | None = None) -> bool:

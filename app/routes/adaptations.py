@@ -97,7 +97,10 @@ def create_adaptation(
         "bundle the set's labeled examples must confirm the gain too, beyond their own noise, as pasted crops do not "
         "predict real photos: with 5 of them, 3 more right and none lost); true: the final checkpoint, whatever "
         "the probes say; false: none"))] = "auto",
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255, description=(
+        "Makes a retried creation safe: the same key with the same request answers 202 with the job it made "
+        "(whatever its state now); with a different request, 409. Keys are per API key. A request refused (4xx, "
+        "or the 503 of an unreachable job queue) does not use its key up: retry with the same one."))] = None,
 ) -> AdaptationJobPublic:
     """Queue a test-time adaptation of the set's active policy on unlabeled images: the posted files, the set's
     image pool, or both (`source`).

@@ -139,6 +139,28 @@ def test_unreachable_broker_is_503_and_the_job_is_failed(tmp_path, bundle_dir):
         assert [j["status"] for j in jobs] == ["failed"] and "enqueue" in jobs[0]["error"]
 
 
+def test_a_503_for_an_unreachable_queue_leaves_the_idempotency_key_for_the_retry(client, monkeypatch):
+    """The job the broker could not take is recorded failed and answered 503 "retry later": the retry with the
+    same key makes the job once the broker is back (it answered 202 with the failed job, which never runs)."""
+    from app.queue import JobQueue
+
+    es = make_set(client)
+    url, key = f"/v1/exemplar-sets/{es['id']}/adaptations", {"Idempotency-Key": "retry-me"}
+    real = JobQueue.enqueue_adaptation
+
+    def down(self, job_id):
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(JobQueue, "enqueue_adaptation", down)
+    assert client.post(url, headers=key, files=files(png_bytes())).status_code == 503
+    monkeypatch.setattr(JobQueue, "enqueue_adaptation", real)
+    r = client.post(url, headers=key, files=files(png_bytes()))
+    assert r.status_code == 202 and r.json()["status"] == "queued", r.text
+    again = client.post(url, headers=key, files=files(png_bytes()))
+    assert again.status_code == 202 and again.json()["id"] == r.json()["id"]  # now the key is this job's
+    assert sorted(j["status"] for j in client.get(url).json()["data"]) == ["failed", "queued"]
+
+
 def test_a_422_shows_a_long_invalid_value_cut_short(client, settings):
     es = make_set(client)
     before = row_counts(settings.database_url)
