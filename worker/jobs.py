@@ -353,7 +353,12 @@ class AdaptationRun:
             validation = {**validation, "activated_iteration": decision["activate"] if ckpt_id is not None else None,
                           "activated_checkpoint_id": None if ckpt_id is None else str(ckpt_id),
                           "message": message, **(self.setup.record if self.setup is not None else {})}
-        calibrations = self._calibrations({ckpt_id, self.last_checkpoint_id}) if outcome == JobState.SUCCEEDED else {}
+        # calibrated: what is served now, the last checkpoint (activate=true's), and the probes' best (the one the
+        # verdict names for a user to activate): a checkpoint on a repaired head scores on a scale of its own
+        best = (validation or {}).get("best") or {}
+        best_id = self.checkpoint_ids.get(best.get("iteration")) if isinstance(best, dict) else None
+        calibrations = (self._calibrations({ckpt_id, self.last_checkpoint_id, best_id})
+                        if outcome == JobState.SUCCEEDED else {})
         with self.ctx.session_factory.begin() as s:  # one transaction: the outcome, and the activation it reports
             for cid, cal in calibrations.items():  # with the outcome: a served checkpoint is calibrated at once
                 s.execute(update(Checkpoint).where(Checkpoint.id == cid).values(calibration=cal))

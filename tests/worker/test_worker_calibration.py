@@ -37,7 +37,10 @@ def test_job_calibrates_its_last_checkpoint_and_localize_serves_it(client, setti
         # the set's negatives were embedded by the bundle's head: they apply unless the job repaired the head
         assert (last.calibration["negatives"] is not None) == (reward == "bundle head")
         assert last.calibration["stats"]["positives"] > 128  # the job's probes joined the pasted crops
-        assert all(c.calibration is None for c in ckpts[:-1])  # neither activated nor last: the set's is used
+        best = client.get(f"/v1/adaptations/{job['id']}").json()["validation"]["best"]
+        named = {last.iteration} | ({best["iteration"]} if best else set())  # served, last, or the verdict's best
+        for c in ckpts:  # the others: the set's calibration is used
+            assert (c.calibration is not None) == (c.iteration in named), (c.iteration, named)
         r = client.post(f"/v1/exemplar-sets/{es['id']}/localize", files=files(png_bytes(seed=1)))
         assert r.json()["checkpoint_id"] == str(last.id) and 0 <= r.json()["results"][0]["confidence"] <= 1
     finally:
