@@ -245,7 +245,7 @@ def judge(results: list, images: list[Image.Image], calibration: dict | None, *,
                                 prototype=prototype, negatives=negatives, ncc=ncc, verifier=verifier, kind=kind,
                                 by_negatives=by_negatives)
         confs = [[float(c) for c in row[:1 + n]] for row, n in zip(conf.tolist(), counts, strict=True)]
-    cut = max(threshold, min_confidence if min_confidence is not None else 0.0)
+    cut = threshold if min_confidence is None else min_confidence  # the request's own bar, lower or higher
 
     def judged(box, score: float, c: float | None) -> Judged:
         return Judged(tuple(box), float(score), c, c is None or c >= cut)

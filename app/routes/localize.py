@@ -126,9 +126,10 @@ def localize(
         "answers 409 before anything is computed or stored; only an answered request stores its images."))]
     = False,
     min_confidence: Annotated[float | None, Query(ge=0.0, le=1.0, allow_inf_nan=False, description=(
-        "Raise the set's threshold for this request: an answer whose calibrated `confidence` is below it comes "
-        "back with `found=false` (its box is kept; `format=coco` then leaves it out, `format=labelstudio` gives "
-        "it an empty result). No effect on a set without calibration (confidence null, found true)."))] = None,
+        "This request's bar in place of the set's threshold (higher or lower): an answer whose calibrated "
+        "`confidence` is below it comes back with `found=false` (its box is kept; `format=coco` then leaves it "
+        "out, `format=labelstudio` gives it an empty result), and instances below it are left out. No effect on a "
+        "set without calibration (confidence null, found true)."))] = None,
     rerank: Annotated[Rerank, Query(description=(
         "Which box answers, on a set with a calibration. `false`: the agent's own answer. `true`: the candidate "
         "the calibration finds most likely right among the several-instances candidates (at least 4 per image, as "

@@ -107,7 +107,11 @@ def test_threshold_and_min_confidence_decide_found_and_keep_the_box(client, sett
     raised = localize(client, es["id"], "?min_confidence=0.6")
     assert all(not r["found"] for r in raised)
     assert [r["box"] for r in raised] == [r["box"] for r in base]
-    assert all(r["found"] for r in localize(client, es["id"], "?min_confidence=0.1"))  # never lowers the threshold
+    assert all(r["found"] for r in localize(client, es["id"], "?min_confidence=0.1"))
+    client.patch(f"/v1/exemplar-sets/{es['id']}", json={"threshold": 0.6})
+    assert not any(r["found"] for r in localize(client, es["id"]))
+    lowered = localize(client, es["id"], "?min_confidence=0.4")  # the request's bar: lower than the set's too
+    assert all(r["found"] for r in lowered) and [r["box"] for r in lowered] == [r["box"] for r in base]
     r = client.post(f"/v1/exemplar-sets/{es['id']}/localize?min_confidence=1.5", files=files(png_bytes()))
     assert r.status_code == 422
     for bad in ("nan", "inf"):
