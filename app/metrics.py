@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
-from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,11 +41,19 @@ class JobCollector:
         for status in JOB_STATES:
             jobs.add_metric([status], counts.get(status, 0))
         yield jobs
-        summary = SummaryMetricFamily("qloc_job_duration_seconds", "Run time of finished adaptation jobs",
-                                      labels=["status"])
+        # Gauges, not a summary: read from the job rows on record, they go down when a set (and its jobs) is
+        # deleted, which Prometheus would take for a counter reset (rate() and increase() inventing jobs).
+        mean = GaugeMetricFamily("qloc_job_duration_seconds_mean", "Mean run time of the finished adaptation jobs "
+                                 "on record (their number: qloc_jobs)", labels=["status"])
+        recorded = GaugeMetricFamily("qloc_job_duration_seconds_recorded_sum", "Total run time of the finished "
+                                    "adaptation jobs on record (goes down when a set's jobs are deleted)",
+                                    labels=["status"])
         for status, (n, total) in sorted(durations.items()):
-            summary.add_metric([status], count_value=n, sum_value=total)
-        yield summary
+            if n:
+                mean.add_metric([status], total / n)
+                recorded.add_metric([status], total)
+        yield mean
+        yield recorded
 
 
 class Metrics:

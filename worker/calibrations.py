@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 
 def refreshed_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) -> dict[uuid.UUID, dict[str, Any]]:
     """The calibration refresh at the end of a job (``models.calibration``): for the checkpoints it may serve
-    (the one it activates, its last one, the probes' best that its verdict names), fit on the job's probes (the guard's: pasted crops and labeled
-    examples) and its images with the checkpoint's answers erased (plus synthesized backgrounds), with the
-    set's negative exemplars unless the job repaired the reward (they were embedded by the bundle's head).
-    A failure is logged and leaves those checkpoints on the set's calibration: it never fails the job."""
+    (the one it activates, its last one, the probes' best that its verdict names), fit on the job's probes (the
+    guard's: pasted crops and labeled examples) and its images with the checkpoint's answers erased (plus
+    synthesized backgrounds), with the set's negative exemplars unless the job repaired the reward (they were
+    embedded by the bundle's head). A failure is logged and leaves those checkpoints on the set's calibration:
+    it never fails the job."""
     setup, images01 = run.setup, getattr(run, "images01", None)
     if setup is None or images01 is None:
         return {}

@@ -198,7 +198,7 @@ def test_health_ready_metrics(client):
     assert 'qloc_http_request_duration_seconds_count{method="POST",route="/v1/exemplar-sets/{set_id}/localize"' in text
     assert "qloc_localize_batch_size_sum 2.0" in text
     assert 'qloc_jobs{status="queued"} 0.0' in text
-    assert "# TYPE qloc_job_duration_seconds summary" in text
+    assert "# TYPE qloc_job_duration_seconds_mean gauge" in text
 
 
 def test_localize_best_of_n_search(client):

@@ -92,7 +92,8 @@ def test_register_localize_adapt_poll_localize_rollback(stack):
 
         metrics = c.get("/metrics").text
         assert 'qloc_jobs{status="succeeded"} 1.0' in metrics
-        assert 'qloc_job_duration_seconds_count{status="succeeded"} 1.0' in metrics
+        assert 'qloc_job_duration_seconds_mean{status="succeeded"}' in metrics
+        assert "# TYPE qloc_job_duration_seconds_recorded_sum gauge" in metrics  # rows on record: not a counter
     counts = row_counts(stack.settings.database_url)
     assert counts == {"exemplar_sets": 1, "exemplars": 2, "adaptation_jobs": 1, "job_images": 4, "checkpoints": 3,
                       "pool_images": 0}
