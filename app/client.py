@@ -117,6 +117,10 @@ def _retry_after(response: httpx.Response) -> float | None:
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
+CREATE_SET_TIMEOUT = 900.0
+"""Seconds ``create_exemplar_set`` waits for its answer at least (a set is made whether or not it is waited for)."""
+
+
 class QlocClient:
     """The qloc v1 API over httpx.
 
@@ -167,8 +171,10 @@ class QlocClient:
     def request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
                 data: dict[str, Any] | None = None, files: list | None = None, headers: dict[str, str] | None = None,
                 json: Any = None, idempotent: bool | None = None,
-                on_503: Callable[[], dict[str, str] | None] | None = None, ok: Iterable[int] = ()) -> httpx.Response:
+                on_503: Callable[[], dict[str, str] | None] | None = None, ok: Iterable[int] = (),
+                timeout: float | None | object = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
         """Send one API request with the retries -> the response; an error status raises ``QlocError``.
+        ``timeout``: this request's, in place of the client's.
 
         ``on_503`` is called before a retry after a 503 and returns new headers (``None``: do not retry)."""
         safe = method in ("GET", "HEAD", "OPTIONS") if idempotent is None else idempotent
@@ -179,7 +185,7 @@ class QlocClient:
         while True:
             try:
                 r = self.http.request(method, path, params=params or None, data=data or None, files=files,
-                                      json=json, headers=self._headers(hdrs))
+                                      json=json, headers=self._headers(hdrs), timeout=timeout)  # type: ignore[arg-type]
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
                 if attempt >= self.retries:
                     raise QlocError(None, f"cannot connect to the API ({type(e).__name__}: {e})", method=method,
@@ -189,7 +195,8 @@ class QlocClient:
                 continue
             except (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.WriteError) as e:
                 if not safe or attempt >= self.retries:
-                    raise QlocError(None, f"the connection failed ({type(e).__name__}: {e})", method=method,
+                    maybe = "" if safe else "; the server may have done it all the same: look before you retry"
+                    raise QlocError(None, f"the connection failed ({type(e).__name__}: {e}){maybe}", method=method,
                                     url=str(path)) from e
                 self._wait(attempt, None)
                 attempt += 1
@@ -244,7 +251,11 @@ class QlocClient:
                 "boxes": json.dumps([list(map(float, b)) for b in boxes]) if boxes is not None else None,
                 "threshold": None if threshold is None else str(float(threshold))}
         files = files_fields(images) + (files_fields(negatives, "negative_files") if negatives is not None else [])
-        r = self.request("POST", "/v1/exemplar-sets", data=data, files=files)
+        # A set's creation runs on after a client gives up (a photo set's calibration: 15 s on 2 idle cores, minutes
+        # on a loaded one), and a retry would make a second set: wait for it rather than time out at ``timeout``.
+        read = self.http.timeout.read
+        r = self.request("POST", "/v1/exemplar-sets", data=data, files=files,
+                         timeout=None if read is None else max(read, CREATE_SET_TIMEOUT))
         return ExemplarSet.model_validate(r.json())
 
     def list_exemplar_sets(self, *, limit: int = 50, offset: int = 0) -> Page[ExemplarSet]:

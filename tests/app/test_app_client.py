@@ -428,3 +428,30 @@ def test_a_pil_image_goes_up_as_the_api_would_see_its_file(mode: str) -> None:
     direct = decode_image(as_file.getvalue(), filename="f.png", declared_type="image/png", limits=limits).image
     for channels in (1, 3):
         assert torch.equal(pil_to_tensor(sent, channels, (0.5,)), pil_to_tensor(direct, channels, (0.5,)))
+
+
+def test_a_set_creation_is_waited_for_past_the_clients_timeout_and_a_lost_answer_says_look_first() -> None:
+    """A set is made whether or not its creation is waited for (a photo set's calibration takes minutes on a loaded
+    machine): the client waits at least ``CREATE_SET_TIMEOUT`` for it; a creation whose answer is lost is not
+    retried and says the server may have made it."""
+    import httpx
+
+    from app.client import CREATE_SET_TIMEOUT, QlocClient, QlocError
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.extensions["timeout"]["read"]))
+        if request.url.path == "/v1/exemplar-sets" and len(seen) > 1:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(404, json={"detail": "nope"})
+
+    http = httpx.Client(base_url="http://qloc", timeout=5.0, transport=httpx.MockTransport(answer))
+    with QlocClient(http_client=http, sleep=lambda s: None) as qloc:
+        with pytest.raises(QlocError):
+            qloc.create_exemplar_set([png_bytes(28, 28)])
+        with pytest.raises(QlocError, match="the server may have done it all the same"):
+            qloc.create_exemplar_set([png_bytes(28, 28)])
+        with pytest.raises(QlocError):
+            qloc.get_exemplar_set("0" * 32)
+    assert seen == [("/v1/exemplar-sets", CREATE_SET_TIMEOUT)] * 2 + [(f"/v1/exemplar-sets/{'0' * 32}", 5.0)]
