@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from app import crud, jobstates, pool
 from app.deps import BundlesDep, CallerDep, QueueDep, SessionDep, SettingsDep, StoreDep
 from app.remote import RemoteDep, answer_refusal
-from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import set_bundle
 from app.routes.uploads import check_file_count, decode_all, read_raw
 from app.schemas import AdaptationJobPublic, AdaptationJobsPublic, JobParams, Progress
@@ -73,7 +73,7 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
                         422: invalid("Invalid fields, no image to adapt on (no file, and an empty pool), files "
                                      "with source=pool, more iterations than the server allows, or a field the "
                                      "route does not take"),
-                        503: error("The job queue is unreachable, or the set's bundle cannot be loaded (with "
+                        503: unavailable("The job queue is unreachable, or the set's bundle cannot be loaded (with "
                                    "QLOC_INFERENCE=workers: or no localize worker answered the bundle check in "
                                    "time)")})
 def create_adaptation(

@@ -12,6 +12,15 @@ def error(description: str) -> dict[str, Any]:
     return {"model": ErrorDetail, "description": description}
 
 
+RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (on a 503 of a busy model or of no "
+                                               "localize worker)", "schema": {"type": "integer"}}}
+
+
+def unavailable(description: str) -> dict[str, Any]:
+    """A 503 that may carry ``Retry-After``."""
+    return {**error(description), "headers": RETRY_AFTER}
+
+
 def invalid(description: str) -> dict[str, Any]:
     """422 from a route that also refuses values itself: FastAPI's list of issues, or a message."""
     return {"model": ValidationErrorDetail, "description": description}

@@ -23,7 +23,7 @@ from app.inference import (
     prototype_to_bytes,
 )
 from app.remote import MadePrototype, RemoteDep, answer_refusal
-from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.uploads import check_text, read_images
 from app.schemas import (
     ExemplarSetChange,
@@ -164,8 +164,9 @@ def check_crops(images: list[DecodedImage], field: str) -> list[Box | None]:
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExemplarSetPublic, responses={
     **UPLOAD_ERRORS, 422: invalid("Invalid fields, no file, an unknown bundle, or boxes that are not one valid box "
                                   "inside each file, or a field the route does not take"),
-    503: error("The default bundle is unavailable, or the bundle cannot be loaded; with QLOC_INFERENCE=workers, also: "
-               "no localize worker answered within QLOC_LOCALIZE_TIMEOUT seconds (with `Retry-After`)")})
+    503: unavailable("The default bundle is unavailable, or the bundle cannot be loaded; with "
+                     "QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
+                     "seconds (with `Retry-After`)")})
 def create_exemplar_set(
     response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep, bundles: BundlesDep,
     caller: CallerDep, remote: RemoteDep,

@@ -66,7 +66,7 @@ from app.labelstudio import (
 )
 from app.remote import RemoteDep
 from app.routes.adaptations import create_adaptation
-from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import NOT_FOUND
 from app.routes.localize import RunOptions, localize_files, resolve_checkpoint
 from app.routes.uploads import check_text
@@ -235,7 +235,7 @@ def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: 
     422: invalid("Invalid body, a label config without a usable RectangleLabels tag, a task without its image, "
                "or an image that cannot be fetched (unreachable, an error answer, a scheme other than http(s), "
                "a Label Studio path with Label Studio's address unknown)"),
-    503: error("The model is busy or cannot be loaded (as localize)")})
+    503: unavailable("The model is busy or cannot be loaded (as localize)")})
 def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: SessionDep, settings: SettingsDep,
             inference: InferenceDep, caller: LabelStudioCallerDep, metrics: MetricsDep, store: StoreDep,
             bundles: BundlesDep, remote: RemoteDep) -> dict[str, Any]:
@@ -337,7 +337,7 @@ def _project_images(fetcher: ImageFetcher, project: dict[str, Any], es: Exemplar
     409: error("The set's bundle file was replaced since the set was made"),
     422: invalid("Invalid body, or no image to adapt on: the project's images could not be read and the set's "
                  "pool is empty"),
-    503: error("The job queue is unreachable")})
+    503: unavailable("The job queue is unreachable")})
 def webhook(set_id: uuid.UUID, event: WebhookEvent, response: Response, session: SessionDep,
             settings: SettingsDep, store: StoreDep, queue: QueueDep, bundles: BundlesDep,
             caller: LabelStudioCallerDep, remote: RemoteDep) -> dict[str, Any]:

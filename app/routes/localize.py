@@ -38,7 +38,7 @@ from app.export import AnswerOptions
 from app.inference import BundleRegistry
 from app.metrics import Metrics
 from app.remote import WorkerInference
-from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
+from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import NOT_FOUND, set_bundle, unprocessable
 from app.routes.pool import add_to_pool
 from app.routes.pool import limits as pool_limits
@@ -93,11 +93,14 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active:
 
 @router.post("/{set_id}/localize", response_model=LocalizeResponse | CocoResults | list[LabelStudioTask],
              response_model_exclude_none=True, responses={
+    200: {"headers": {"X-Qloc-Kept": {"description": "With keep=true and format=coco or labelstudio (whose body has "
+                                                     "no `kept`): the pool ids of the kept images, comma-separated, "
+                                                     "in upload order", "schema": {"type": "string"}}}},
     **UPLOAD_ERRORS, 404: error("Unknown exemplar set, or a checkpoint not in this set"),
     409: error("The set's bundle file was replaced since the set (or the checkpoint) was made: re-create the set; "
                "or, with keep=true, the set's image pool has no room for the images (nothing computed or stored)"),
     422: invalid("Invalid fields, no file, or a parameter or field the route does not take"),
-    503: error("The set's bundle or checkpoint cannot be loaded; or the model is busy: more images than "
+    503: unavailable("The set's bundle or checkpoint cannot be loaded; or the model is busy: more images than "
                "QLOC_INFERENCE_QUEUE_IMAGES would wait for it, answered at once with `Retry-After` (retry then); "
                "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
                "seconds (with `Retry-After`)")})
