@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -71,6 +73,10 @@ def reap_abandoned_jobs(ctx: WorkerContext, *, now: datetime | None = None) -> t
     for job_id in canceled:
         log.warning("job %s: its worker stopped beating after its cancel was asked; canceled", job_id)
     return requeued, failed
+
+
+UPLOADS_SWEEP_S = 30.0
+"""Seconds between a reaper's sweeps of finished jobs' uploads (``drop_finished_uploads``)."""
 
 
 def drop_finished_uploads(ctx: WorkerContext, *, limit: int = 512) -> int:
@@ -164,6 +170,7 @@ class Reaper:
         self.ctx, self.send = ctx, send
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="qloc-reaper", daemon=True)
+        self._swept = -math.inf  # the first round sweeps finished jobs' uploads
 
     def start(self) -> None:
         self._thread.start()
@@ -193,10 +200,12 @@ class Reaper:
             else:
                 log.warning("job %s: still queued %g s after its task was sent (its message lost, or every worker "
                             "busy); sent it again (a duplicate is harmless)", job_id, self.ctx.settings.requeue_after)
-        try:
-            drop_finished_uploads(self.ctx)
-        except Exception:  # storage or database trouble: the next round tries again
-            log.exception("reaper: could not delete finished jobs' uploads")
+        if time.monotonic() - self._swept >= UPLOADS_SWEEP_S:  # a scan of the job images: not every round
+            self._swept = time.monotonic()
+            try:
+                drop_finished_uploads(self.ctx)
+            except Exception:  # storage or database trouble: the next sweep tries again
+                log.exception("reaper: could not delete finished jobs' uploads")
         return sent
 
     def _loop(self) -> None:
