@@ -80,7 +80,8 @@ def create_adaptation(
     set_id: uuid.UUID, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
     queue: QueueDep, bundles: BundlesDep, caller: CallerDep, remote: RemoteDep,
     files: Annotated[list[UploadFile] | None, File(min_length=1, description=(
-        "Unlabeled images to adapt the set's policy on (with source=files or both)"))] = None,
+        "Unlabeled images to adapt the set's policy on (with source=files or both), at most "
+        "QLOC_MAX_FILES_PER_REQUEST (64 by default); more through the set's pool"))] = None,
     source: Annotated[Literal["files", "pool", "both"] | None, Form(description=(
         "Which images the job adapts on: `files` (the ones posted), `pool` (every image of the set's pool, "
         "`/v1/exemplar-sets/{id}/images`, as it is when the job is created: images added later are not the job's), "

@@ -107,7 +107,8 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active:
 def localize(
     set_id: uuid.UUID, request: Request, serving: ServingDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(min_length=1, description=(
-        "Images to search (PNG/JPEG/WebP, any size up to the limits; not animated). Each is seen upright (its EXIF "
+        "Images to search (PNG/JPEG/WebP, any size up to the limits; not animated), at most "
+        "QLOC_MAX_FILES_PER_REQUEST (64 by default) per request. Each is seen upright (its EXIF "
         "orientation applied) and decoded downscaled to QLOC_DECODE_MAX_SIDE; `width`, `height` and every box "
         "are in the full upright image's pixels"))],
     checkpoint: CheckpointQuery = "active",
