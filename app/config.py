@@ -132,6 +132,9 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(16_000_000, ge=1)
     """Width x height above which an image is refused before decoding (decompression bombs)."""
     max_files_per_request: int = Field(64, ge=1)
+    max_json_bytes: int = Field(4 * MiB, ge=1024)
+    """The largest body that is not multipart/form-data (a JSON body: PATCH of a set, Label Studio's /predict and
+    webhook; an urlencoded job form): such a body is read whole into memory, so it gets a limit of its own (413)."""
     max_request_pixels: int = Field(256_000_000, ge=1)
     """Width x height summed over a request's images (read from their headers, before decoding): above it, 413.
     The default takes 16 images at ``max_image_pixels``; it bounds the decoding work of one request."""

@@ -37,30 +37,37 @@ log = logging.getLogger(__name__)
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int):
-        super().__init__(413, f"request body larger than {limit} bytes")
+    def __init__(self, limit: int, what: str = "request body"):
+        super().__init__(413, f"{what} larger than {limit} bytes")
 
 
 class BodyLimitMiddleware:
-    """Refuses a request body over ``max_body_size`` bytes with a JSON 413, like every other error.
+    """Refuses a request body over its limit with a JSON 413, like every other error.
 
+    A multipart body (files) may take ``max_body_size`` bytes; any other body (JSON, an urlencoded form) only
+    ``max_other_size``: such a body is parsed whole in memory, and nothing qloc takes that way needs more.
     A declared ``Content-Length`` over the limit is answered before the body is read; a body that grows
     past it raises ``BodyTooLarge`` from ``receive``, which the route's exception handling answers.
     (FastAPI's own ``max_body_size`` answers the first case in plain text, outside the OpenAPI spec.)
     """
 
-    def __init__(self, app: ASGIApp, max_body_size: int):
+    def __init__(self, app: ASGIApp, max_body_size: int, max_other_size: int | None = None):
         self.app = app
         self.max_body_size = max_body_size
+        self.max_other_size = max_body_size if max_other_size is None else min(max_other_size, max_body_size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_size
-        declared = Headers(scope=scope).get("content-length", "")
+        headers = Headers(scope=scope)
+        if headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            limit, what = self.max_body_size, "request body"
+        else:
+            limit, what = self.max_other_size, "a body that is not multipart/form-data (JSON, say)"
+        declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await JSONResponse({"detail": BodyTooLarge(limit).detail}, 413)(scope, receive, send)
+            await JSONResponse({"detail": BodyTooLarge(limit, what).detail}, 413)(scope, receive, send)
             return
         received = 0
 
@@ -70,7 +77,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, what)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -128,7 +135,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.remote = None  # QLOC_INFERENCE=workers: the model runs on the localize queue's workers
     if settings.inference == "workers":
         app.state.inference = app.state.remote = WorkerInference(settings, app.state.queue.celery)
-    app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_size=settings.max_request_bytes,
+                       max_other_size=settings.max_json_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost: sees 413s
     for module in (exemplar_sets, localize, pool, adaptations, checkpoints, bundles):  # the v1 API: strict
         app.include_router(module.router, dependencies=[Depends(known_parameters)], responses=UNKNOWN_PARAMETER)

@@ -19,7 +19,7 @@ def stack(tmp_path_factory, bundle_dir):
     root = tmp_path_factory.mktemp("limits")
     # 2 files of 100 kB (a body of at most 2 x 100 kB + 1 MiB), 60,000 pixels in all per request
     s = make_test_settings(root, bundle_dir, max_files_per_request=2, max_file_bytes=100_000,
-                           max_request_pixels=60_000, decode_max_side=64)
+                           max_request_pixels=60_000, decode_max_side=64, max_json_bytes=4096)
     migrate(s.database_url)
     st = Stack(s, root)
     st.start_api()
@@ -90,6 +90,26 @@ def test_chunked_body_growing_past_the_limit_is_a_json_413(stack):
     status, headers, answer = raw_exchange(stack, multipart_head(stack, "Transfer-Encoding: chunked\r\n"), body)
     assert status == 413 and str(limit) in json_detail(status, headers, answer)
     assert snapshot(stack) == before
+
+
+def test_a_json_body_has_a_limit_of_its_own_declared_or_chunked_and_nothing_changes(stack):
+    r = httpx.post(f"{stack.base_url}{URL}", files=[("files", ("a.png", png_bytes(28, 28)))], data={"name": "n"})
+    assert r.status_code == 201, r.text  # a multipart body over the JSON limit (the PNG alone) is taken
+    sid = r.json()["id"]
+    before = snapshot(stack)
+    big = json.dumps({"name": "x" * 5000}).encode()
+    r = httpx.patch(f"{stack.base_url}{URL}/{sid}", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "4096" in r.json()["detail"] and "multipart" in r.json()["detail"]
+    head = (f"PATCH {URL}/{sid} HTTP/1.1\r\nHost: 127.0.0.1:{stack.port}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    pieces = [big[i:i + 1000] for i in range(0, len(big), 1000)]
+    status, headers, answer = raw_exchange(stack, head, [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces]
+                                           + [b"0\r\n\r\n"])
+    assert status == 413 and "4096" in json_detail(status, headers, answer)
+    assert snapshot(stack) == before
+    assert httpx.get(f"{stack.base_url}{URL}/{sid}").json()["name"] == "n"
+    r = httpx.patch(f"{stack.base_url}{URL}/{sid}", json={"name": "y" * 200})  # within the limit: taken
+    assert r.status_code == 200 and r.json()["name"] == "y" * 200
 
 
 def test_a_body_sent_whole_over_the_limit_is_a_json_413(stack):
