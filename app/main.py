@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import warmup, web
+from app import forms, warmup, web
 from app.config import Settings, get_settings, usable_cores
 from app.db import make_engine, make_sessionmaker
 from app.inference import BundleRegistry
@@ -145,6 +145,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     web.install(app)  # the page at / and the API docs, offline
+    forms.install()  # a text field that is not valid UTF-8 is a 422, not read as Latin-1
     return app
 
 

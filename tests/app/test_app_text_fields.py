@@ -49,3 +49,27 @@ def test_unstorable_text_is_a_422_on_both_databases_and_nothing_is_written(api, 
     r = api.post(f"/v1/exemplar-sets/{ok['id']}/adaptations", content=body, headers=headers)
     assert r.status_code == 422 and "NUL" in r.json()["detail"]
     assert api.get(f"/v1/exemplar-sets/{ok['id']}/adaptations").json()["data"] == []
+
+
+def raw_text_field(name: str, value: bytes, charset: str | None = None) -> tuple[bytes, dict]:
+    """A crop and one text field whose bytes reach the server as they are."""
+    b = b"qlocboundary"
+    body = (b"--" + b + b'\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\nContent-Type: '
+            b"image/png\r\n\r\n" + png_bytes(28, 28) + b"\r\n--" + b + b'\r\nContent-Disposition: form-data; name="'
+            + name.encode() + b'"\r\n\r\n' + value + b"\r\n--" + b + b"--\r\n")
+    ctype = "multipart/form-data; boundary=qlocboundary" + (f"; charset={charset}" if charset else "")
+    return body, {"content-type": ctype}
+
+
+def test_a_text_field_that_is_not_utf8_is_a_422_naming_it_and_nothing_is_written(api, db_settings):
+    before = blob_files(db_settings)
+    body, headers = raw_text_field("name", b"caf\xe9")  # Latin-1 bytes, sent as UTF-8 (the default)
+    r = api.post("/v1/exemplar-sets", content=body, headers=headers)
+    assert r.status_code == 422 and "'name'" in r.json()["detail"] and "UTF-8" in r.json()["detail"], r.text
+    assert api.get("/v1/exemplar-sets").json()["data"] == [] and blob_files(db_settings) == before
+    body, headers = raw_text_field("name", "café ∑".encode())  # valid UTF-8: stored as sent
+    r = api.post("/v1/exemplar-sets", content=body, headers=headers)
+    assert r.status_code == 201 and r.json()["name"] == "café ∑", r.text
+    body, headers = raw_text_field("name", b"caf\xe9", charset="latin-1")  # a charset named: read in it
+    r = api.post("/v1/exemplar-sets", content=body, headers=headers)
+    assert r.status_code == 201 and r.json()["name"] == "café", r.text
