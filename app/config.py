@@ -172,6 +172,13 @@ class Settings(BaseSettings):
     difference, as on the probes: no photo job ended below its start, but few activate (BENCHMARKS.md, "Labeled
     examples beyond their noise"). ``agree`` (the rule before): at least as many right as at the start; on photos
     it took most real gains and let some jobs end up to 7.5 points below their start."""
+    job_checkpoints: Literal["all", "chosen"] = "all"
+    """Which of a job's checkpoints stay once it succeeds. ``all`` (the default): every one it wrote (one per
+    ``checkpoint_every`` iterations), to activate or delete by hand (``DELETE /v1/checkpoints/{id}``). ``chosen``: the
+    ones its outcome names, those it calibrates: the one it activated (``validation.activated_checkpoint_id``), the
+    probes' best (the verdict's) and its last (``activate=true``'s, the job's ``checkpoint_id``); the others are
+    deleted with their files as that route would delete them (one made active meanwhile, or that a queued job starts
+    from, stays), so a set grows by at most three checkpoints per job. A failed or canceled job keeps what it wrote."""
     early_stop_patience: int = Field(2, ge=0, le=1000)
     """A job stops early after this many checkpoints in a row whose probe CorLoc is below the best so far by more
     than the probes' noise (0: never stop early)."""

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app import crud, pool
 from app.deps import CallerDep, SessionDep, StoreDep
+from app.retention import remove_checkpoints
 from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
 from app.schemas import CheckpointPublic, CheckpointsPublic, ExemplarSetPublic
-from app.storage import BlobStore, head_key, heads_prefix
-from app.tables import FINISHED_STATES, AdaptationJob, Checkpoint
-from models.bundle import head_refs
-
-log = logging.getLogger(__name__)
+from app.tables import Checkpoint
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"], responses=UNAUTHORIZED)
 
@@ -93,23 +88,8 @@ def delete_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: Cal
     if why is not None:
         session.rollback()
         raise HTTPException(status.HTTP_409_CONFLICT, f"checkpoint {checkpoint_id} cannot be deleted: {why}")
-    blob = crud.delete_checkpoint(session, checkpoint=ckpt)
-    # A job running may have written a head its checkpoint does not name yet: heads from since it began stay.
-    since = session.scalar(select(func.min(AdaptationJob.created_at)).where(
-        AdaptationJob.exemplar_set_id == set_id, AdaptationJob.status.not_in(FINISHED_STATES)))
-    remaining = list(session.scalars(select(Checkpoint.blob).where(Checkpoint.exemplar_set_id == set_id,
-                                                                   Checkpoint.kind == "adapted")))
-    session.commit()
-    if blob:
-        store.delete(blob)
-    drop_unused_heads(store, set_id, [b for b in remaining if b],
-                      before=None if since is None else since.timestamp() - HEAD_CLOCK_MARGIN_S)
+    remove_checkpoints(session, store, set_id, [ckpt])
     return Response(status_code=status.HTTP_204_NO_CONTENT)
-
-
-HEAD_CLOCK_MARGIN_S = 60.0
-"""Seconds a head file written before an unfinished job was created is still kept (the worker that wrote it and
-the API may not share a clock)."""
 
 
 def locked(session: Session, set_id: uuid.UUID) -> None:
@@ -118,22 +98,3 @@ def locked(session: Session, set_id: uuid.UUID) -> None:
     except pool.SetGone as e:
         session.rollback()
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND) from e
-
-
-def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str], *, before: float | None = None) -> None:
-    """Delete the set's head files (checkpoint format 6) that none of the checkpoint files ``blobs`` refers to (with
-    ``before``, a POSIX time: only those written before it)."""
-    folder = store.path(heads_prefix(set_id))
-    if not folder.is_dir():
-        return
-    used = set()
-    for blob in blobs:
-        try:
-            used |= {ref["key"] for ref in head_refs(store.path(blob))}
-        except (OSError, ValueError, RuntimeError):
-            log.warning("checkpoint file %s unreadable: the set's head files are kept", blob)
-            return
-    for f in folder.glob("*.pt"):
-        key = head_key(set_id, f.stem)
-        if key not in used and (before is None or f.stat().st_mtime < before):
-            store.delete(key)

@@ -278,6 +278,53 @@ def test_a_checkpoint_is_deleted_with_its_file_unless_it_is_in_use(client, ctx):
     assert client.get(f"/v1/adaptations/{queued['id']}").json()["params"]["base_checkpoint_id"] is None
 
 
+def test_job_checkpoints_chosen_keeps_what_the_outcome_names_and_deletes_the_rest_with_their_files(client, settings,
+                                                                                                   monkeypatch):
+    """QLOC_JOB_CHECKPOINTS=chosen: a succeeded job keeps its activated, best and last checkpoints (lineage through
+    the deleted ones), the others go with their files; one the user activated meanwhile stays; ``all`` keeps all."""
+    chosen = WorkerContext.create(settings.model_copy(update={**FAST_JOB, "job_checkpoints": "chosen"}))
+    try:
+        job = new_job(client, iterations="9", activate="auto")  # checkpoints at 2, 4, 6, 8 and 9
+        sid = job["exemplar_set_id"]
+        kept_by_hand = {}
+
+        def the_user_activates_iteration_4(self, ckpt_ids):  # noqa: ANN001, ANN202 -- before the outcome
+            four = self.checkpoint_ids[4]
+            assert client.post(f"/v1/checkpoints/{four}/activate").status_code == 200
+            kept_by_hand["id"] = four
+            return {}
+        monkeypatch.setattr(AdaptationRun, "_calibrations", the_user_activates_iteration_4)
+        assert run_adaptation_job(chosen, uuid.UUID(job["id"]), worker="test") == "succeeded"
+        monkeypatch.undo()
+        polled = client.get(f"/v1/adaptations/{job['id']}").json()
+        written = {c["iteration"] for c in polled["validation"]["checkpoints"]}
+        assert written == {2, 4, 6, 8, 9}
+        best = polled["validation"]["best"]["iteration"] if polled["validation"]["best"] else None
+        want = {4, 9} | ({best} if best in written else set())  # the active one (the user's), the last, the best
+        left = checkpoints_of(chosen, job["id"])
+        assert {c.iteration for c in left} == want
+        assert polled["checkpoint_id"] == str(left[-1].id) and left[-1].iteration == 9
+        assert all(chosen.store.exists(c.blob) for c in left)
+        files_of_job = {p.name for p in chosen.store.path(left[0].blob).parent.glob("*")}
+        assert len(files_of_job) == len(left), files_of_job  # the deleted ones' files are gone
+        assert left[0].parent_id == uuid.UUID(job["params"]["base_checkpoint_id"])  # lineage skips the deleted
+        assert [c.parent_id for c in left[1:]] == [c.id for c in left[:-1]]
+        assert client.get(f"/v1/exemplar-sets/{sid}").json()["active_checkpoint_id"] == str(kept_by_hand["id"])
+        for c in left:  # each still serves (its repaired head, stored apart, kept)
+            r = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"checkpoint": str(c.id)},
+                            files=files(png_bytes()))
+            assert r.status_code == 200, r.text
+    finally:
+        chosen.engine.dispose()
+    every = WorkerContext.create(settings.model_copy(update=FAST_JOB))  # the default: all
+    try:
+        second = new_job(client, sid, iterations="5", activate="false")
+        assert run_adaptation_job(every, uuid.UUID(second["id"]), worker="test") == "succeeded"
+        assert [c.iteration for c in checkpoints_of(every, second["id"])] == [2, 4, 5]
+    finally:
+        every.engine.dispose()
+
+
 def test_cancel_is_honoured_between_iterations(client, ctx):
     job = new_job(client, iterations="50")
     job_id = uuid.UUID(job["id"])
