@@ -2,20 +2,36 @@
 
 Starlette decodes a multipart text field in the body's charset (UTF-8 unless the Content-Type names another) and,
 where its bytes are not valid in it, silently as Latin-1: a set named with bytes from another encoding would be
-stored as mojibake. ``StrictFormParser`` refuses such a field instead (422 naming it), before any route runs;
-filenames keep Starlette's fallback (a stored name only, never read back as the set's data). ``install`` makes it
-the parser of every ``Request.form()`` (Starlette builds its parser by this module-level name).
+stored as mojibake. ``TextCheckedParser`` keeps Starlette's reading but notes each such field in the form it
+returns (``TextCheckedForm.not_text``); the v1 routes' strict check (``app.routes.strict``) refuses a text field
+among them (422 naming it), where a file sent without a filename (its bytes a text part) is said so as before.
+Filenames keep Starlette's fallback (a stored name only). ``install`` makes it the parser of every
+``Request.form()`` (Starlette builds its parser by this module-level name).
 """
 
 from __future__ import annotations
 
-from fastapi import HTTPException, status
 from starlette import requests
+from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartParser
 
 
-class StrictFormParser(MultiPartParser):
-    """Starlette's multipart parser, but a text field whose bytes are not valid in the body's charset is a 422."""
+class TextCheckedForm(FormData):
+    """A parsed form, with the names of the text fields whose bytes were not valid in the body's charset."""
+
+    def __init__(self, items: list, *, not_text: dict[str, str]):
+        super().__init__(items)
+        self.not_text = not_text
+        """Field name -> what was wrong (the charset, the first bad byte's offset)."""
+
+
+class TextCheckedParser(MultiPartParser):
+    """Starlette's multipart parser, noting the text fields that are not valid in the body's charset."""
+
+    async def parse(self) -> FormData:
+        self._not_text: dict[str, str] = {}
+        form = await super().parse()
+        return TextCheckedForm(form.multi_items(), not_text=self._not_text)
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -23,12 +39,10 @@ class StrictFormParser(MultiPartParser):
             try:
                 part.data.decode(self._charset)
             except UnicodeDecodeError as e:
-                raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, (
-                    f"form field {part.field_name!r} is not valid {self._charset} text (byte {e.start} of its "
-                    "value): send it UTF-8 encoded")) from e
+                self._not_text.setdefault(part.field_name, f"not valid {self._charset} text (byte {e.start})")
         super().on_part_end()
 
 
 def install() -> None:
-    """Every form the app reads is parsed by ``StrictFormParser`` (idempotent)."""
-    requests.MultiPartParser = StrictFormParser
+    """Every multipart form the app reads is parsed by ``TextCheckedParser`` (idempotent)."""
+    requests.MultiPartParser = TextCheckedParser

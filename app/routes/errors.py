@@ -28,6 +28,8 @@ def invalid(description: str) -> dict[str, Any]:
 
 UNAUTHORIZED = {401: error("Missing or invalid API key (only when the server has API keys)")}
 
+JSON_TOO_LARGE = {413: error("A body that is not multipart/form-data larger than QLOC_MAX_JSON_BYTES (4 MiB)")}
+
 UPLOAD_ERRORS = {
     400: error("A PNG, JPEG or WebP that cannot be decoded (truncated, corrupt) or an empty file"),
     413: error("Too many files, a file or image too large, more pixels in all than the request's budget "

@@ -23,7 +23,7 @@ from app.inference import (
     prototype_to_bytes,
 )
 from app.remote import MadePrototype, RemoteDep, answer_refusal
-from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
+from app.routes.errors import JSON_TOO_LARGE, UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.uploads import check_text, read_images
 from app.schemas import (
     ExemplarSetChange,
@@ -247,7 +247,8 @@ def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep)
 
 
 @router.patch("/{set_id}", response_model=ExemplarSetPublic,
-              responses={**UNKNOWN, 415: error("The body is not JSON (Content-Type: application/json)"),
+              responses={**UNKNOWN, **JSON_TOO_LARGE,
+                         415: error("The body is not JSON (Content-Type: application/json)"),
                          422: invalid("Unknown field, a value out of range, or nothing to change")})
 def update_exemplar_set(set_id: uuid.UUID, change: ExemplarSetChange, session: SessionDep,
                         caller: CallerDep) -> ExemplarSetPublic:

@@ -66,7 +66,7 @@ from app.labelstudio import (
 )
 from app.remote import RemoteDep
 from app.routes.adaptations import create_adaptation
-from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
+from app.routes.errors import JSON_TOO_LARGE, UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import NOT_FOUND
 from app.routes.localize import RunOptions, localize_files, resolve_checkpoint
 from app.routes.uploads import check_text
@@ -199,7 +199,8 @@ def health(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDep)
     return {"status": "UP", "model_class": "qloc", "exemplar_set": str(es.id), "bundle": es.bundle}
 
 
-@router.post("/setup", responses={422: invalid("Invalid body, or a label config without a usable RectangleLabels tag")})
+@router.post("/setup", responses={**JSON_TOO_LARGE, 422: invalid(
+    "Invalid body, or a label config without a usable RectangleLabels tag")})
 def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: SettingsDep,
           caller: LabelStudioCallerDep) -> dict[str, Any]:
     """Label Studio connects: the config must have a RectangleLabels on an Image with a label for the set;
@@ -230,7 +231,7 @@ def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: 
 @router.post("/predict", responses={
     400: error("A task's image cannot be decoded (truncated, corrupt) or is empty"),
     409: error("The set's bundle file was replaced since the set was made (as localize)"),
-    413: error("A task's image is too large"),
+    413: error("A task's image is too large, or the body larger than QLOC_MAX_JSON_BYTES (4 MiB)"),
     415: error("A task's image is not a PNG, JPEG or WebP"),
     422: invalid("Invalid body, a label config without a usable RectangleLabels tag, a task without its image, "
                "or an image that cannot be fetched (unreachable, an error answer, a scheme other than http(s), "

@@ -5,7 +5,7 @@ word why, and ``-F lr=0.01`` would run a job at the default rate; and of ``?samp
 empty form field (``-F iterations=``) it takes for an absent one.
 ``known_parameters`` (a dependency of the v1 routers, ``app.main``) answers 422 naming the unknown names and listing
 the ones the route takes, or naming a parameter or field given more than once that takes one value, or a form field
-sent empty. Form fields are
+sent empty or in bytes that are not text in the body's charset (``app.forms``). Form fields are
 checked on routes that take a form (a form sent to one that takes none is not read); a body of another type sent to
 one of them (JSON, say) is a 415 saying it takes multipart/form-data. Label Studio's routes (its
 own protocol, whose callers add what they like) and the health probes are left as they are."""
@@ -88,6 +88,7 @@ async def known_parameters(request: Request) -> None:
             raise _refuse("form field", unknown, body, route, request.method)
         _once("form field", form.multi_items(), lists)
         _filled(form.multi_items(), route)
+        _text(form, route)
 
 
 def _takes_a_form(route: APIRoute) -> bool:
@@ -109,6 +110,16 @@ def _filled(items: list[tuple[str, object]], route: APIRoute) -> None:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, (
                 f"form field {name!r} is empty: attach a file (curl -F '{name}=@image.png')" if name in files else
                 f"form field {name!r} is empty: give it a value, or leave it out for its default"))
+
+
+def _text(form: object, route: APIRoute) -> None:
+    """422 if a text field's bytes were not valid in the body's charset (``app.forms``: Starlette would read them as
+    Latin-1). A file field sent without a filename is a text part too: the route says so in its own words."""
+    files = {p.alias for p in route.dependant.body_params if isinstance(p.field_info, params.File)}
+    for name, why in getattr(form, "not_text", {}).items():
+        if name not in files:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"form field {name!r} is {why}: send it UTF-8 encoded")
 
 
 def _once(kind: str, items: list[tuple[str, object]], lists: frozenset[str]) -> None:
