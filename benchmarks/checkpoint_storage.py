@@ -4,7 +4,7 @@ against what the same checkpoints took with the head inside each file (formats 3
 Through a running service (``./scripts/run``, whose blobs are under ``--storage``): a set of exemplar crops of a
 kind the bundle never saw (a glyph: its reward repair is then kept, and the checkpoints carry a head), one job with
 the server's defaults on ``--images`` unlabeled images (``--iterations``, default the server's), then every file
-of the set's folder read back::
+of the set's folder read back (under ``QLOC_JOB_CHECKPOINTS=chosen``, once the job's others are deleted)::
 
     .venv/bin/python benchmarks/checkpoint_storage.py --storage var --out runs/checkpoint-storage.json
 """
@@ -53,8 +53,15 @@ def main() -> None:
             time.sleep(1.0)
             job = c.get(f"/v1/adaptations/{job['id']}").json()
         root = a.storage / "exemplar-sets" / sid
+        folder = root / "jobs" / job["id"] / "checkpoints"
+        deadline = time.monotonic() + 60  # QLOC_JOB_CHECKPOINTS=chosen: the worker deletes the others as the job ends
+        while time.monotonic() < deadline:
+            rows = c.get(f"/v1/exemplar-sets/{sid}/checkpoints", params={"limit": 200}).json()["data"]
+            if len(list(folder.glob("*.pt"))) == sum(r["job_id"] == job["id"] for r in rows):
+                break
+            time.sleep(0.5)
         heads = {f.name: f.stat().st_size for f in (root / "heads").glob("*.pt")} if (root / "heads").is_dir() else {}
-        ckpts = sorted((root / "jobs" / job["id"] / "checkpoints").glob("*.pt"))
+        ckpts = sorted(folder.glob("*.pt"))
         inline = 0
         for f in ckpts:  # the same checkpoint with its heads inside: its file and each head it refers to
             refs = head_refs(f)
@@ -65,6 +72,7 @@ def main() -> None:
     mb = 1e6
     emit({"bundle": a.bundle, "glyph": a.glyph, "status": job["status"], "iterations": job["params"]["iterations"],
           "reward": (job["validation"] or {}).get("reward"), "checkpoints": len(ckpts),
+          "written": len((job["validation"] or {}).get("checkpoints") or []),
           "checkpoint_mb": [round(v / mb, 2) for v in sizes],
           "heads": len(heads), "head_mb": [round(v / mb, 2) for v in heads.values()],
           "stored_mb": round(stored / mb, 1), "heads_inside_mb": round(inline / mb, 1),
