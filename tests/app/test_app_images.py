@@ -251,3 +251,20 @@ def test_a_truncated_jpeg_is_refused_when_decoded_downscaled_too():
     with pytest.raises(ImageRejected) as e:
         decode_image(data[: len(data) // 2], filename="cut.jpg", declared_type=None, limits=BIG, max_side=500)
     assert e.value.reason == "bad_image"
+
+
+def test_a_bilevel_image_is_read_descreened_at_its_full_resolution():
+    """A 1-bit (dithered) image becomes the grays its dots stand for: a uniform 25 % gray dithered reads back near
+    25 % everywhere, not 0 / 255; its size and any other mode's pixels are as before."""
+    gray = Image.new("L", (64, 48), 64)
+    dithered = encode(gray.convert("1"), "PNG")  # Floyd-Steinberg
+    im = decode_image(dithered, filename="a.png", declared_type="image/png", limits=LIMITS)
+    arr = np.asarray(im.image, dtype=np.float32)
+    assert im.image.mode == "L" and (im.width, im.height) == (64, 48)
+    assert len(np.unique(arr)) > 8 and abs(arr[8:-8, 8:-8].mean() - 64) < 8 and arr[8:-8, 8:-8].std() < 40
+    assert np.asarray(Image.open(io.BytesIO(dithered)).convert("L")).std() > 90  # the raw dots: 0 and 255
+    plain = np.asarray(decode_image(encode(gray, "PNG"), filename="b.png", declared_type="image/png",
+                                    limits=LIMITS).image)
+    assert (plain == 64).all()  # an 8-bit gray image is untouched
+    stored = open_stored(dithered)  # the worker reads the stored file the same way
+    assert np.array_equal(np.asarray(stored.image), np.asarray(im.image))
