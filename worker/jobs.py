@@ -391,11 +391,11 @@ class AdaptationRun:
         try:
             with self.ctx.session_factory() as s:
                 pool.lock(s, set_id)  # as the route: no activation of one, no job from one, while this decides
-                ckpts = [c for c in s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id))
-                         if c.id not in chosen and crud.checkpoint_in_use(s, checkpoint=c) is None]
+                written = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id)))
+                ckpts = [c for c in written if c.id not in chosen and crud.checkpoint_in_use(s, checkpoint=c) is None]
                 n = remove_checkpoints(s, self.ctx.store, set_id, ckpts)
             log.info("job %s: %d of its checkpoints deleted (QLOC_JOB_CHECKPOINTS=chosen), %d kept", self.job_id, n,
-                     len(chosen))
+                     len(written) - n)
         except pool.SetGone:
             pass  # the set was deleted with its checkpoints
         except Exception:
