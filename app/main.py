@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int, what: str = "request body"):
-        super().__init__(413, f"{what} larger than {limit} bytes")
+        setting = "" if what == "request body" else " (the server's QLOC_MAX_JSON_BYTES)"
+        super().__init__(413, f"{what} larger than {limit} bytes{setting}")
 
 
 class BodyLimitMiddleware:
