@@ -37,9 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int, what: str = "request body"):
-        setting = "" if what == "request body" else " (the server's QLOC_MAX_JSON_BYTES)"
-        super().__init__(413, f"{what} larger than {limit} bytes{setting}")
+    def __init__(self, detail: str):
+        super().__init__(413, detail)
 
 
 class BodyLimitMiddleware:
@@ -54,21 +53,21 @@ class BodyLimitMiddleware:
 
     def __init__(self, app: ASGIApp, max_body_size: int, max_other_size: int | None = None):
         self.app = app
-        self.max_body_size = max_body_size
-        self.max_other_size = max_body_size if max_other_size is None else min(max_other_size, max_body_size)
+        other = max_body_size if max_other_size is None else min(max_other_size, max_body_size)
+        self.multipart = (max_body_size, f"request body larger than {max_body_size} bytes")
+        self.other = (other, f"a body that is not multipart/form-data (JSON, say) larger than {other} bytes (the "
+                             "server's QLOC_MAX_JSON_BYTES)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if headers.get("content-type", "").lower().startswith("multipart/form-data"):
-            limit, what = self.max_body_size, "request body"
-        else:
-            limit, what = self.max_other_size, "a body that is not multipart/form-data (JSON, say)"
+        multipart = headers.get("content-type", "").lower().startswith("multipart/form-data")
+        limit, detail = self.multipart if multipart else self.other
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await JSONResponse({"detail": BodyTooLarge(limit, what).detail}, 413)(scope, receive, send)
+            await JSONResponse({"detail": detail}, 413)(scope, receive, send)
             return
         received = 0
 
@@ -78,7 +77,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit, what)
+                    raise BodyTooLarge(detail)
             return message
 
         await self.app(scope, limited_receive, send)
