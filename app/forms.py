@@ -11,18 +11,23 @@ Filenames keep Starlette's fallback (a stored name only). ``install`` makes it t
 
 from __future__ import annotations
 
+import codecs
+
+from python_multipart.multipart import parse_options_header
 from starlette import requests
 from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartParser
 
 
 class TextCheckedForm(FormData):
-    """A parsed form, with the names of the text fields whose bytes were not valid in the body's charset."""
+    """A parsed form, with the names of the text fields whose bytes were not valid in the body's charset, and the
+    charset the body named if Python knows no such codec (Starlette then reads the text as Latin-1)."""
 
-    def __init__(self, items: list, *, not_text: dict[str, str]):
+    def __init__(self, items: list, *, not_text: dict[str, str], unknown_charset: str | None = None):
         super().__init__(items)
         self.not_text = not_text
         """Field name -> what was wrong (the charset, the first bad byte's offset)."""
+        self.unknown_charset = unknown_charset
 
 
 class TextCheckedParser(MultiPartParser):
@@ -31,7 +36,14 @@ class TextCheckedParser(MultiPartParser):
     async def parse(self) -> FormData:
         self._not_text: dict[str, str] = {}
         form = await super().parse()
-        return TextCheckedForm(form.multi_items(), not_text=self._not_text)
+        named = parse_options_header(self.headers.get("Content-Type", ""))[1].get(b"charset")
+        unknown = None
+        if named is not None:
+            try:
+                codecs.lookup(named.decode("latin-1"))
+            except LookupError:
+                unknown = named.decode("latin-1")
+        return TextCheckedForm(form.multi_items(), not_text=self._not_text, unknown_charset=unknown)
 
     def on_part_end(self) -> None:
         part = self._current_part

@@ -16,6 +16,7 @@ from fastapi import HTTPException, Request, params, status
 from fastapi._compat import field_annotation_is_sequence
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
+from starlette.datastructures import FormData
 
 from app.routes.errors import invalid
 
@@ -112,10 +113,17 @@ def _filled(items: list[tuple[str, object]], route: APIRoute) -> None:
                 f"form field {name!r} is empty: give it a value, or leave it out for its default"))
 
 
-def _text(form: object, route: APIRoute) -> None:
-    """422 if a text field's bytes were not valid in the body's charset (``app.forms``: Starlette would read them as
-    Latin-1). A file field sent without a filename is a text part too: the route says so in its own words."""
+def _text(form: FormData, route: APIRoute) -> None:
+    """422 if a text field's bytes were not valid in the body's charset, or the charset is one Python does not know
+    (``app.forms``: Starlette would read them as Latin-1). A file field sent without a filename is a text part too:
+    the route says so in its own words."""
     files = {p.alias for p in route.dependant.body_params if isinstance(p.field_info, params.File)}
+    charset = getattr(form, "unknown_charset", None)
+    text = [name for name, value in form.multi_items() if isinstance(value, str) and name not in files]
+    if charset is not None and text:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, (
+            f"the body's Content-Type names charset {charset!r}, which is not known, so form field {text[0]!r} cannot "
+            "be read: send the form as UTF-8 (leave the charset parameter out)"))
     for name, why in getattr(form, "not_text", {}).items():
         if name not in files:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,

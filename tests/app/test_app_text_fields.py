@@ -73,3 +73,11 @@ def test_a_text_field_that_is_not_utf8_is_a_422_naming_it_and_nothing_is_written
     body, headers = raw_text_field("name", b"caf\xe9", charset="latin-1")  # a charset named: read in it
     r = api.post("/v1/exemplar-sets", content=body, headers=headers)
     assert r.status_code == 201 and r.json()["name"] == "café", r.text
+    body, headers = raw_text_field("name", b"four", charset="no-such-charset")  # a charset Python does not know
+    r = api.post("/v1/exemplar-sets", content=body, headers=headers)
+    assert r.status_code == 422 and "no-such-charset" in r.json()["detail"] and "'name'" in r.json()["detail"], r.text
+    assert len(api.get("/v1/exemplar-sets").json()["data"]) == 2  # the two taken above, nothing more
+    crop_only = (body.split(b'\r\n--qlocboundary\r\nContent-Disposition: form-data; name="name"')[0]
+                 + b"\r\n--qlocboundary--\r\n")
+    r = api.post("/v1/exemplar-sets", content=crop_only, headers=headers)  # no text field to misread: taken
+    assert r.status_code == 201, r.text
