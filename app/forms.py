@@ -36,13 +36,13 @@ class TextCheckedParser(MultiPartParser):
     async def parse(self) -> FormData:
         self._not_text: dict[str, str] = {}
         form = await super().parse()
-        named = parse_options_header(self.headers.get("Content-Type", ""))[1].get(b"charset")
         unknown = None
-        if named is not None:
+        if self._charset == "latin-1":  # named so, or Starlette's fallback for a charset no codec reads
+            named = parse_options_header(self.headers.get("Content-Type", ""))[1].get(b"charset", b"").decode("latin-1")
             try:
-                codecs.lookup(named.decode("latin-1"))
+                codecs.lookup(named)
             except LookupError:
-                unknown = named.decode("latin-1")
+                unknown = named
         return TextCheckedForm(form.multi_items(), not_text=self._not_text, unknown_charset=unknown)
 
     def on_part_end(self) -> None:

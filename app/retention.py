@@ -1,5 +1,5 @@
 """Checkpoints deleted with their files: one by ``DELETE /v1/checkpoints/{id}``, and a finished job's own
-intermediate ones under ``QLOC_JOB_CHECKPOINTS=chosen`` (``worker.jobs``), by the same code.
+intermediate ones under ``QLOC_JOB_CHECKPOINTS=chosen`` (``keep_only``, called by ``worker.jobs``), by the same code.
 
 A checkpoint's row goes first (its children re-parented, ``app.crud.delete_checkpoint``), its file after the
 commit; a repaired head stored apart (checkpoint format 6) goes once no checkpoint of the set refers to it, except
@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Iterable
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from app import crud
+from app import crud, pool
 from app.storage import BlobStore, head_key, heads_prefix
 from app.tables import FINISHED_STATES, AdaptationJob, Checkpoint
 from models.bundle import head_refs
@@ -43,6 +43,25 @@ def remove_checkpoints(session: Session, store: BlobStore, set_id: uuid.UUID, ch
     drop_unused_heads(store, set_id, [b for b in remaining if b],
                       before=None if since is None else since.timestamp() - HEAD_CLOCK_MARGIN_S)
     return len(blobs)
+
+
+def keep_only(session_factory: sessionmaker[Session], store: BlobStore, *, set_id: uuid.UUID, job_id: uuid.UUID,
+              chosen: set[uuid.UUID]) -> None:
+    """``QLOC_JOB_CHECKPOINTS=chosen``: delete the finished job's checkpoints (of every run) but ``chosen``, and but
+    those the set has made active or a queued job starts from meanwhile. The job has ended: a failure here is
+    logged, the checkpoints stay (``DELETE /v1/checkpoints/{id}`` can free them)."""
+    try:
+        with session_factory() as s:
+            pool.lock(s, set_id)  # as the route: no activation of one, no job from one, while this decides
+            written = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+            drop = [c for c in written if c.id not in chosen and crud.checkpoint_in_use(s, checkpoint=c) is None]
+            n = remove_checkpoints(s, store, set_id, drop)
+        log.info("job %s: %d of its checkpoints deleted (QLOC_JOB_CHECKPOINTS=chosen), %d kept", job_id, n,
+                 len(written) - n)
+    except pool.SetGone:
+        pass  # the set was deleted with its checkpoints
+    except Exception:
+        log.exception("job %s: its unchosen checkpoints were not deleted", job_id)
 
 
 def drop_unused_heads(store: BlobStore, set_id: uuid.UUID, blobs: list[str], *, before: float | None = None) -> None:

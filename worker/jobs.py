@@ -23,7 +23,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 from torch import Tensor
 
-from app import crud, jobstates, pool
+from app import jobstates, retention
 from app.images import open_stored
 from app.inference import (
     bundle_for_set,
@@ -33,7 +33,6 @@ from app.inference import (
     store_head,
 )
 from app.jobstates import JobState
-from app.retention import remove_checkpoints
 from app.storage import checkpoint_key, head_key
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, JobImage, utcnow
 from models.adapt import AdaptConfig, adapt
@@ -380,26 +379,9 @@ class AdaptationRun:
                 raise LeaseLost
         log.info("job %s %s (attempt %d)", self.job_id, outcome, self.attempt)
         if outcome == JobState.SUCCEEDED and self.ctx.settings.job_checkpoints == "chosen":
-            self._keep_only({ckpt_id, self.last_checkpoint_id, best_id} - {None})
+            retention.keep_only(self.ctx.session_factory, self.ctx.store, set_id=job.exemplar_set_id,
+                                job_id=self.job_id, chosen={ckpt_id, self.last_checkpoint_id, best_id} - {None})
         return outcome.value
-
-    def _keep_only(self, chosen: set[uuid.UUID | None]) -> None:
-        """``QLOC_JOB_CHECKPOINTS=chosen``: delete the job's checkpoints (of every run) but ``chosen``, and those the
-        set has made active or a queued job starts from meanwhile. The job has ended: a failure here is logged, the
-        checkpoints stay (``DELETE /v1/checkpoints/{id}`` can free them)."""
-        set_id = self.job.exemplar_set_id
-        try:
-            with self.ctx.session_factory() as s:
-                pool.lock(s, set_id)  # as the route: no activation of one, no job from one, while this decides
-                written = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == self.job_id)))
-                ckpts = [c for c in written if c.id not in chosen and crud.checkpoint_in_use(s, checkpoint=c) is None]
-                n = remove_checkpoints(s, self.ctx.store, set_id, ckpts)
-            log.info("job %s: %d of its checkpoints deleted (QLOC_JOB_CHECKPOINTS=chosen), %d kept", self.job_id, n,
-                     len(written) - n)
-        except pool.SetGone:
-            pass  # the set was deleted with its checkpoints
-        except Exception:
-            log.exception("job %s: its unchosen checkpoints were not deleted", self.job_id)
 
 
 def fail_job(ctx: WorkerContext, job_id: uuid.UUID, attempt: int, error: str) -> str:
