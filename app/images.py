@@ -37,7 +37,15 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 FORMATS = {"PNG": ("image/png", ".png"), "JPEG": ("image/jpeg", ".jpg"), "WEBP": ("image/webp", ".webp")}
 ACCEPTED_DECLARED_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/pjpeg", "image/webp",
                            "application/octet-stream", ""}
-_OTHER_IMAGE_MAGIC = (b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF", b"\x00\x00\x01\x00")
+_OTHER_IMAGE_MAGIC = {b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF",
+                      b"II+\x00": "BigTIFF", b"MM\x00+": "BigTIFF", b"\x00\x00\x01\x00": "ICO", b"8BPS": "Photoshop",
+                      b"%PDF-": "PDF", b"\x00\x00\x00\x0cjP  \r\n\x87\n": "JPEG 2000", b"\xffO\xffQ": "JPEG 2000",
+                      b"\xff\n": "JPEG XL", b"\x00\x00\x00\x0cJXL \r\n\x87\n": "JPEG XL", b"qoif": "QOI",
+                      b"DDS ": "DDS", b"\x76\x2f\x31\x01": "OpenEXR", b"#?RADIANCE": "Radiance HDR"}
+"""Other image formats by their first bytes -> their name in the 415 that refuses them."""
+_ISO_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"heim": "HEIC", b"heis": "HEIC", b"mif1": "HEIF",
+               b"msf1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}
+"""Image brands of an ISO base media file (``ftyp`` box at byte 4): HEIC, a phone camera's default, and AVIF."""
 _PNG_MAGIC, _JPEG_MAGIC = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
 ACCEPTED = "PNG, JPEG or WebP"
 """The formats taken, as error messages name them."""
@@ -141,9 +149,24 @@ def sniff_format(data: bytes, name: str) -> str:
         return "JPEG"
     if _is_webp(data):
         return "WEBP"
-    if data.startswith(_OTHER_IMAGE_MAGIC):
-        raise ImageRejected("unsupported_type", f"{name}: only {ACCEPTED} images are accepted")
+    other = other_format(data)
+    if other is not None:
+        raise ImageRejected("unsupported_type", (f"{name}: {other} format; only {ACCEPTED} images are accepted: "
+                                                 "convert it to one of them first"))
     raise ImageRejected("unsupported_type", f"{name}: not a {ACCEPTED} image")
+
+
+def other_format(data: bytes) -> str | None:
+    """The name of the image format (not one taken) that ``data`` starts as, or ``None``."""
+    for magic, fmt in _OTHER_IMAGE_MAGIC.items():
+        if data.startswith(magic):
+            return fmt
+    if data[4:8] == b"ftyp" and data[8:12] in _ISO_BRANDS:
+        return _ISO_BRANDS[data[8:12]]
+    head = data[:512].lstrip(b"\xef\xbb\xbf \t\r\n").lower()  # an SVG: XML text, perhaps after a BOM
+    if head.startswith(b"<svg") or (head.startswith((b"<?xml", b"<!doctype svg")) and b"<svg" in head):
+        return "SVG"
+    return None
 
 
 def header_pixels(fp: IO[bytes]) -> int | None:

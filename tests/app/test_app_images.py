@@ -52,6 +52,31 @@ def test_rejections(data, declared, reason):
     assert e.value.reason == reason
 
 
+
+def _encoded(fmt):
+    return lambda: encode(Image.new("RGB", (16, 16)), fmt)
+
+
+@pytest.mark.parametrize("make,named", [
+    (_encoded("GIF"), "GIF"), (_encoded("BMP"), "BMP"), (_encoded("TIFF"), "TIFF"),
+    (_encoded("ICO"), "ICO"), (_encoded("PDF"), "PDF"), (_encoded("JPEG2000"), "JPEG 2000"),
+    (lambda: b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 40, "HEIC"),  # a phone's photo
+    (lambda: b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1" + b"\x00" * 40, "AVIF"),
+    (lambda: b'\xef\xbb\xbf<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>', "SVG"),
+])
+def test_an_image_format_not_taken_is_named_in_its_refusal(make, named):
+    """A format that is an image, but not one taken, is refused naming it (what to convert from), not as 'not an
+    image'; anything else keeps the plain refusal."""
+    with pytest.raises(ImageRejected) as e:
+        decode_image(make(), filename="photo", declared_type=None, limits=LIMITS)
+    assert e.value.reason == "unsupported_type"
+    assert e.value.detail == (f"photo: {named} format; only PNG, JPEG or WebP images are accepted: convert it to "
+                              "one of them first"), e.value.detail
+    with pytest.raises(ImageRejected) as e:
+        decode_image(b"<html><body>not a picture</body></html>", filename="page", declared_type=None, limits=LIMITS)
+    assert e.value.detail == "page: not a PNG, JPEG or WebP image"
+
+
 # --- decoded upright and small: EXIF orientation, downscaling while decoding, animated PNGs
 
 def scene(width: int, height: int, box: tuple[int, int, int, int], seed: int = 0) -> Image.Image:
