@@ -83,6 +83,16 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.fixture
+def small_calibrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set's and a job's "not found" calibration fit on 16 pasted crops and synthesized backgrounds, not 128:
+    for tests about what is served, not about calibration (``tests/worker/test_worker_calibration.py`` is). At 128
+    the calibration refresh of a job's checkpoints is a third to three quarters of a small job's time on CPU."""
+    import app.calibration
+
+    monkeypatch.setattr(app.calibration, "CALIBRATION_SAMPLES", 16)
+
+
 def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settings:
     """Embedded-default settings under ``root``, with short job timings."""
     values: dict[str, Any] = dict(

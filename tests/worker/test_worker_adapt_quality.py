@@ -18,6 +18,7 @@ from worker.jobs import run_adaptation_job
 
 SHIPPED = Path(__file__).resolve().parents[2] / "bundles"
 DEFAULT_PROBES = Settings.model_fields["synthetic_probes"].default
+pytestmark = pytest.mark.usefixtures("small_calibrations")  # what a job serves, not its calibration
 
 
 def _png(t: torch.Tensor) -> bytes:
@@ -30,9 +31,10 @@ def _upload(blobs: list[bytes]) -> list[tuple[str, tuple[str, bytes, str]]]:
     return [("files", (f"{i}.png", b, "image/png")) for i, b in enumerate(blobs)]
 
 
-def _impulse_job(tmp_path, monkeypatch, *, mislead: bool) -> tuple[float, float, dict, dict]:
-    """The shipped digit-4 bundle (trained on patch backgrounds) on impulse noise: 256 unlabeled uploads, a
-    100-iteration job with the defaults (``activate=auto``), then CorLoc on 200 held-out test images through
+def _impulse_job(tmp_path, monkeypatch, *, mislead: bool, uploads: int = 256,
+                 tests: int = 200) -> tuple[float, float, dict, dict]:
+    """The shipped digit-4 bundle (trained on patch backgrounds) on impulse noise: ``uploads`` unlabeled images, a
+    100-iteration job with the defaults (``activate=auto``), then CorLoc on ``tests`` held-out test images through
     the API -> (before, after, the polled job, the set). ``mislead``: the job's reward is given the prototype
     negated (a reward that points away from the object)."""
     from fastapi.testclient import TestClient
@@ -51,8 +53,8 @@ def _impulse_job(tmp_path, monkeypatch, *, mislead: bool) -> tuple[float, float,
     migrate(s.database_url)
     ctx = WorkerContext.create(s)
     exemplars = exemplar_crops(cmnist(4, "train", 5, "impulse", seed=1000))
-    unlabeled = cmnist(4, "train", 256, "impulse", seed=7, offset=100).images
-    test = cmnist(4, "test", 200, "impulse", seed=0)
+    unlabeled = cmnist(4, "train", uploads, "impulse", seed=7, offset=100).images
+    test = cmnist(4, "test", tests, "impulse", seed=0)
     try:
         with TestClient(create_app(s)) as client:
             r = client.post("/v1/exemplar-sets", files=_upload([_png(c) for c in exemplars]))
@@ -104,8 +106,9 @@ def test_adaptation_job_lifts_corloc_on_a_new_background(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_misleading_reward_is_caught_by_the_guard(tmp_path, monkeypatch):
     """The same job with a reward that points away from the object (the prototype negated: the policy it
-    trains answers 3.0 on the test images) is not activated: the answers stay the starting policy's."""
-    before, after, polled, es = _impulse_job(tmp_path, monkeypatch, mislead=True)
+    trains answers 3.0 on the test images) is not activated: the answers stay the starting policy's. On the
+    service's default job size (64 unlabeled images) and 100 test images: a guard that must catch it on less."""
+    before, after, polled, es = _impulse_job(tmp_path, monkeypatch, mislead=True, uploads=64, tests=100)
     assert polled["status"] == "succeeded" and polled["verdict"] in ("worse", "no better", "reward unreliable")
     assert polled["validation"]["activated_iteration"] is None, polled["validation"]
     assert es["active_checkpoint_id"] == polled["params"]["base_checkpoint_id"]

@@ -16,7 +16,6 @@ from service_fixtures import make_test_settings, migrate
 from sqlalchemy import select
 from test_worker_adapt_quality import SHIPPED, _png, _upload
 
-import app.calibration
 from app.inference import BundleRegistry, read_head
 from app.storage import BlobStore
 from app.tables import Checkpoint
@@ -28,13 +27,9 @@ from models.repair import CANDIDATES
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
-
-@pytest.fixture(autouse=True)
-def _small_calibrations(monkeypatch):
-    """The jobs' calibration refresh on 16 pasted crops and synthesized backgrounds, not 128: these tests check
-    what a job serves, not its calibration (``test_worker_calibration.py`` does), and the refresh of a paired
-    checkpoint refines every voter's answer on each sample (at 128, three quarters of a consensus job's time)."""
-    monkeypatch.setattr(app.calibration, "CALIBRATION_SAMPLES", 16)
+# these tests check what a job serves, not its calibration; a paired checkpoint's refresh refines every voter's
+# answer on each sample (at 128 samples, three quarters of a consensus job's time)
+pytestmark = pytest.mark.usefixtures("small_calibrations")
 
 
 def _glyph_service(tmp_path, probes: int, **settings):
