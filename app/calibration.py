@@ -97,7 +97,7 @@ def second_look(fit: Calibration, candidates: int, *, templates: bool = False) -
 
 
 CALIBRATION_SAMPLES = 128
-"""Positives and negatives a calibration is fit on (each)."""
+"""Positives and negatives a calibration is fit on (each) by default (``Settings.calibration_samples``)."""
 
 
 def negatives_to_bytes(embeddings: Tensor) -> bytes:
@@ -120,10 +120,11 @@ class NewSetCalibration:
 def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image.Image],
                       labeled: list[tuple[Image.Image, tuple[float, float, float, float]]],
                       negative_crops: list[Image.Image], *, threshold: float, seed: int = 0,
-                      verifier: KindVerifier | None = None) -> NewSetCalibration:
+                      verifier: KindVerifier | None = None, samples: int = CALIBRATION_SAMPLES) -> NewSetCalibration:
     """The calibration of the bundle's base policy for a new set (greedy answers, the bundle's ``nearest``), and
     the negatives' embeddings. ``labeled``: (whole image as decoded, the box in its pixels). ``verifier``: the
-    bundle's known-kinds verifier (``models.verifier``): a set of a kind it knows gets its check."""
+    bundle's known-kinds verifier (``models.verifier``): a set of a kind it knows gets its check. ``samples``: pasted
+    crops and synthesized backgrounds, each (``Settings.calibration_samples``)."""
     loc = loaded.localizer
     spec = loc.spec
     tensors = [pil_to_tensor(c, spec.channels, spec.fill) for c in crops]
@@ -134,7 +135,7 @@ def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image
         batch, scales = preprocess([im for im, _ in labeled], spec)
         k = torch.cat([scales, scales], dim=1)
         examples = LabeledImages(batch, torch.tensor([b for _, b in labeled], dtype=torch.float32) / k)
-    cal = calibrate_policy(loc, prototype, tensors, nearest=loc.default_nearest, n=CALIBRATION_SAMPLES, seed=seed,
+    cal = calibrate_policy(loc, prototype, tensors, nearest=loc.default_nearest, n=samples, seed=seed,
                            labeled=examples, negative_crops=neg_tensors or None, negative_embeddings=negatives,
                            threshold=threshold, verifier=verifier)
     return NewSetCalibration(cal.to_dict(), None if negatives is None else negatives_to_bytes(negatives),

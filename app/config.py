@@ -165,6 +165,11 @@ class Settings(BaseSettings):
     jobs activated), for 1.5-3.4x a job's time on one CPU thread. On the test split no cMNIST-style job of 54 ended
     below its start; photo jobs with 5 labeled examples could until the labeled examples had to confirm a gain beyond
     their noise (``labeled_rule``; BENCHMARKS.md, "More probes", "Labeled examples beyond their noise")."""
+    calibration_samples: int = Field(128, ge=8, le=4096)
+    """Pasted crops and synthesized backgrounds (each) that a "not found" calibration is fit on (``app.calibration``):
+    a new set's, and each checkpoint's that a job refreshes at its end (with the job's probes). Its time grows with
+    it: at 128 the refresh is a third to three quarters of a small job's time on a CPU (a paired checkpoint refines
+    every voter's answer on each sample); fewer make ``found`` and ``confidence`` noisier."""
     labeled_rule: Literal["beyond_noise", "agree"] = "beyond_noise"
     """How a set's labeled examples confirm a photo (RGB) job's checkpoint for ``activate=auto``, where pasted probes
     may not confirm it alone (``models.guard.GuardConfig.labeled_rule``). ``beyond_noise`` (the default since

@@ -83,16 +83,6 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.fixture
-def small_calibrations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A set's and a job's "not found" calibration fit on 16 pasted crops and synthesized backgrounds, not 128:
-    for tests about what is served, not about calibration (``tests/worker/test_worker_calibration.py`` is). At 128
-    the calibration refresh of a job's checkpoints is a third to three quarters of a small job's time on CPU."""
-    import app.calibration
-
-    monkeypatch.setattr(app.calibration, "CALIBRATION_SAMPLES", 16)
-
-
 def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settings:
     """Embedded-default settings under ``root``, with short job timings."""
     values: dict[str, Any] = dict(
@@ -106,10 +96,16 @@ def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settin
     return Settings(**values)
 
 
-FAST_JOB: dict[str, Any] = {"synthetic_probes": 16}
+SMALL_CALIBRATIONS: dict[str, Any] = {"calibration_samples": 16}
+"""For tests about what is served, not about calibration (``test_app_calibration.py``, ``test_worker_calibration.py``
+are): a set's and a job's "not found" calibration fit on 16 pasted crops and synthesized backgrounds, not 128 (at 128
+the refresh of a job's checkpoints is a third to three quarters of a small job's time on a CPU)."""
+
+FAST_JOB: dict[str, Any] = {"synthetic_probes": 16, **SMALL_CALIBRATIONS}
 """Overrides for tests that need jobs to run (leases, recovery, delivery, checkpoints), not to score them on many
 probes: 16 synthetic probes, the fewest with which the reward repair still runs (``models.repair.MIN_TRAIN_PROBES``),
-instead of 256. A job's setup (repair, probes, guard) then takes a small part of the time."""
+instead of 256, and ``SMALL_CALIBRATIONS``. A job's setup (repair, probes, guard) and end (its calibration refresh)
+then take a small part of the time."""
 
 LIVE_WORKER: dict[str, Any] = {**FAST_JOB, "heartbeat_timeout": 6.0}
 """``FAST_JOB`` for a job run by a Celery worker in a subprocess, with a lease that outlives several late beats
@@ -442,12 +438,12 @@ def versions(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return bundle_versions(tmp_path / "versions", SWAPPED)
 
 
-def swapped_settings(tmp_path: Path, versions: dict[str, tuple[Path, str]]) -> Settings:
-    """The service's settings with a bundle directory of its own (the tests replace its files), holding
-    ``versions["v1"]`` as ``SWAPPED``, the default bundle; database migrated."""
+def swapped_settings(tmp_path: Path, versions: dict[str, tuple[Path, str]], **overrides: Any) -> Settings:
+    """The service's settings (and ``overrides``) with a bundle directory of its own (the tests replace its files),
+    holding ``versions["v1"]`` as ``SWAPPED``, the default bundle; database migrated."""
     installed = tmp_path / "installed"
     install_bundle(installed, versions["v1"][0], SWAPPED)
-    s = make_test_settings(tmp_path, installed, default_bundle=SWAPPED)
+    s = make_test_settings(tmp_path, installed, default_bundle=SWAPPED, **overrides)
     migrate(s.database_url)
     return s
 

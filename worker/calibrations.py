@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app import calibration as set_calibration
 from app.inference import prototype_from_bytes, read_checkpoint
 from app.tables import Checkpoint
 from models.calibration import answers, calibrate_policy, stored_kind, stored_negative_templates
@@ -26,10 +25,9 @@ def refreshed_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) 
     """The calibration refresh at the end of a job (``models.calibration``): for the checkpoints it may serve
     (the one it activates, its last one, the probes' best that its verdict names), fit on the job's probes (the
     guard's: pasted crops and labeled examples) and its images with the checkpoint's answers erased (plus
-    synthesized backgrounds; ``app.calibration.CALIBRATION_SAMPLES`` pasted crops and synthesized backgrounds, as
-    a new set's), with the set's negative exemplars unless the job repaired the reward (they were
-    embedded by the bundle's head). A failure is logged and leaves those checkpoints on the set's calibration:
-    it never fails the job."""
+    ``calibration_samples`` pasted crops and synthesized backgrounds, as a new set's), with the set's negative
+    exemplars unless the job repaired the reward (they were embedded by the bundle's head). A failure is logged and
+    leaves those checkpoints on the set's calibration: it never fails the job."""
     setup, images01 = run.setup, getattr(run, "images01", None)
     if setup is None or images01 is None:
         return {}
@@ -58,7 +56,7 @@ def refreshed_calibrations(run: AdaptationRun, ckpt_ids: set[uuid.UUID | None]) 
             boxes, _ = answers(loc, loc.agent(agent), setup.prototype, images01, nearest=loc.default_nearest)
             backgrounds = erase_boxes(images01, boxes, torch.Generator().manual_seed(run.job.seed))
             cal = calibrate_policy(loc, setup.prototype, crops, nearest=loc.default_nearest, agent_state=agent,
-                                   n=set_calibration.CALIBRATION_SAMPLES, seed=run.job.seed, backgrounds01=backgrounds,
+                                   n=run.ctx.settings.calibration_samples, seed=run.job.seed, backgrounds01=backgrounds,
                                    positives=setup.guard.probes, negative_embeddings=negatives, threshold=es.threshold,
                                    negative_templates=stored_negative_templates(es.calibration), verifier=verifier)
             if cal.templates is not None and verifier is None:  # the set's kind check holds for every policy

@@ -99,7 +99,7 @@ def prototype(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
         examples = [(decode_image(e["image"]), tuple(e["box"])) for e in payload.get("examples", [])]
         negatives = [decode_image(c) for c in payload.get("negatives", [])]
         cal = calibrate_new_set(loaded, proto, crops, examples, negatives, threshold=float(payload["threshold"]),
-                                verifier=ctx.bundles.verifier(loaded.name))
+                                verifier=ctx.bundles.verifier(loaded.name), samples=ctx.settings.calibration_samples)
         made = replace(made, calibration=cal.calibration, negatives=cal.negatives, num_negatives=cal.num_negatives)
     return encode_prototype(made)
 

@@ -199,7 +199,8 @@ def create_exemplar_set(
         prototype = loaded.localizer.prototype(crops)  # [D]
         made = MadePrototype(loaded.name, loaded.sha256, prototype_to_bytes(prototype), int(prototype.numel()))
         calibrated = calibrate_new_set(loaded, prototype, crops, examples, [im.image for im in negative_images],
-                                       threshold=threshold, verifier=bundles.verifier(loaded.name))
+                                       threshold=threshold, verifier=bundles.verifier(loaded.name),
+                                       samples=settings.calibration_samples)
     else:  # no model here: the worker makes the prototype and fits the calibration, as above
         try:
             made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None,

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import torch
 from PIL import Image
-from service_fixtures import files, png_bytes, row_counts
+from service_fixtures import files, make_test_settings, migrate, png_bytes, row_counts
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
@@ -95,6 +95,21 @@ def test_a_new_set_is_calibrated_and_answers_carry_confidence_and_found(client, 
     for r in localize(client, es["id"]):
         assert 0.0 <= r["confidence"] <= 1.0 and r["found"] == (r["confidence"] >= 0.3)
         assert len(r["box"]) == 4 and r["score"] > 0
+
+
+def test_calibration_samples_sets_what_a_new_set_is_fit_on(tmp_path, bundle_dir):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    s = make_test_settings(tmp_path, bundle_dir, calibration_samples=16)
+    migrate(s.database_url)
+    with TestClient(create_app(s)) as c:
+        es = new_set(c)
+        with Session(create_engine(s.database_url)) as db:
+            cal = db.get_one(ExemplarSet, uuid.UUID(es["id"])).calibration
+        assert cal["stats"]["positives"] == 16 and cal["stats"]["negatives"] == 16
+        assert all(0.0 <= r["confidence"] <= 1.0 for r in localize(c, es["id"]))
 
 
 def test_threshold_and_min_confidence_decide_found_and_keep_the_box(client, settings):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from service_fixtures import files, free_port, make_test_settings, migrate, png_bytes, started
+from service_fixtures import SMALL_CALIBRATIONS, files, free_port, make_test_settings, migrate, png_bytes, started
 
 from app.client import AdaptationJob, ExemplarSet, Export, QlocClient, QlocError
 from app.client_images import encode_image
@@ -287,7 +287,7 @@ def test_connection_errors_are_retried_then_raised() -> None:
 def test_wait_follows_a_job_run_by_a_real_worker(tmp_path, bundle_dir, capsys) -> None:
     """uvicorn + a Celery worker on the embedded default: the job is created over HTTP, ``wait`` polls it to
     ``succeeded`` with a progress bar, and the checkpoints it wrote descend from the base."""
-    settings = make_test_settings(tmp_path, bundle_dir, synthetic_probes=8)
+    settings = make_test_settings(tmp_path, bundle_dir, synthetic_probes=8, **SMALL_CALIBRATIONS)
     migrate(settings.database_url)
     with started(settings, tmp_path) as stack:
         with QlocClient(stack.base_url) as qloc:

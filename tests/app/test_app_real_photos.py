@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from service_fixtures import make_test_settings, migrate
+from service_fixtures import SMALL_CALIBRATIONS, make_test_settings, migrate
 
 from models.core.boxes import paired_iou
 from models.data import realphotos
@@ -52,16 +52,14 @@ def _upload(photo: realphotos.RealPhoto, name: str) -> tuple[str, bytes, str]:
 
 
 @pytest.fixture
-def client(tmp_path, monkeypatch):
+def client(tmp_path):
     from fastapi.testclient import TestClient
 
-    import app.calibration
     from app.main import create_app
 
     # a set's "not found" calibration is not what this test is about: fit it on fewer samples (20 s -> a few)
-    monkeypatch.setattr(app.calibration, "CALIBRATION_SAMPLES", 16)
     s = make_test_settings(tmp_path, SHIPPED, default_bundle="photo-general", max_file_bytes=16_000_000,
-                           max_image_pixels=25_000_000, max_files_per_request=16)
+                           max_image_pixels=25_000_000, max_files_per_request=16, **SMALL_CALIBRATIONS)
     migrate(s.database_url)
     with TestClient(create_app(s)) as c:
         yield c

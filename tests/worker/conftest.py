@@ -10,6 +10,5 @@ from service_fixtures import (  # noqa: F401 -- fixtures are used by name
     postgres_url,
     redis_prefix,
     settings,
-    small_calibrations,
     versions,
 )

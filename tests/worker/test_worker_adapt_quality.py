@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from service_fixtures import make_test_settings, migrate
+from service_fixtures import SMALL_CALIBRATIONS, make_test_settings, migrate
 
 from app.config import Settings
 from models.core.boxes import paired_iou
@@ -18,7 +18,6 @@ from worker.jobs import run_adaptation_job
 
 SHIPPED = Path(__file__).resolve().parents[2] / "bundles"
 DEFAULT_PROBES = Settings.model_fields["synthetic_probes"].default
-pytestmark = pytest.mark.usefixtures("small_calibrations")  # what a job serves, not its calibration
 
 
 def _png(t: torch.Tensor) -> bytes:
@@ -49,7 +48,8 @@ def _impulse_job(tmp_path, monkeypatch, *, mislead: bool, uploads: int = 256,
         monkeypatch.setattr(worker.jobs, "adapt",
                             lambda bundle, proto, *a, **kw: real_adapt(bundle, -proto, *a, **kw))
     s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=256,
-                           adapt_batch_size=32, checkpoint_every=25, default_iterations=100, max_iterations=100)
+                           adapt_batch_size=32, checkpoint_every=25, default_iterations=100, max_iterations=100,
+                           **SMALL_CALIBRATIONS)
     migrate(s.database_url)
     ctx = WorkerContext.create(s)
     exemplars = exemplar_crops(cmnist(4, "train", 5, "impulse", seed=1000))

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 import torch
-from service_fixtures import SWAPPED, files, install_bundle, png_bytes, swapped_settings
+from service_fixtures import FAST_JOB, SWAPPED, files, install_bundle, png_bytes, swapped_settings
 from sqlalchemy import select, update
 
 from app.inference import read_checkpoint
@@ -25,7 +25,7 @@ def install(bundle_dir, source):
 
 @pytest.fixture
 def settings(tmp_path, versions):
-    return swapped_settings(tmp_path, versions)
+    return swapped_settings(tmp_path, versions, **FAST_JOB)  # jobs that run, not scored
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def test_job_calibrates_its_last_checkpoint_and_localize_serves_it(client, setti
         reward = client.get(f"/v1/adaptations/{job['id']}").json()["validation"]["reward"]
         # the set's negatives were embedded by the bundle's head: they apply unless the job repaired the head
         assert (last.calibration["negatives"] is not None) == (reward == "bundle head")
-        assert last.calibration["stats"]["positives"] > 128  # the job's probes joined the pasted crops
+        assert last.calibration["stats"]["positives"] > settings.calibration_samples  # the probes joined the crops
         best = client.get(f"/v1/adaptations/{job['id']}").json()["validation"]["best"]
         named = {last.iteration} | ({best["iteration"]} if best else set())  # served, last, or the verdict's best
         for c in ckpts:  # the others: the set's calibration is used

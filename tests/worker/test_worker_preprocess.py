@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
-from service_fixtures import files, make_test_settings, migrate, png_bytes
+from service_fixtures import FAST_JOB, files, make_test_settings, migrate, png_bytes
 
 from app.main import create_app
 from models.bundle import new_bundle, save_bundle
@@ -44,7 +44,7 @@ def test_a_transparent_upload_is_the_same_input_for_adaptation_and_localization(
     config = mnist_config()
     config.input.fill = (FILL,)
     save_bundle(bundle_dir / "test-fill.pt", new_bundle("test-fill", config, seed=0))
-    settings = make_test_settings(tmp_path, bundle_dir, default_bundle="test-fill")
+    settings = make_test_settings(tmp_path, bundle_dir, default_bundle="test-fill", **FAST_JOB)
     migrate(settings.database_url)
     uploads = transparent_pngs()
     seen = {}

@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from pydantic import ValidationError
 from service_fixtures import (
+    FAST_JOB,
     REDIS_URL,
     SWAPPED,
     VENV_BIN,
@@ -62,7 +63,8 @@ def workers_settings(base: Settings, prefix: str, **overrides) -> Settings:
     values = dict(database_url=base.database_url, broker_url=REDIS_URL, result_backend=REDIS_URL,
                   broker_transport_options={"global_keyprefix": prefix}, queue=f"qloc-test-{uuid.uuid4().hex[:8]}",
                   localize_queue=f"qloc-test-localize-{uuid.uuid4().hex[:8]}", inference="workers",
-                  default_bundle=base.default_bundle, localize_timeout=90)
+                  default_bundle=base.default_bundle, localize_timeout=90,
+                  **{k: getattr(base, k) for k in FAST_JOB})
     values.update(overrides)
     return make_test_settings(base.storage_dir.parent, base.bundle_dir, **values)
 
@@ -79,7 +81,7 @@ def start_localize_worker(st: Stack, hostname: str | None = None, queue: str | N
 @pytest.fixture
 def base(tmp_path, versions):
     """Local-mode settings: SQLite, blobs and a bundle directory of their own (``SWAPPED`` v1 installed)."""
-    return swapped_settings(tmp_path, versions)
+    return swapped_settings(tmp_path, versions, **FAST_JOB)  # jobs that run, not scored
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
-from service_fixtures import make_test_settings, migrate
+from service_fixtures import SMALL_CALIBRATIONS, make_test_settings, migrate
 from sqlalchemy import select
 from test_worker_adapt_quality import SHIPPED, _png, _upload
 
@@ -27,17 +27,15 @@ from models.repair import CANDIDATES
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
-# these tests check what a job serves, not its calibration; a paired checkpoint's refresh refines every voter's
-# answer on each sample (at 128 samples, three quarters of a consensus job's time)
-pytestmark = pytest.mark.usefixtures("small_calibrations")
-
 
 def _glyph_service(tmp_path, probes: int, **settings):
     """Settings of a migrated service on the digit bundle with a small reward repair, the bundle, and a glyph
-    kind's (K, never seen by it) exemplar crops, 48 unlabeled images and ``probes`` test images."""
+    kind's (K, never seen by it) exemplar crops, 48 unlabeled images and ``probes`` test images. Calibrations on
+    ``SMALL_CALIBRATIONS``: these tests check what a job serves (a paired checkpoint's refresh refines every voter's
+    answer on each sample: at 128, three quarters of a consensus job's time)."""
     s = make_test_settings(tmp_path, SHIPPED, default_bundle="mnist-digit4", max_files_per_request=64,
                            repair_epochs=12, synthetic_probes=96, adapt_batch_size=16, reward_choice=False,
-                           **settings)
+                           **{**SMALL_CALIBRATIONS, **settings})
     migrate(s.database_url)
     bundle = BundleRegistry(s.bundle_dir, "cpu").get("mnist-digit4").bundle
     kind = GlyphKind("K", "patch")
