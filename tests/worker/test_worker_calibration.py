@@ -6,7 +6,7 @@ import uuid
 import pytest
 import torch
 from PIL import Image
-from service_fixtures import files, png_bytes
+from service_fixtures import FAST_JOB, files, png_bytes
 from sqlalchemy import select
 
 from app.inference import BundleRegistry
@@ -15,6 +15,12 @@ from models.inference import pil_to_tensor
 from models.verifier import KindCheck, KindVerifier
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
+
+
+@pytest.fixture
+def settings(settings):
+    """The service's settings with a job's guard on 16 probes (``FAST_JOB``'s): the calibration on its default."""
+    return settings.model_copy(update={"synthetic_probes": FAST_JOB["synthetic_probes"]})
 
 
 def test_job_calibrates_its_last_checkpoint_and_localize_serves_it(client, settings):
