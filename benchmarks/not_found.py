@@ -26,6 +26,7 @@ Prints one JSON line per variant and saves the reliability curves to benchmarks/
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py [QUERY]   # default 4 (the bundle's); 2, 7, 9: new
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py 4 --bundle bundles/mnist-general.pt   # another bundle
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/not_found.py 4 --samples 16  # QLOC_CALIBRATION_SAMPLES=16; no figures
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ LOOKALIKES_OF = {4: (7, 9), 7: (1, 9), 2: (3, 7), 9: (4, 7)}
 """The negative exemplars' digits per query (the digits most often mistaken for it)."""
 
 
-def main(query: int = 4, bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt") -> None:
+def main(query: int = 4, bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt", samples: int = 128) -> None:
     torch.set_num_threads(1)
     bundle = load_bundle(bundle_path)
     loc = Localizer(bundle, "cpu")
@@ -104,7 +105,7 @@ def main(query: int = 4, bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt
     has4[:N_POS] = True
     for name, kw in variants.items():
         t0 = time.perf_counter()
-        cal = calibrate_policy(loc, proto, crops, nearest=nearest, n=128, seed=0, verifier=verifier, **kw)
+        cal = calibrate_policy(loc, proto, crops, nearest=nearest, n=samples, seed=0, verifier=verifier, **kw)
         secs = time.perf_counter() - t0
         assert cal.templates is not None
         t0 = time.perf_counter()
@@ -128,7 +129,7 @@ def main(query: int = 4, bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt
                 fe = int((on_empty[label][:, 0] >= cal.threshold).sum())
                 extra = {"precision_vs_empty": round(tp / max(1, int(found[:N_POS].sum()) + fe), 3),
                          "found_on_empty": round(fe / len(empty), 3)}
-            row = {"variant": label, "images": len(images), "with_query": N_POS, **extra,
+            row = {"variant": label, "samples": samples, "images": len(images), "with_query": N_POS, **extra,
                    "corloc_on_query": round(float(right[:N_POS].float().mean()) * 100, 1),
                    "precision": round(tp / max(1, int(found.sum())), 3),
                    "recall": round(tp / max(1, int(right.sum())), 3),
@@ -144,6 +145,8 @@ def main(query: int = 4, bundle_path: Path = ROOT / "bundles" / "mnist-digit4.pt
                 row.update(fit_ece=cal.stats["ece"], ncc_ms_per_image=round(ncc_ms, 3))
             curves[label] = reliability_bins(conf, right)
             print(json.dumps(row), flush=True)
+    if samples != 128:  # the figures are the default's
+        return
     if query == 4 and bundle_path.name == "mnist-digit4.pt":  # the figure of the report
         plot(curves, ROOT / "benchmarks" / "figures" / "not_found.png")
     if query == 4 and any(k.endswith("+kind") for k in curves):  # the served default's, with its verifier
@@ -179,5 +182,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("query", type=int, nargs="?", default=4)
     p.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "mnist-digit4.pt")
+    p.add_argument("--samples", type=int, default=128, help="pasted crops and backgrounds, each (128: the default)")
     a = p.parse_args()
-    main(a.query, a.bundle)
+    main(a.query, a.bundle, a.samples)
