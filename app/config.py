@@ -168,7 +168,7 @@ class Settings(BaseSettings):
     calibration_samples: int = Field(128, ge=8, le=4096)
     """Pasted crops and synthesized backgrounds (each) that a "not found" calibration is fit on (``app.calibration``):
     a new set's, and each checkpoint's that a job refreshes at its end (with the job's probes). Its time grows with
-    it: at 128 the refresh is a third to three quarters of a small job's time on a CPU (a paired checkpoint refines
+    it: at 128 the refresh is about half to three quarters of a small job's time on a CPU (a paired checkpoint refines
     every voter's answer on each sample); fewer make ``found`` and ``confidence`` noisier."""
     labeled_rule: Literal["beyond_noise", "agree"] = "beyond_noise"
     """How a set's labeled examples confirm a photo (RGB) job's checkpoint for ``activate=auto``, where pasted probes

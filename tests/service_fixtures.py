@@ -99,7 +99,7 @@ def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settin
 SMALL_CALIBRATIONS: dict[str, Any] = {"calibration_samples": 16}
 """For tests about what is served, not about calibration (``test_app_calibration.py``, ``test_worker_calibration.py``
 are): a set's and a job's "not found" calibration fit on 16 pasted crops and synthesized backgrounds, not 128 (at 128
-the refresh of a job's checkpoints is a third to three quarters of a small job's time on a CPU)."""
+the refresh of a job's checkpoints is about half to three quarters of a small job's time on a CPU)."""
 
 FAST_JOB: dict[str, Any] = {"synthetic_probes": 16, **SMALL_CALIBRATIONS}
 """Overrides for tests that need jobs to run (leases, recovery, delivery, checkpoints), not to score them on many
