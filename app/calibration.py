@@ -96,10 +96,6 @@ def second_look(fit: Calibration, candidates: int, *, templates: bool = False) -
     return SecondLook(fit, SECOND_LOOK_BELOW * LOOK_THRESHOLD, candidates, TEMPLATE_BAR if templates else None)
 
 
-CALIBRATION_SAMPLES = 128
-"""Positives and negatives a calibration is fit on (each) by default (``Settings.calibration_samples``)."""
-
-
 def negatives_to_bytes(embeddings: Tensor) -> bytes:
     """``[K, D]`` -> float32 little-endian bytes (``exemplar_sets.negatives``)."""
     return embeddings.detach().cpu().numpy().astype("<f4").tobytes()
@@ -119,8 +115,8 @@ class NewSetCalibration:
 
 def calibrate_new_set(loaded: LoadedBundle, prototype: Tensor, crops: list[Image.Image],
                       labeled: list[tuple[Image.Image, tuple[float, float, float, float]]],
-                      negative_crops: list[Image.Image], *, threshold: float, seed: int = 0,
-                      verifier: KindVerifier | None = None, samples: int = CALIBRATION_SAMPLES) -> NewSetCalibration:
+                      negative_crops: list[Image.Image], *, threshold: float, samples: int, seed: int = 0,
+                      verifier: KindVerifier | None = None) -> NewSetCalibration:
     """The calibration of the bundle's base policy for a new set (greedy answers, the bundle's ``nearest``), and
     the negatives' embeddings. ``labeled``: (whole image as decoded, the box in its pixels). ``verifier``: the
     bundle's known-kinds verifier (``models.verifier``): a set of a kind it knows gets its check. ``samples``: pasted

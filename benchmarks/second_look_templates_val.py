@@ -27,6 +27,7 @@ import torch
 from torchvision.transforms.functional import to_pil_image
 
 from app.calibration import RERANK_CANDIDATES, SECOND_LOOK_BELOW, calibrate_new_set
+from app.config import Settings
 from app.inference import BundleRegistry
 from models.calibration import Calibration
 from models.core.boxes import paired_iou
@@ -38,6 +39,8 @@ from models.inference import normalize
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLD = 0.5
 """A new set's threshold (the service's default)."""
+SAMPLES = Settings.model_fields["calibration_samples"].default
+"""A new set's calibration samples (the service's default)."""
 BARS = (0.7, 0.8, 0.9)
 """Stricter bars for the template box than the threshold (the other candidates keep the threshold)."""
 
@@ -50,7 +53,7 @@ def target_rows(loaded, target: str, seed: int, split: str = "val") -> dict:
     crops = exemplar_crops(kind.draw(bundle, "exemplars", 5, seed))
     proto = loc.prototype(crops)
     cal = Calibration.from_dict(calibrate_new_set(loaded, proto, [to_pil_image(c) for c in crops], [], [],
-                                                  threshold=THRESHOLD).calibration)
+                                                  threshold=THRESHOLD, samples=SAMPLES).calibration)
     val = kind.draw(bundle, split, 200, seed)
     images, present = val.images, len(val.images)
     if "absent" in extra:
