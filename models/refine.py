@@ -61,8 +61,10 @@ def neighbours(boxes: Tensor, size: tuple[float, float], min_side: float, shift:
     """Boxes around ``boxes [B, 4]`` -> ``[B, grid^3, 4]``: centre shifts of ``k * shift`` times the box's width
     and height (``k`` in ``-(grid // 2) .. grid // 2``), sides scaled by ``1 + k * scale`` (``aspect`` > 0: the
     width times ``(1 + aspect)^k`` and the height divided by it instead), each side at least ``min_side`` (or the
-    image's side) and the box moved inside the ``size = (width, height)`` image. The middle candidate
-    (``grid^3 // 2``) is the box itself when it lies inside the image with sides >= ``min_side``."""
+    image's side) and the box moved inside the ``size = (width, height)`` image. The candidates are ordered by the
+    x shift, then the y shift, then the third axis, each increasing (``refine`` keeps the first of equally near
+    ones); the middle one (``grid^3 // 2``) is the box itself when it lies inside the image with sides >=
+    ``min_side``."""
     w_img, h_img = float(size[0]), float(size[1])
     k = torch.arange(grid, device=boxes.device, dtype=boxes.dtype) - grid // 2
     third = (1 + aspect) ** k if aspect > 0 else 1 + k * scale

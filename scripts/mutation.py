@@ -63,6 +63,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "instances": ("models/instances.py", ["tests/models/test_instances.py"]),
     "companion": ("models/companion.py", ["tests/models/test_companion.py"]),
     "batching": ("app/batching.py", ["tests/app/test_app_batching.py"]),
+    "refine": ("models/refine.py", ["tests/models/test_refine.py"]),
+    "repair": ("models/repair.py", ["tests/models/test_repair.py"]),
+    "calibration": ("models/calibration.py", ["tests/models/test_calibration.py", "tests/models/test_platt.py"]),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}

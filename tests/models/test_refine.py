@@ -48,6 +48,58 @@ def test_neighbours_shift_and_scale_the_box_and_stay_in_the_image():
         RefineConfig(shift=0.0)
 
 
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("grid", 0, "odd grid"), ("grid", 2, "odd grid"), ("grid", 4, "odd grid"), ("rounds", -1, "rounds >= 0"),
+    ("aspect_rounds", -1, "aspect_rounds >= 0"), ("shift", 0.0, "shift"), ("shift", 1.0, "shift"),
+    ("shift", 1.5, "shift"), ("scale", 0.0, "scale"), ("scale", 1.0, "scale"), ("scale", 1.5, "scale"),
+    ("decay", 0.0, "decay"), ("decay", 1.5, "decay"), ("aspect", 0.0, "aspect"), ("aspect", 1.0, "aspect"),
+    ("aspect", 1.5, "aspect")])
+def test_a_config_out_of_range_is_refused_with_what_it_got(field, value, says):
+    with pytest.raises(ValueError, match=says) as e:
+        RefineConfig(**{field: value})
+    assert f"{field}={value}" in str(e.value) or f"{value}" in str(e.value)
+
+
+def test_the_edges_of_each_range_are_accepted():
+    """One candidate (``grid=1``: the box alone), no rounds, steps just under 1 and a decay of 1 (no shrinking)."""
+    for cfg in (RefineConfig(grid=1), RefineConfig(rounds=0), RefineConfig(decay=1.0),
+                RefineConfig(shift=0.99, scale=0.99, aspect=0.99, aspect_rounds=1), RefineConfig(grid=5)):
+        assert cfg.grid % 2 == 1
+
+
+def test_neighbours_are_ordered_by_x_then_y_then_size_and_centred_on_the_box_for_a_wider_grid():
+    """``grid=5``: shifts and scales ``k`` in ``-2 .. 2``, the candidates ordered by the x shift, then the y shift,
+    then the size (each increasing), the middle one the box."""
+    box = torch.tensor([[30.0, 30.0, 50.0, 50.0]])
+    c = neighbours(box, (100.0, 100.0), 5.0, 0.1, 0.1, 5)[0]  # [125, 4]
+    assert c.shape == (125, 4) and torch.equal(c[62], box[0])
+    cx, cy, w = (c[:, 0] + c[:, 2]) / 2, (c[:, 1] + c[:, 3]) / 2, c[:, 2] - c[:, 0]
+    k = torch.arange(5.0) - 2
+    grid_x, grid_y, grid_s = torch.meshgrid(40 + 2 * k, 40 + 2 * k, 20 * (1 + 0.1 * k), indexing="ij")
+    assert torch.allclose(cx, grid_x.flatten()) and torch.allclose(cy, grid_y.flatten())
+    assert torch.allclose(w, grid_s.flatten()) and torch.allclose(c[:, 3] - c[:, 1], grid_s.flatten())
+
+
+def test_neighbours_of_boxes_at_the_edges_keep_the_box_and_never_leave_a_wide_image():
+    """A box touching the left and top edges is its own middle candidate (nothing pushes it in); a box as wide as
+    the image is not scaled past it; on a 100 x 60 image the boxes use the whole width and stay within the height."""
+    at_edge = torch.tensor([[0.0, 0.0, 30.0, 30.0]])
+    c = neighbours(at_edge, (84.0, 84.0), 10.0, 0.2, 0.2, 3)[0]
+    assert torch.equal(c[13], at_edge[0]) and c[:, 0].min() == 0 and c[:, 1].min() == 0
+    whole = torch.tensor([[0.0, 0.0, 84.0, 84.0]])
+    c = neighbours(whole, (84.0, 84.0), 10.0, 0.2, 0.2, 3)[0]
+    assert (c[:, :2] >= 0).all() and (c[:, 2:] <= 84.0 + 1e-4).all()
+    assert torch.allclose((c[:, 2] - c[:, 0]).max(), torch.tensor(84.0))  # scaled up, then held at the image's side
+    wide = torch.tensor([[60.0, 20.0, 90.0, 50.0]])  # 30 x 30 on a 100 x 60 image
+    c = neighbours(wide, (100.0, 60.0), 10.0, 0.3, 0.2, 3)[0]
+    assert torch.equal(c[13], wide[0])
+    assert (c[:, 2] <= 100.0 + 1e-4).all() and (c[:, 3] <= 60.0 + 1e-4).all() and (c[:, :2] >= 0).all()
+    assert c[:, 2].max() > 95.0  # the width is the image's 100, not its height
+    tall = torch.tensor([[0.0, 0.0, 50.0, 60.0]])  # as tall as the image: scaled up, its height is held at 60
+    c = neighbours(tall, (100.0, 60.0), 10.0, 0.1, 0.2, 3)[0]
+    assert torch.allclose((c[:, 3] - c[:, 1]).max(), torch.tensor(60.0)) and (c[:, 1] >= 0).all()
+
+
 def test_shape_rounds_change_width_and_height_in_opposite_ways():
     """``aspect`` > 0: the third axis keeps the area and changes the shape (widths times ``(1 + aspect)^k``,
     heights divided by it); a round with the shape step runs only after the size rounds."""
