@@ -395,12 +395,3 @@ def score_boxes(localizer: Localizer, images01: Tensor, boxes: Tensor, prototype
     conf = cal.box_confidence(images01, boxes, d_p, d_n if has_neg and cal.negatives is not None else None)
     return d_p, d_n, conf.float()
 
-
-def pick(images01: Tensor, boxes: Tensor, scores: Tensor, valid: Tensor, cal: Calibration
-         ) -> tuple[Tensor, Tensor]:
-    """Among candidate boxes ``[n, K, 4]`` (input pixels; e.g. ``Localization.instances``) with their scores
-    ``[n, K]`` and ``valid [n, K]``, the one the calibration finds most likely right (its NCC fits: no backbone
-    pass) -> (its index ``[n]``, its confidence ``[n]``)."""
-    conf = cal.box_confidence(images01, boxes, scores).masked_fill(~valid, -1.0)
-    k = conf.argmax(dim=1)
-    return k, conf[torch.arange(len(k)), k]

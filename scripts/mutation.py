@@ -64,7 +64,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "companion": ("models/companion.py", ["tests/models/test_companion.py"]),
     "batching": ("app/batching.py", ["tests/app/test_app_batching.py"]),
     "refine": ("models/refine.py", ["tests/models/test_refine.py"]),
-    "repair": ("models/repair.py", ["tests/models/test_repair.py"]),
+    "repair": ("models/repair.py", ["tests/models/test_repair.py", "tests/models/test_rewards.py"]),
     "calibration": ("models/calibration.py", ["tests/models/test_calibration.py", "tests/models/test_platt.py"]),
 }
 

@@ -256,3 +256,139 @@ def test_with_ncc_a_set_of_fours_is_not_found_on_most_other_digits():
     assert found[False, 7, "distance"] > 0.8 and found[False, 9, "distance"] > 0.8, found
     assert found[False, 7, "ncc"] < 0.3 and found[True, 9, "ncc"] < 0.5, found
     assert found[False, 4, "ncc"] > 0.8 and found[True, 4, "ncc"] > 0.8, found
+
+
+# --- what a calibration stores, and what a refresh reads back (mutation testing, 2026-12-02)
+
+
+def _full_calibration():
+    """A calibration with every part: the score's fit, the negatives', the NCC fits, templates with negatives and
+    a kind check."""
+    from models.core.platt import PlattFit
+    from models.core.templates import Templates, make_templates
+    from models.verifier import KindCheck
+
+    g = torch.Generator().manual_seed(5)
+    t = Templates(make_templates([torch.rand(1, 28, 28, generator=g) for _ in range(3)]),
+                  make_templates([torch.rand(1, 28, 28, generator=g) for _ in range(2)]), 84, 1, (0.0,))
+    kind = KindCheck([1.0, 0.0], [[0.0, 1.0], [0.6, 0.8]], "4", 0.97, "sha-of-the-verifier")
+    return Calibration(PlattFit(["log_score"], [5.0], [1.0], [-2.0], 0.3),
+                       PlattFit(["log_score", "log_ratio"], [5.0, 0.0], [1.0, 1.0], [-2.0, -1.0], 0.1), 0.35,
+                       {"ece": 0.05}, PlattFit(["ncc"], [0.5], [0.2], [4.0], -0.2),
+                       PlattFit(["ncc", "ncc_negatives"], [0.5, 0.4], [0.2, 0.2], [4.0, -3.0], 0.1), t, kind)
+
+
+def test_every_part_of_a_calibration_round_trips_through_json_and_answers_the_same():
+    import json
+
+    cal = _full_calibration()
+    d = cal.to_dict()
+    assert d["version"] == 3 and d["threshold"] == 0.35 and d["kind"]["kind"] == "4"
+    assert d["ncc_negatives"]["features"] == ["ncc", "ncc_negatives"] and d["templates"] is not None
+    back = Calibration.from_dict(json.loads(json.dumps(d)))
+    assert back.to_dict() == d and back.kind == cal.kind and back.threshold == 0.35
+    x, xn = torch.tensor([0.2, 0.9]), torch.tensor([0.8, 0.1])
+    z = 4.0 * (x.double() - 0.5) / 0.2 - 3.0 * (xn.double() - 0.4) / 0.2 + 0.1
+    assert torch.allclose(back.confidence(torch.ones(2), ncc=x, ncc_negatives=xn), torch.sigmoid(z))
+    # the NCC alone where the negatives' NCC is not given, though a fit for it is stored
+    assert torch.allclose(back.confidence(torch.ones(2), ncc=x), torch.sigmoid(4.0 * (x.double() - 0.5) / 0.2 - 0.2))
+    assert torch.equal(back.templates.negatives, cal.templates.negatives)
+    # an NCC fit without templates (version 2 all the same), and a dict without a threshold: the default 0.5
+    only_ncc = Calibration(cal.score, ncc=cal.ncc).to_dict()
+    assert only_ncc["version"] == 2 and only_ncc["templates"] is None and only_ncc["ncc_negatives"] is None
+    del d["threshold"]
+    assert Calibration.from_dict(d).threshold == 0.5
+
+
+def test_a_refresh_reads_the_kind_check_and_the_negative_templates_of_a_stored_calibration():
+    from models.calibration import stored_kind, stored_negative_templates
+
+    cal = _full_calibration()
+    d = cal.to_dict()
+    assert stored_kind(d) == cal.kind and torch.equal(stored_negative_templates(d), cal.templates.negatives)
+    for nothing in (None, {}, Calibration(cal.score).to_dict()):
+        assert stored_kind(nothing) is None and stored_negative_templates(nothing) is None
+
+
+def test_the_kind_check_applies_only_with_the_verifier_it_was_made_with():
+    from dataclasses import replace as copy_with
+    from types import SimpleNamespace
+
+    cal = _full_calibration()
+    assert cal.kind_applies(SimpleNamespace(sha256="sha-of-the-verifier"))
+    assert not cal.kind_applies(SimpleNamespace(sha256="another file")) and not cal.kind_applies(None)
+    assert not copy_with(cal, templates=None).kind_applies(SimpleNamespace(sha256="sha-of-the-verifier"))
+
+
+def test_a_stored_ncc_fit_that_uses_the_score_reads_it_and_a_missing_feature_is_named():
+    from models.calibration import ncc_features
+    from models.core.platt import PlattFit
+
+    s, x = torch.tensor([10.0, 100.0]), torch.tensor([0.3, 0.6])
+    cal = Calibration(PlattFit(["log_score"], [0.0], [1.0], [-1.0], 0.0),
+                      ncc=PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [-1.0, 2.0], 0.0))
+    want = torch.sigmoid(-s.double().log() + 2.0 * x.double())
+    assert torch.allclose(cal.confidence(s, ncc=x), want)
+    assert torch.allclose(ncc_features(["log_score"], s, x)[:, 0], s.double().log())
+    with pytest.raises(ValueError, match=r"\['ncc_negatives'\] are needed"):
+        ncc_features(["ncc", "ncc_negatives"], s, x)
+
+
+def test_the_fit_reports_its_samples_and_the_measures_of_its_richest_fit():
+    from models.core.platt import expected_calibration_error
+
+    g = torch.Generator().manual_seed(3)
+    pos, neg = torch.rand(30, generator=g) * 50 + 10, torch.rand(20, generator=g) * 200 + 40
+    hit = torch.arange(30) % 3 == 0  # a third of the answers on positives right
+    cal = fit_calibration(pos, hit, neg)
+    y = torch.cat([hit, torch.zeros(20, dtype=torch.bool)])
+    p = cal.confidence(torch.cat([pos, neg]))
+    assert cal.stats["positives"] == 30 and cal.stats["negatives"] == 20
+    assert cal.stats["positive_hit_rate"] == 0.3333
+    assert cal.stats["ece"] == round(expected_calibration_error(p, y), 4)
+    assert cal.stats["brier"] == round(float(((p - y.double()) ** 2).mean()), 4)
+    # with NCC features (more negatives: other shapes), the measures are the NCC fit's
+    pn = hit.double() * 0.5 + torch.rand(30, generator=g).double() * 0.3
+    nn_ = torch.rand(25, generator=g).double() * 0.4
+    pnn, nnn = torch.rand(30, generator=g).double() * 0.3, torch.rand(25, generator=g).double() * 0.3 + 0.4
+    cal = fit_calibration(pos, hit, neg, pos_ncc=pn, neg_ncc=nn_, pos_ncc_neg=pnn, neg_ncc_neg=nnn)
+    y = torch.cat([hit, torch.zeros(25, dtype=torch.bool)])
+    p = cal.confidence(torch.ones(55), ncc=torch.cat([pn, nn_]), ncc_negatives=torch.cat([pnn, nnn]))
+    assert cal.ncc_negatives is not None and cal.ncc_negatives.features == ["ncc", "ncc_negatives"]
+    assert cal.stats["ece"] == round(expected_calibration_error(p, y), 4)
+    assert cal.stats["brier"] == round(float(((p - y.double()) ** 2).mean()), 4)
+    assert cal.score.features == ["log_score"]
+
+
+def test_calibrate_policy_fits_on_everything_it_is_given():
+    """The counts in ``stats``: ``n`` pasted positives plus the labeled examples and the given positives; ``n``
+    negatives, drawn from the synthesized backgrounds and the given ones; the threshold passed through; the NCC
+    fits for a grayscale bundle; a verifier's kind check recorded."""
+    from types import SimpleNamespace
+
+    from models.calibration import calibrate_policy
+    from models.data.types import LabeledImages
+    from models.inference import Localizer
+    from models.verifier import KindCheck
+
+    torch.manual_seed(0)
+    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
+    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    proto = loc.prototype(crops)
+    s = loc.spec.size
+    imgs = torch.rand(4, 1, s, s, generator=torch.Generator().manual_seed(9))
+    boxes = torch.tensor([[10.0, 10.0, 40.0, 40.0]]).repeat(4, 1)
+    check = KindCheck([1.0], [[0.0]], "4", 0.95, "sha")
+    verifier = SimpleNamespace(check=lambda c, negatives: check if len(c) == 3 and negatives is None else None)
+    cal = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=1, labeled=LabeledImages(imgs[:2], boxes[:2]),
+                           positives=LabeledImages(imgs, boxes), backgrounds01=imgs[:3], threshold=0.3,
+                           verifier=verifier)
+    assert cal.stats["positives"] == 8 + 2 + 4 and cal.stats["negatives"] == 8
+    assert cal.threshold == 0.3 and cal.templates is not None and cal.ncc is not None
+    assert cal.kind == check and cal.stats["kind"] == "4" and cal.stats["known"] == 0.95
+    assert cal.templates.size == s and cal.templates.channels == 1
+    plain = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=1, ncc=False, verifier=verifier)
+    assert plain.templates is None and plain.kind is None and plain.stats["positives"] == 8
+    other_backgrounds = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=1, ncc=False,
+                                         backgrounds01=torch.ones(3, 1, s, s))
+    assert other_backgrounds.to_dict() != plain.to_dict()
