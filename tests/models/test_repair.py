@@ -252,3 +252,17 @@ def test_with_a_consensus_start_the_guard_scores_each_checkpoint_with_the_ones_b
         hits = paired_iou(boxes, setup.guard.probes.boxes) >= 0.5
         assert rec["select"]["corloc"] == round(float(hits[setup.guard.select].float().mean() * 100), 2)
         assert rec["held"]["corloc"] == round(float(hits[setup.guard.held].float().mean() * 100), 2)
+
+
+@pytest.mark.parametrize(("channels", "style", "paired"), [(1, "rect", False), (3, "soft", True)])
+def test_the_photos_settings_choose_by_the_bundles_input(channels, style, paired):
+    """``QLOC_PROBE_STYLE=photos`` and ``QLOC_PAIR_START=photos`` (the latter's default): soft-edged probes and a
+    paired start for RGB bundles only; any other value is the same for every bundle."""
+    from types import SimpleNamespace
+
+    from models.repair import pairs_start, probe_style
+
+    b = SimpleNamespace(config=SimpleNamespace(input=SimpleNamespace(channels=channels)))
+    assert probe_style("photos", b) == style and pairs_start("photos", b) is paired
+    assert probe_style("rect", b) == "rect" and probe_style("soft", b) == "soft"
+    assert pairs_start("always", b) is True and pairs_start("never", b) is False
