@@ -228,6 +228,9 @@ def test_too_few_probes_for_repair_are_refused_and_a_job_then_keeps_the_bundle_h
     setup = guarded_setup(bundle, proto, crops, unl.images[:8], None, synthetic=8, generator_seed=0,
                           repair=RepairConfig(epochs=2))
     assert setup.repair is None and setup.reward == "bundle head" and setup.bundle is bundle
+    at_least = guarded_setup(bundle, proto, crops, unl.images[:16], None, synthetic=16, generator_seed=0,
+                             repair=RepairConfig(epochs=1))  # exactly MIN_TRAIN_PROBES: repair is tried
+    assert at_least.repair is not None and at_least.repair.record["epochs"] == 1
 
 
 def test_with_a_consensus_start_the_guard_scores_each_checkpoint_with_the_ones_before_it_voting(bundle, glyph_job):

@@ -91,6 +91,8 @@ def test_ncc_and_feature_scorers_are_vectorized_in_the_env(bundle, glyphs):
         assert float(ro.distances.min()) >= 0 and float(ro.distances.max()) <= 2
     with pytest.raises(ValueError, match="pixels"):
         BoxEnv(bundle.embedder, feats, proto.expand(6, -1), bundle.config.env, (84.0, 84.0), scorer=NCCScorer(crops))
+    with pytest.raises(ValueError, match="^the 'ncc' scorer needs the images' pixels$"):
+        NCCScorer(crops).box_distances(bundle.embedder, feats, ro.boxes[-1].view(6, 3, 4), None)
 
 
 @pytest.mark.skipif(not font_files(), reason="the premise holds for 'K' drawn in TrueType fonts (/usr/share/fonts); "
@@ -160,3 +162,18 @@ def test_a_job_reports_its_choice_and_adapts_on_it_while_the_guard_keeps_its_pro
         bundle, forced.scorer, LabeledImages(guard.probes.images, guard.probes.boxes, guard.feats))
     # the guard's probes are the same draw, erased where the chosen reward's ranking finds the object
     assert torch.equal(guard.probes.boxes, off.guard.probes.boxes)
+
+
+def test_the_choice_keeps_the_current_reward_on_a_tie_and_scores_on_the_seed_given(bundle, glyphs, probes):
+    """Two names for one scorer tie: the current one stays whichever comes first, even with no margin; the
+    faithfulness is measured on the pairs of the ``seed`` given; a current reward that is not a candidate is named."""
+    _, _, proto = glyphs
+    same = EmbeddingScorer(proto)
+    for scorers in ({"embedding": same, "twin": same}, {"twin": same, "embedding": same}):
+        c = choose_reward(bundle, scorers, probes, margin=0.0)
+        assert c.chosen == "embedding" and c.faithfulness["twin"] == c.faithfulness["embedding"]
+    c = choose_reward(bundle, {"embedding": same}, probes, seed=3)
+    assert c.faithfulness["embedding"] == scorer_faithfulness(bundle, same, probes, 3)
+    assert c.faithfulness["embedding"] != scorer_faithfulness(bundle, same, probes, 0)
+    with pytest.raises(ValueError, match=r"the current reward 'ncc' must be one of the candidates \['embedding'\]"):
+        choose_reward(bundle, {"embedding": same}, probes, current="ncc")
