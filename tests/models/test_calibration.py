@@ -392,3 +392,27 @@ def test_calibrate_policy_fits_on_everything_it_is_given():
     other_backgrounds = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=1, ncc=False,
                                          backgrounds01=torch.ones(3, 1, s, s))
     assert other_backgrounds.to_dict() != plain.to_dict()
+
+
+def test_the_ncc_fits_need_two_exemplars_and_two_negatives_for_leave_one_out():
+    """Leave-one-out compares a sample with the *other* templates: one exemplar gives no NCC fit, one negative
+    exemplar no NCC fit with negatives; two of each give both. The AUROCs of both features on the set's own samples
+    are recorded beside them."""
+    from models.calibration import calibrate_policy
+    from models.inference import Localizer
+
+    torch.manual_seed(0)
+    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
+    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    proto = loc.prototype(crops[:2])
+
+    def cal(exemplars, negatives):
+        return calibrate_policy(loc, proto, exemplars, nearest=False, n=8, seed=0, negative_crops=negatives)
+
+    one = cal(crops[:1], None)
+    assert one.ncc is None and one.templates is None and "auroc_ncc" not in one.stats
+    two = cal(crops[:2], crops[2:3])
+    assert two.ncc is not None and two.ncc_negatives is None and two.templates.negatives is None
+    assert all(0 <= two.stats[k] <= 1 and round(two.stats[k], 4) == two.stats[k] for k in ("auroc_score", "auroc_ncc"))
+    both = cal(crops[:2], crops[2:4])
+    assert both.ncc_negatives is not None and len(both.templates.negatives) == 2
