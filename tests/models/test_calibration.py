@@ -416,3 +416,30 @@ def test_the_ncc_fits_need_two_exemplars_and_two_negatives_for_leave_one_out():
     assert all(0 <= two.stats[k] <= 1 and round(two.stats[k], 4) == two.stats[k] for k in ("auroc_score", "auroc_ncc"))
     both = cal(crops[:2], crops[2:4])
     assert both.ncc_negatives is not None and len(both.templates.negatives) == 2
+
+
+def test_a_jobs_probes_join_the_positives_with_their_sources_to_be_found(monkeypatch):
+    """The pasted positives keep the exemplar each was pasted from (leave-one-out compares it with the others); a
+    job's probes, made from another list of crops, are marked ``-1``: their source is found by matching."""
+    import models.calibration as mc
+    from models.data.types import LabeledImages
+    from models.inference import Localizer
+
+    seen = {}
+    real = mc.calibrate
+
+    def spy(localizer, agent, prototype, samples, **kw):
+        seen["samples"] = samples
+        return real(localizer, agent, prototype, samples, **kw)
+
+    monkeypatch.setattr(mc, "calibrate", spy)
+    torch.manual_seed(0)
+    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
+    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    s = loc.spec.size
+    probes = LabeledImages(torch.rand(5, 1, s, s), torch.tensor([[10.0, 10.0, 40.0, 40.0]]).repeat(5, 1))
+    mc.calibrate_policy(loc, loc.prototype(crops), crops, nearest=False, n=8, seed=0, positives=probes)
+    pos = seen["samples"].positives
+    assert len(pos) == 13 and torch.equal(pos.images[8:], probes.images) and torch.equal(pos.boxes[8:], probes.boxes)
+    assert pos.sources.dtype == torch.long and (pos.sources[8:] == -1).all()
+    assert ((pos.sources[:8] >= 0) & (pos.sources[:8] < 3)).all()
