@@ -443,3 +443,29 @@ def test_a_jobs_probes_join_the_positives_with_their_sources_to_be_found(monkeyp
     assert len(pos) == 13 and torch.equal(pos.images[8:], probes.images) and torch.equal(pos.boxes[8:], probes.boxes)
     assert pos.sources.dtype == torch.long and (pos.sources[8:] == -1).all()
     assert ((pos.sources[:8] >= 0) & (pos.sources[:8] < 3)).all()
+
+
+def test_calibrate_policy_runs_the_policy_it_is_given_as_it_is_served():
+    """The agent of ``agent_state`` (not the bundle's), with ``nearest`` as given; a refresh's stored negative
+    templates stand in for negative crops it no longer has; the templates keep the crops' sizes."""
+    from models.calibration import calibrate_policy
+    from models.core.templates import make_templates
+    from models.inference import Localizer
+
+    torch.manual_seed(0)
+    bundle = new_bundle("t", mnist_config(), seed=0)
+    loc = Localizer(bundle, "cpu")
+    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    proto = loc.prototype(crops)
+    torch.manual_seed(7)
+    other = {k: v + 0.5 * torch.randn_like(v) for k, v in bundle.agent_state.items()}
+
+    def cal(**kw):
+        return calibrate_policy(loc, proto, crops, n=8, seed=0, **{"nearest": False, **kw}).to_dict()
+
+    base = cal()
+    assert cal(agent_state=other) != base and cal(nearest=True) != base
+    neg_t = make_templates([torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(20 + i)) for i in range(2)])
+    stored = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=0, negative_templates=neg_t)
+    assert torch.equal(stored.templates.negatives, neg_t) and stored.ncc_negatives is not None
+    assert stored.templates.crop_sizes is not None and len(stored.templates.crop_sizes) == 3
