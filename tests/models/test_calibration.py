@@ -469,3 +469,18 @@ def test_calibrate_policy_runs_the_policy_it_is_given_as_it_is_served():
     stored = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=0, negative_templates=neg_t)
     assert torch.equal(stored.templates.negatives, neg_t) and stored.ncc_negatives is not None
     assert stored.templates.crop_sizes is not None and len(stored.templates.crop_sizes) == 3
+
+
+def test_with_negatives_the_stats_are_those_of_the_negatives_fit():
+    from models.core.platt import expected_calibration_error
+
+    g = torch.Generator().manual_seed(4)
+    d = torch.rand(60, generator=g) * 20 + 40
+    pos_neg, neg_neg = torch.rand(30, generator=g) * 50 + 100, torch.rand(30, generator=g) * 5 + 5
+    hit = torch.ones(30, dtype=torch.bool)
+    cal = fit_calibration(d[:30], hit, d[30:], pos_neg=pos_neg, neg_neg=neg_neg)
+    assert cal.negatives is not None and cal.negatives.features == ["log_score", "log_ratio"]
+    y = torch.cat([hit, torch.zeros(30, dtype=torch.bool)])
+    p = cal.confidence(d, torch.cat([pos_neg, neg_neg]))
+    assert cal.stats["ece"] == round(expected_calibration_error(p, y), 4) and cal.stats["ece"] != round(
+        expected_calibration_error(cal.confidence(d), y), 4)
