@@ -9,12 +9,27 @@ import torch
 from models.bundle import new_bundle
 from models.calibration import (
     Calibration,
+    calibrate_policy,
     features,
     fit_calibration,
 )
 from models.core.platt import expected_calibration_error, fit_platt, reliability_bins
 from models.data.calibration_samples import make_samples, scrambled_crops, synthetic_backgrounds
+from models.data.types import LabeledImages
+from models.inference import Localizer
 from models.presets import mnist_config
+
+
+def _random_localizer() -> Localizer:
+    """A localizer of an untrained cMNIST-sized bundle, made after seeding torch's global generator (what the tests
+    draw without a generator of their own follows from it)."""
+    torch.manual_seed(0)
+    return Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
+
+
+def _crops(k: int, first: int = 0) -> list[torch.Tensor]:
+    """``k`` random 28 x 28 gray crops, crop ``i`` drawn from seed ``first + i``."""
+    return [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(first, first + k)]
 
 
 def test_platt_recovers_a_known_logistic_model():
@@ -94,12 +109,9 @@ def test_samples_have_the_pasted_boxes_and_no_object_in_negatives():
 
 
 def test_calibrate_policy_on_a_random_bundle_is_valid_and_seeded():
-    from models.calibration import calibrate_policy
-    from models.inference import Localizer
 
-    torch.manual_seed(0)
-    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
-    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    loc = _random_localizer()
+    crops = _crops(2)
     proto = loc.prototype(crops)
     neg = loc.embed_crops([torch.rand(1, 28, 28)]).cpu()
     a = calibrate_policy(loc, proto, crops, nearest=False, n=16, seed=3, negative_embeddings=neg)
@@ -233,7 +245,6 @@ def test_with_ncc_a_set_of_fours_is_not_found_on_most_other_digits():
     from models.calibration import answers, calibrate_policy
     from models.data.types import exemplar_crops
     from models.experiments.cmnist import cmnist
-    from models.inference import Localizer
 
     path = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
     if not path.exists():
@@ -366,14 +377,10 @@ def test_calibrate_policy_fits_on_everything_it_is_given():
     fits for a grayscale bundle; a verifier's kind check recorded."""
     from types import SimpleNamespace
 
-    from models.calibration import calibrate_policy
-    from models.data.types import LabeledImages
-    from models.inference import Localizer
     from models.verifier import KindCheck
 
-    torch.manual_seed(0)
-    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
-    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    loc = _random_localizer()
+    crops = _crops(3)
     proto = loc.prototype(crops)
     s = loc.spec.size
     imgs = torch.rand(4, 1, s, s, generator=torch.Generator().manual_seed(9))
@@ -398,12 +405,9 @@ def test_the_ncc_fits_need_two_exemplars_and_two_negatives_for_leave_one_out():
     """Leave-one-out compares a sample with the *other* templates: one exemplar gives no NCC fit, one negative
     exemplar no NCC fit with negatives; two of each give both. The AUROCs of both features on the set's own samples
     are recorded beside them."""
-    from models.calibration import calibrate_policy
-    from models.inference import Localizer
 
-    torch.manual_seed(0)
-    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
-    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    loc = _random_localizer()
+    crops = _crops(4)
     proto = loc.prototype(crops[:2])
 
     def cal(exemplars, negatives):
@@ -422,8 +426,6 @@ def test_a_jobs_probes_join_the_positives_with_their_sources_to_be_found(monkeyp
     """The pasted positives keep the exemplar each was pasted from (leave-one-out compares it with the others); a
     job's probes, made from another list of crops, are marked ``-1``: their source is found by matching."""
     import models.calibration as mc
-    from models.data.types import LabeledImages
-    from models.inference import Localizer
 
     seen = {}
     real = mc.calibrate
@@ -433,9 +435,8 @@ def test_a_jobs_probes_join_the_positives_with_their_sources_to_be_found(monkeyp
         return real(localizer, agent, prototype, samples, **kw)
 
     monkeypatch.setattr(mc, "calibrate", spy)
-    torch.manual_seed(0)
-    loc = Localizer(new_bundle("t", mnist_config(), seed=0), "cpu")
-    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    loc = _random_localizer()
+    crops = _crops(3)
     s = loc.spec.size
     probes = LabeledImages(torch.rand(5, 1, s, s), torch.tensor([[10.0, 10.0, 40.0, 40.0]]).repeat(5, 1))
     mc.calibrate_policy(loc, loc.prototype(crops), crops, nearest=False, n=8, seed=0, positives=probes)
@@ -448,24 +449,20 @@ def test_a_jobs_probes_join_the_positives_with_their_sources_to_be_found(monkeyp
 def test_calibrate_policy_runs_the_policy_it_is_given_as_it_is_served():
     """The agent of ``agent_state`` (not the bundle's), with ``nearest`` as given; a refresh's stored negative
     templates stand in for negative crops it no longer has; the templates keep the crops' sizes."""
-    from models.calibration import calibrate_policy
     from models.core.templates import make_templates
-    from models.inference import Localizer
 
-    torch.manual_seed(0)
-    bundle = new_bundle("t", mnist_config(), seed=0)
-    loc = Localizer(bundle, "cpu")
-    crops = [torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    loc = _random_localizer()
+    crops = _crops(3)
     proto = loc.prototype(crops)
     torch.manual_seed(7)
-    other = {k: v + 0.5 * torch.randn_like(v) for k, v in bundle.agent_state.items()}
+    other = {k: v + 0.5 * torch.randn_like(v) for k, v in loc.bundle.agent_state.items()}
 
     def cal(**kw):
         return calibrate_policy(loc, proto, crops, n=8, seed=0, **{"nearest": False, **kw}).to_dict()
 
     base = cal()
     assert cal(agent_state=other) != base and cal(nearest=True) != base
-    neg_t = make_templates([torch.rand(1, 28, 28, generator=torch.Generator().manual_seed(20 + i)) for i in range(2)])
+    neg_t = make_templates(_crops(2, first=20))
     stored = calibrate_policy(loc, proto, crops, nearest=False, n=8, seed=0, negative_templates=neg_t)
     assert torch.equal(stored.templates.negatives, neg_t) and stored.ncc_negatives is not None
     assert stored.templates.crop_sizes is not None and len(stored.templates.crop_sizes) == 3

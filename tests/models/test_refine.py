@@ -57,7 +57,7 @@ def test_neighbours_shift_and_scale_the_box_and_stay_in_the_image():
 def test_a_config_out_of_range_is_refused_with_what_it_got(field, value, says):
     with pytest.raises(ValueError, match=says) as e:
         RefineConfig(**{field: value})
-    assert f"{field}={value}" in str(e.value) or f"{value}" in str(e.value)
+    assert str(value) in str(e.value)  # the message says what it got
 
 
 def test_the_edges_of_each_range_are_accepted():
