@@ -36,6 +36,10 @@ INFERENCE_TESTS = ["tests/models/test_instances.py", "tests/models/test_companio
                    "tests/models/test_inference_batching.py", "tests/models/test_multi.py",
                    "tests/models/test_refine.py"]
 
+# stage 1 and 2 on a few images and epochs (not test_learning.py: its minute of training per mutant is the CI's
+# learning check, not a unit test)
+TRAINER_TESTS = ["tests/models/test_trainers.py", "tests/models/test_general_bundles.py"]
+
 TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_templates_math.py"]
 
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
@@ -66,6 +70,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "refine": ("models/refine.py", ["tests/models/test_refine.py"]),
     "repair": ("models/repair.py", ["tests/models/test_repair.py", "tests/models/test_rewards.py"]),
     "calibration": ("models/calibration.py", ["tests/models/test_calibration.py", "tests/models/test_platt.py"]),
+    "metrics": ("models/core/metrics.py", ["tests/models/test_reinforce_metrics.py", "tests/models/test_multi.py"]),
+    "policy": ("models/policy.py", MODEL_TESTS + TRAINER_TESTS),
+    "stage1": ("models/train/embedding.py", TRAINER_TESTS),
+    "stage2": ("models/train/agent.py", TRAINER_TESTS),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}

@@ -178,6 +178,33 @@ def test_a_missed_instance_lowers_recall_at_k():
     assert padded == {"ap50": 1.0, "recall_at_k": 1.0}  # a non-finite score is no detection
 
 
+def test_detection_metrics_edge_cases_and_refusals():
+    one = torch.tensor([[0.0, 0, 10, 10]])
+    # one image holding one ground-truth box is data, not "nothing to score"
+    assert detection_metrics([one], [torch.tensor([0.3])], [one], k=1) == {"ap50": 1.0, "recall_at_k": 1.0}
+    # IoU exactly 0.5 is a match, as in COCO (>=)
+    half = torch.tensor([[0.0, 0, 10, 20]])
+    assert detection_metrics([half], [torch.tensor([0.3])], [one], k=1) == {"ap50": 1.0, "recall_at_k": 1.0}
+    # no images, or no ground truth: NaN, under the same names
+    for m in (detection_metrics([], [], [], k=1),
+              detection_metrics([one], [torch.tensor([0.3])], [torch.zeros(0, 4)], k=1)):
+        assert set(m) == {"ap50", "recall_at_k"} and all(np.isnan(v) for v in m.values())
+    with pytest.raises(ValueError, match="need one entry per image: 1 pred_boxes, 2 pred_scores, 1 gt_boxes"):
+        detection_metrics([one], [torch.tensor([0.3])] * 2, [one], k=1)
+    with pytest.raises(ValueError, match="k must be >= 1, got 0"):
+        detection_metrics([one], [torch.tensor([0.3])], [one], k=0)
+    with pytest.raises(ValueError, match=r"pred_boxes \(1, 2, 4\) and pred_scores \(1, 3\) do not match"):
+        detection_metrics([torch.zeros(2, 4)], [torch.zeros(3)], [one], k=1)
+
+
+def test_detection_metrics_pad_images_with_no_detection_whatever_the_scores_sign():
+    """Scores may be negative (``-distance``): an image with fewer detections than another is padded with
+    absent ones, never with a detection that scores 0 and outranks them all."""
+    a, b = torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([[20.0, 20, 30, 30]])
+    m = detection_metrics([torch.cat([a, b]), b], [torch.tensor([-1.0, -5.0]), torch.tensor([-2.0])], [a, b], k=4)
+    assert m == {"ap50": 1.0, "recall_at_k": 1.0}  # ranked: TP (-1), TP (-2), FP (-5)
+
+
 def _coco(pred_boxes, pred_scores, gt_boxes, k):  # noqa: ANN001, ANN202
     coco_mod = pytest.importorskip("pycocotools.coco")
     cocoeval = pytest.importorskip("pycocotools.cocoeval")

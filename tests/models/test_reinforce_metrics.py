@@ -80,6 +80,17 @@ def test_spearman_matches_scipy():
     assert math.isclose(spearman(torch.arange(5.0), -torch.arange(5.0)).item(), -1.0)
 
 
+def test_corloc_refuses_shapes_that_differ_naming_both():
+    with pytest.raises(ValueError, match=r"pred \(3, 4\) and gt \(2, 4\) must have the same shape"):
+        corloc(torch.zeros(3, 4), torch.zeros(2, 4))
+
+
+def test_spearman_of_two_values_and_of_a_constant():
+    assert spearman(torch.tensor([1.0, 2.0]), torch.tensor([5.0, 7.0])).item() == pytest.approx(1.0)
+    assert spearman(torch.tensor([1.0, 2.0]), torch.tensor([7.0, 5.0])).item() == pytest.approx(-1.0)
+    assert spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 4.0, 4.0])).item() == 0.0  # not NaN
+
+
 def test_pair_sampling_orders_by_iou_and_spans_bins():
     from models.core.boxes import paired_iou, square_candidates
 
