@@ -85,6 +85,15 @@ def triplet_loss(anchor: Tensor, pos: Tensor, neg: Tensor, margin: float) -> Ten
     return torch.relu(margin + d_pos - d_neg).mean()
 
 
+def kind_margin_loss(emb: Tensor, own: Tensor, other: Tensor, margin: float) -> Tensor:
+    """The cross-kind term on data of several kinds: each ground-truth box embedding ``emb [B, D]`` should be nearer
+    its own kind's anchor ``own [B, D]`` than another kind's prototype ``other [D]`` by ``margin`` ->
+    ``mean(max(m + d(e, own) - d(e, other), 0))`` (L2)."""
+    near = (emb - own).norm(dim=-1)
+    far = (emb - other).norm(dim=-1)
+    return torch.relu(margin + near - far).mean()
+
+
 def ordinal_accuracy(anchor: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
     """% of pairs ordered by distance to ``anchor [B, D]`` as by IoU (``pos`` closer) -> scalar."""
     d_pos = (pos - anchor[:, None]).norm(dim=-1)

@@ -20,7 +20,14 @@ from torch import Tensor
 
 from models.backbones import build_decoder
 from models.bundle import Bundle
-from models.core.ordinal import ANCHORS, anchors_for, class_batches, sample_pairs, triplet_loss
+from models.core.ordinal import (
+    ANCHORS,
+    anchors_for,
+    class_batches,
+    kind_margin_loss,
+    sample_pairs,
+    triplet_loss,
+)
 from models.core.seeding import seeded
 from models.data.types import LabeledImages
 from models.evaluate import evaluate_ordacc, ranking_metrics, training_candidates
@@ -129,8 +136,7 @@ def train_embedding(bundle: Bundle, train: LabeledImages, val: LabeledImages, cf
                 loss = cfg.triplet_weight * trip
                 if cfg.class_weight > 0 and kinds > 1:
                     other = _other_kind_prototype(bundle, train, int(train.classes[idx[0]]), cfg.group_size, gen)
-                    near = (out[:, 0] - anchor).norm(dim=-1)
-                    loss = loss + cfg.class_weight * F.relu(cfg.margin + near - (out[:, 0] - other).norm(dim=-1)).mean()
+                    loss = loss + cfg.class_weight * kind_margin_loss(out[:, 0], anchor, other, cfg.margin)
                 recon = None
                 if decoder is not None:
                     recon = F.mse_loss(decoder(feats), x01)

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import spearmanr
 
 from models.core.metrics import corloc, spearman
-from models.core.ordinal import group_prototypes, ordinal_accuracy, sample_pairs, triplet_loss
+from models.core.ordinal import group_prototypes, kind_margin_loss, ordinal_accuracy, sample_pairs, triplet_loss
 from models.core.reinforce import discounted_returns, reinforce_loss
 
 
@@ -68,6 +68,17 @@ def test_ordacc_known_values():
     neg = torch.tensor([[[2.0, 0], [1.0, 0]]])
     assert ordinal_accuracy(a, pos, neg).item() == 50.0
     assert triplet_loss(a, pos, neg, margin=1.0).item() == pytest.approx(((1 + 1 - 2) + (1 + 3 - 1)) / 2)
+
+
+def test_kind_margin_loss_known_values():
+    emb = torch.tensor([[0.0, 0], [3.0, 0]])
+    own = torch.tensor([[1.0, 0], [3.0, 4]])  # distances 1 and 4
+    other = torch.tensor([0.0, 2])  # distances 2 and sqrt(13)
+    # image 0: 1 + 1 - 2 = 0; image 1: 1 + 4 - sqrt(13) > 0
+    assert kind_margin_loss(emb, own, other, margin=1.0).item() == pytest.approx((0 + 5 - math.sqrt(13)) / 2)
+    assert kind_margin_loss(emb, own, other, margin=0.0).item() == pytest.approx((4 - math.sqrt(13)) / 2)
+    far = torch.tensor([100.0, 100])
+    assert kind_margin_loss(emb, own, far, margin=1.0).item() == 0.0  # nearer its own kind by the margin: no loss
 
 
 def test_spearman_matches_scipy():

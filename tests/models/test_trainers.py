@@ -64,28 +64,64 @@ def test_stage1_refuses_an_unknown_anchor_and_reconstruction_on_cached_features(
     train_embedding(bundle, cached, data["val"], _stage1())  # cached features without reconstruction: fine
 
 
-def test_stage1_restores_its_best_validation_epoch_and_evaluates_on_schedule(bundle, data):
+class _Scripted:
+    """Stands in for stage 1's validation: the scores it is told to give, in turn."""
+
+    def __init__(self, scores: list[float]):
+        self.scores, self.calls = list(scores), 0
+
+    def __call__(self, *args, **kwargs) -> float:
+        self.calls += 1
+        return self.scores.pop(0)
+
+
+def test_stage1_restores_its_best_validation_epoch_and_evaluates_on_schedule(bundle, data, monkeypatch):
+    import models.train.embedding as stage1
+
+    decoders, real = [], stage1.build_decoder
+
+    def held_decoder(cfg):  # noqa: ANN001, ANN202 -- the decoder stage 1 trains, held for the test to read
+        decoders.append(real(cfg))
+        return decoders[-1]
+
+    monkeypatch.setattr(stage1, "build_decoder", held_decoder)
+    monkeypatch.setattr(stage1, "evaluate_ordacc", _Scripted([70.0, 90.0, 90.0, 60.0]))
     snapshots = {}
 
     def on_log(rec: dict) -> None:  # called after each evaluation, with the weights it evaluated
-        snapshots[rec["epoch"]] = _state(bundle.embedder)
+        snapshots[rec["epoch"]] = (_state(bundle.embedder), _state(decoders[0]))
 
-    cfg = _stage1(epochs=5, eval_every=2, lr=0.03, seed=3)  # a step this large moves OrdAcc up and down
+    cfg = _stage1(epochs=7, eval_every=2, recon_weight=1.0, head_only=False)
     s = train_embedding(bundle, data["train"], data["val"], cfg, on_log=on_log)
-    epochs = [r["epoch"] for r in s["history"]]
-    assert epochs == [2, 4, 5]  # every eval_every epochs, and the last
-    scores = [r["val/ordacc"] for r in s["history"]]
-    assert s["val/ordacc"] == max(scores)
-    assert s["best_epoch"] == epochs[scores.index(max(scores))]  # the first of equally good ones
-    assert s["best_epoch"] != 5, "the setup no longer makes the last epoch worse than the best; pick another"
-    assert _same(_state(bundle.embedder), snapshots[s["best_epoch"]])
-    assert not _same(_state(bundle.embedder), snapshots[5])
-    # what the summary reports is what the kept weights score, by the same measure
-    assert evaluate_ordacc(bundle, data["val"], seed=cfg.seed, candidates=training_candidates(bundle)) == \
-        pytest.approx(s["val/ordacc"])
-    assert all(set(r) == {"epoch", "losses/triplet", "val/ordacc"} for r in s["history"])
+    assert [r["epoch"] for r in s["history"]] == [2, 4, 6, 7]  # every eval_every epochs, and the last
+    assert [r["val/ordacc"] for r in s["history"]] == [70.0, 90.0, 90.0, 60.0]
+    assert s["val/ordacc"] == 90.0 and s["best_epoch"] == 4  # the first of equally good ones
+    assert _same(_state(bundle.embedder), snapshots[4][0]) and not _same(snapshots[4][0], snapshots[7][0])
+    assert _same(bundle.training["decoder"], snapshots[4][1])  # the decoder of the same epoch, not the last one
+    assert not _same(snapshots[4][1], _state(decoders[0]))
+    assert all(set(r) == {"epoch", "losses/triplet", "losses/recon", "val/ordacc"} for r in s["history"])
+    assert all(isinstance(r["losses/recon"], float) and r["losses/recon"] > 0 for r in s["history"])
     assert not bundle.embedder.training
     assert not any(p.requires_grad for p in bundle.embedder.parameters())
+
+
+def test_stage1_scores_and_samples_on_the_candidates_it_is_given(bundle, data, monkeypatch):
+    import models.train.embedding as stage1
+
+    few = training_candidates(bundle)[::7]
+    seen = []
+    real = stage1.sample_pairs
+
+    def sample_pairs(gt, cands, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(cands)
+        return real(gt, cands, *args, **kwargs)
+
+    monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
+    cfg = _stage1(lr=0.0, seed=2)
+    s = train_embedding(bundle, data["train"], data["val"], cfg, candidates=few)
+    assert seen and all(c is few for c in seen)
+    assert s["val/ordacc"] == pytest.approx(evaluate_ordacc(bundle, data["val"], seed=2, candidates=few))
+    assert s["val/ordacc"] != pytest.approx(evaluate_ordacc(bundle, data["val"], seed=2))
 
 
 def test_stage1_selects_by_the_val_exemplars_prototype_when_given(bundle, data):
@@ -134,26 +170,108 @@ def _state_dict_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-@pytest.mark.parametrize(("drop_last", "batches"), [(False, 3), (True, 2)])
-def test_stage1_asks_before_every_batch_and_stops_when_told(bundle, data, drop_last, batches):
+@pytest.mark.parametrize(("n", "drop_last", "sizes"), [(12, False, [5, 5, 2]), (12, True, [5, 5]), (10, True, [5, 5]),
+                                                       (9, True, [5]), (9, False, [5, 4])])
+def test_stage1_batches_each_image_once_per_epoch_and_asks_before_every_batch(bundle, data, monkeypatch, n,
+                                                                                drop_last, sizes):
+    import models.train.embedding as stage1
+
+    train = cmnist(4, "train", n, "patch", 0)
+    batches = []
+    real = stage1.sample_pairs
+
+    def sample_pairs(gt, *args, **kwargs):  # noqa: ANN001, ANN202
+        batches.append(gt)
+        return real(gt, *args, **kwargs)
+
+    monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
     asked = []
 
     def never() -> bool:
-        asked.append(1)
+        asked.append(len(batches))
         return False
 
-    cfg = _stage1(epochs=2, batch_size=5, drop_last=drop_last, anchor="proto")  # batches of 2 need no groups
-    train_embedding(bundle, data["train"], data["val"], cfg, should_stop=never)
-    assert len(asked) == 2 * batches  # 12 images in batches of 5: 5, 5, 2 (or the last dropped)
+    cfg = _stage1(epochs=2, batch_size=5, drop_last=drop_last, anchor="proto")  # small batches need no groups
+    train_embedding(bundle, train, data["val"], cfg, should_stop=never)
+    assert [len(b) for b in batches] == sizes * 2
+    assert asked == list(range(2 * len(sizes)))  # before each batch, not after
+    all_rows = {tuple(r) for r in train.boxes.tolist()}
+    for epoch in range(2):
+        rows = [tuple(r) for b in batches[epoch * len(sizes):(epoch + 1) * len(sizes)] for r in b.tolist()]
+        assert len(rows) == len(set(rows)) and set(rows) <= all_rows  # no image twice in an epoch
+        if not drop_last:
+            assert set(rows) == all_rows
     calls = []
 
-    def third() -> bool:
+    def at_epoch_2() -> bool:
         calls.append(1)
-        return len(calls) == batches + 1  # the first batch of epoch 2
+        return len(calls) == len(sizes) + 1  # the first batch of epoch 2
 
-    with pytest.raises(Interrupted, match="epoch 2 of 3"):
-        cfg.epochs = 3
-        train_embedding(bundle, data["train"], data["val"], cfg, should_stop=third)
+    cfg.epochs = 3
+    with pytest.raises(Interrupted, match="stopped at epoch 2 of 3"):
+        train_embedding(bundle, train, data["val"], cfg, should_stop=at_epoch_2)
+
+
+def test_stage1_batches_of_several_kinds_hold_one_kind_and_drop_their_remainders(bundle, monkeypatch):
+    import models.train.embedding as stage1
+
+    train = LabeledImages.concat([cmnist(4, "train", 7, "patch", 2), cmnist(7, "train", 5, "patch", 2)])
+    batches = []
+    real = stage1.sample_pairs
+
+    def sample_pairs(gt, *args, **kwargs):  # noqa: ANN001, ANN202
+        batches.append(gt)
+        return real(gt, *args, **kwargs)
+
+    monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
+    train_embedding(bundle, train, train, _stage1(batch_size=3, drop_last=True, anchor="proto"))
+    assert sorted(len(b) for b in batches) == [3, 3, 3]  # 7 -> 3 + 3, 5 -> 3
+    kind_of = {tuple(r): int(k) for r, k in zip(train.boxes.tolist(), train.classes, strict=True)}
+    assert all(len({kind_of[tuple(r)] for r in b.tolist()}) == 1 for b in batches)
+
+
+def test_stage1_trains_through_the_exemplar_anchor(bundle, data, monkeypatch):
+    """``shuffle_exemplar`` anchors are crop embeddings with their gradient: a loss of the anchor alone trains."""
+    import models.train.embedding as stage1
+
+    monkeypatch.setattr(stage1, "triplet_loss", lambda anchor, pos, neg, margin: anchor.norm(dim=-1).mean())
+    head = _state(bundle.embedder.head)
+    train_embedding(bundle, data["train"], data["val"], _stage1(anchor="shuffle_exemplar"))
+    assert not _same(_state(bundle.embedder.head), head)
+
+
+def test_stage1_cross_kind_term_only_with_a_weight_and_several_kinds(bundle, monkeypatch):
+    import models.train.embedding as stage1
+
+    calls = []
+    real = stage1._other_kind_prototype
+
+    def other(*args):  # noqa: ANN002, ANN202
+        calls.append(args[3])  # the group size
+        out = real(*args)
+        assert out.requires_grad  # the other kind's prototype is trained through too
+        return out
+
+    monkeypatch.setattr(stage1, "_other_kind_prototype", other)
+    two = LabeledImages.concat([cmnist(4, "train", 10, "patch", 2), cmnist(7, "train", 10, "patch", 2)])
+    one = cmnist(4, "train", 20, "patch", 2)
+    one_labeled = LabeledImages.concat([one])  # one kind, labeled as such
+    assert one_labeled.classes is not None and one_labeled.classes.unique().tolist() == [0]
+    for data_, weight in ((two, 0.0), (one, 5.0), (one_labeled, 5.0)):
+        train_embedding(bundle, data_, data_, _stage1(batch_size=10, class_weight=weight, anchor="shuffle_exemplar"))
+    assert calls == []
+    train_embedding(bundle, two, two, _stage1(batch_size=10, class_weight=0.5, group_size=4,
+                                             anchor="shuffle_exemplar"))
+    assert calls == [4, 4]  # once per batch, with the configured group
+
+
+def test_stage1_reconstruction_loss_falls(bundle, data):
+    """The decoder's term is minimized (triplet off): a new decoder's loss falls over a few epochs."""
+    del bundle.training["decoder"]
+    s = train_embedding(bundle, data["train"], data["val"], _stage1(epochs=4, recon_weight=1.0, head_only=False,
+                                                                    triplet_weight=0.0, lr=3e-3))
+    recon = [r["losses/recon"] for r in s["history"]]
+    assert recon == sorted(recon, reverse=True) and recon[-1] < 0.6 * recon[0], recon  # measured 0.197 -> 0.076
 
 
 def test_stage1_is_seeded(shipped, data):
@@ -184,19 +302,40 @@ def _stage2(**kw) -> AgentTrainConfig:
     return AgentTrainConfig(**{"iterations": 3, "eval_every": 1, **kw})
 
 
-def test_stage2_keeps_its_best_validation_iteration(bundle, data):
-    cfg = _stage2(iterations=6, eval_every=2, lr=0.02, seed=2)
-    s = train_agent(bundle, data["train"], data["val"], data["val_ex"], cfg)
+def test_stage2_keeps_its_best_validation_iteration(bundle, data, monkeypatch):
+    scores, snapshots, steps = [50.0, 80.0, 80.0, 40.0], {}, []
+
+    def scripted(bundle_, agent, val, proto):  # noqa: ANN001, ANN202 -- stands in for validation CorLoc
+        snapshots[len(snapshots)] = _state(agent)
+        return scores[len(snapshots) - 1], None
+
+    real_step = stage2.policy_step
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        steps.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(stage2, "evaluate_corloc", scripted)
+    monkeypatch.setattr(stage2, "policy_step", counted)
+    logged = []
+    cfg = _stage2(iterations=7, eval_every=2, lr=0.02, seed=2)
+    s = train_agent(bundle, data["train"], data["val"], data["val_ex"], cfg, on_log=logged.append)
+    assert len(steps) == 7  # one step per iteration, from the first to the last
     its = [r["iteration"] for r in s["history"]]
-    assert its == [2, 4, 6]
-    scores = [r["val/corloc"] for r in s["history"]]
-    assert s["val/corloc"] == max(scores) and s["best_iteration"] == its[scores.index(max(scores))]
+    assert its == [2, 4, 6, 7]  # every eval_every iterations, and the last
+    assert logged == s["history"] and [r["val/corloc"] for r in logged] == scores
+    assert s["val/corloc"] == 80.0 and s["best_iteration"] == 4  # the first of equally good ones
+    assert _same(bundle.agent_state, snapshots[1]) and not _same(snapshots[1], snapshots[3])
+    assert all(v.device.type == "cpu" and not v.requires_grad for v in bundle.agent_state.values())
+    assert {"losses/policy", "losses/entropy", "charts/return", "val/corloc"} <= set(s["history"][0])
+
+
+def test_stage2_validates_with_the_val_exemplars_prototype(bundle, data):
+    s = train_agent(bundle, data["train"], data["val"], data["val_ex"], _stage2(iterations=2, lr=0.02, seed=2))
     with torch.no_grad():
         proto = prototypes_for(bundle, data["val_ex"], data["val"])
         corloc, _ = evaluate_corloc(bundle, bundle.new_agent(), data["val"], proto)
-    assert corloc == pytest.approx(s["val/corloc"])  # the kept policy is the one that scored it
-    assert all(v.device.type == "cpu" and not v.requires_grad for v in bundle.agent_state.values())
-    assert {"losses/policy", "losses/entropy", "charts/return", "val/corloc"} <= set(s["history"][0])
+    assert corloc == pytest.approx(s["val/corloc"])  # the kept policy is the one that scored it, so measured
 
 
 class _Recorder:
@@ -235,11 +374,12 @@ def test_stage2_steps_each_image_with_another_groups_prototype(bundle, data, mon
             assert not torch.allclose(crops[mine].mean(0), v, atol=1e-3)
 
 
-def test_stage2_draws_a_minibatch_with_its_boxes_for_a_box_reward(bundle, data, monkeypatch):
+@pytest.mark.parametrize("reward", ["iou", "embedding"])
+def test_stage2_draws_a_minibatch_with_its_boxes_for_a_box_reward(bundle, data, monkeypatch, reward):
     rec = _Recorder()
     monkeypatch.setattr(stage2, "policy_step", rec)
     train = data["train"]
-    train_agent(bundle, train, data["val"], data["val_ex"], _stage2(iterations=3, batch_size=10, reward="iou"))
+    train_agent(bundle, train, data["val"], data["val_ex"], _stage2(iterations=3, batch_size=10, reward=reward))
     with torch.no_grad():
         feats = features_of(bundle, train.images)
     drawn = []
@@ -247,28 +387,44 @@ def test_stage2_draws_a_minibatch_with_its_boxes_for_a_box_reward(bundle, data, 
         assert len(call["feats"]) == 10
         rows = _rows(call["feats"], feats)
         assert len(set(rows)) == 10
-        assert torch.equal(call["gt"], train.boxes[rows])  # each image's own box
+        if reward == "iou":
+            assert torch.equal(call["gt"], train.boxes[rows])  # each image's own box
+        else:
+            assert call["gt"] is None
         drawn.append(tuple(rows))
     assert len(set(drawn)) > 1  # a new draw each iteration
+
+
+def test_stage2_steps_on_the_features_the_data_carries(bundle, data, monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(stage2, "policy_step", rec)
+    with torch.no_grad():
+        carried = with_features(bundle, data["train"])
+    carried.feats = carried.feats + 0.5  # not what the backbone would give: they must be the ones used
+    train_agent(bundle, carried, data["val"], data["val_ex"], _stage2(iterations=2))
+    assert all(torch.equal(c["feats"], carried.feats) for c in rec.calls)
 
 
 def test_stage2_trains_one_kind_per_iteration_on_several_kinds(bundle, monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(stage2, "policy_step", rec)
-    train = LabeledImages.concat([cmnist(4, "train", 10, "patch", 2), cmnist(7, "train", 10, "patch", 2)])
-    val = LabeledImages.concat([cmnist(4, "val", 3, "patch", 2), cmnist(7, "val", 3, "patch", 2)])
-    val_ex = LabeledImages.concat([cmnist(4, "val", 5, "patch", 3, offset=10), cmnist(7, "val", 5, "patch", 3,
-                                                                                         offset=10)])
-    train_agent(bundle, train, val, val_ex, _stage2(iterations=6, reward="iou"))
+    digits = (4, 7, 1)
+    train = LabeledImages.concat([cmnist(d, "train", 10, "patch", 2) for d in digits])
+    val = LabeledImages.concat([cmnist(d, "val", 3, "patch", 2) for d in digits])
+    val_ex = LabeledImages.concat([cmnist(d, "val", 5, "patch", 3, offset=10) for d in digits])
+    train_agent(bundle, train, val, val_ex, _stage2(iterations=12, reward="iou", batch_size=6, group_size=3))
     with torch.no_grad():
         feats = features_of(bundle, train.images)
     kinds = set()
     for call in rec.calls:
         rows = _rows(call["feats"], feats)
-        assert len(rows) == 10 and len(set(train.classes[rows].tolist())) == 1
+        assert len(rows) == len(set(rows)) == 6 and len(set(train.classes[rows].tolist())) == 1
         kinds.add(int(train.classes[rows[0]]))
         assert torch.equal(call["gt"], train.boxes[rows])
-    assert kinds == {0, 1}
+    assert kinds == {0, 1, 2}
+    rec.calls.clear()
+    train_agent(bundle, train, val, val_ex, _stage2(iterations=2, reward="iou"))  # no batch_size: a whole kind
+    assert [len(c["feats"]) for c in rec.calls] == [10, 10]
 
 
 def test_stage2_is_seeded(shipped, data):
