@@ -213,7 +213,8 @@ def test_stage1_batches_each_image_once_per_epoch_and_asks_before_every_batch(bu
         train_embedding(bundle, train, data["val"], cfg, should_stop=at_epoch_2)
 
 
-def test_stage1_batches_of_several_kinds_hold_one_kind_and_drop_their_remainders(bundle, monkeypatch):
+@pytest.mark.parametrize(("drop_last", "sizes"), [(True, [3, 3, 3]), (False, [1, 2, 3, 3, 3])])
+def test_stage1_batches_of_several_kinds_hold_one_kind_and_follow_drop_last(bundle, monkeypatch, drop_last, sizes):
     import models.train.embedding as stage1
 
     train = LabeledImages.concat([cmnist(4, "train", 7, "patch", 2), cmnist(7, "train", 5, "patch", 2)])
@@ -225,8 +226,8 @@ def test_stage1_batches_of_several_kinds_hold_one_kind_and_drop_their_remainders
         return real(gt, *args, **kwargs)
 
     monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
-    train_embedding(bundle, train, train, _stage1(batch_size=3, drop_last=True, anchor="proto"))
-    assert sorted(len(b) for b in batches) == [3, 3, 3]  # 7 -> 3 + 3, 5 -> 3
+    train_embedding(bundle, train, train, _stage1(batch_size=3, drop_last=drop_last, anchor="proto"))
+    assert sorted(len(b) for b in batches) == sizes  # 7 -> 3 + 3 (+ 1), 5 -> 3 (+ 2)
     kind_of = {tuple(r): int(k) for r, k in zip(train.boxes.tolist(), train.classes, strict=True)}
     assert all(len({kind_of[tuple(r)] for r in b.tolist()}) == 1 for b in batches)
 
