@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import models.train.agent as stage2
+import models.train.embedding as stage1
 from models.bundle import load_bundle
 from models.core.ordinal import kind_margin_loss
 from models.data.types import LabeledImages
@@ -48,6 +49,18 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _spy(monkeypatch, module, name: str) -> list[tuple[tuple, object]]:  # noqa: ANN001
+    """Wraps ``module.name`` so that every call's positional arguments and result are recorded -> the record."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append((args, out := real(*args, **kwargs)))
+        return out
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def _stage1(**kw) -> EmbeddingTrainConfig:
     return EmbeddingTrainConfig(**{"epochs": 1, "batch_size": 12, "recon_weight": 0.0, "head_only": True,
                                    "eval_every": 1, **kw})
@@ -77,20 +90,12 @@ class _Scripted:
 
 
 def test_stage1_restores_its_best_validation_epoch_and_evaluates_on_schedule(bundle, data, monkeypatch):
-    import models.train.embedding as stage1
-
-    decoders, real = [], stage1.build_decoder
-
-    def held_decoder(cfg):  # noqa: ANN001, ANN202 -- the decoder stage 1 trains, held for the test to read
-        decoders.append(real(cfg))
-        return decoders[-1]
-
-    monkeypatch.setattr(stage1, "build_decoder", held_decoder)
+    built = _spy(monkeypatch, stage1, "build_decoder")  # the decoder stage 1 trains, held for the test to read
     monkeypatch.setattr(stage1, "evaluate_ordacc", _Scripted([70.0, 90.0, 90.0, 60.0]))
     snapshots = {}
 
     def on_log(rec: dict) -> None:  # called after each evaluation, with the weights it evaluated
-        snapshots[rec["epoch"]] = (_state(bundle.embedder), _state(decoders[0]))
+        snapshots[rec["epoch"]] = (_state(bundle.embedder), _state(built[0][1]))
 
     cfg = _stage1(epochs=7, eval_every=2, recon_weight=1.0, head_only=False)
     s = train_embedding(bundle, data["train"], data["val"], cfg, on_log=on_log)
@@ -99,7 +104,7 @@ def test_stage1_restores_its_best_validation_epoch_and_evaluates_on_schedule(bun
     assert s["val/ordacc"] == 90.0 and s["best_epoch"] == 4  # the first of equally good ones
     assert _same(_state(bundle.embedder), snapshots[4][0]) and not _same(snapshots[4][0], snapshots[7][0])
     assert _same(bundle.training["decoder"], snapshots[4][1])  # the decoder of the same epoch, not the last one
-    assert not _same(snapshots[4][1], _state(decoders[0]))
+    assert not _same(snapshots[4][1], _state(built[0][1]))
     assert all(set(r) == {"epoch", "losses/triplet", "losses/recon", "val/ordacc"} for r in s["history"])
     assert all(isinstance(r["losses/recon"], float) and r["losses/recon"] > 0 for r in s["history"])
     assert not bundle.embedder.training
@@ -107,20 +112,11 @@ def test_stage1_restores_its_best_validation_epoch_and_evaluates_on_schedule(bun
 
 
 def test_stage1_scores_and_samples_on_the_candidates_it_is_given(bundle, data, monkeypatch):
-    import models.train.embedding as stage1
-
     few = training_candidates(bundle)[::7]
-    seen = []
-    real = stage1.sample_pairs
-
-    def sample_pairs(gt, cands, *args, **kwargs):  # noqa: ANN001, ANN202
-        seen.append(cands)
-        return real(gt, cands, *args, **kwargs)
-
-    monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
+    pairs = _spy(monkeypatch, stage1, "sample_pairs")
     cfg = _stage1(lr=0.0, seed=2)
     s = train_embedding(bundle, data["train"], data["val"], cfg, candidates=few)
-    assert seen and all(c is few for c in seen)
+    assert pairs and all(args[1] is few for args, _ in pairs)
     assert s["val/ordacc"] == pytest.approx(evaluate_ordacc(bundle, data["val"], seed=2, candidates=few))
     assert s["val/ordacc"] != pytest.approx(evaluate_ordacc(bundle, data["val"], seed=2))
 
@@ -175,25 +171,17 @@ def _state_dict_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                                                        (9, True, [5]), (9, False, [5, 4])])
 def test_stage1_batches_each_image_once_per_epoch_and_asks_before_every_batch(bundle, data, monkeypatch, n,
                                                                                 drop_last, sizes):
-    import models.train.embedding as stage1
-
     train = cmnist(4, "train", n, "patch", 0)
-    batches = []
-    real = stage1.sample_pairs
-
-    def sample_pairs(gt, *args, **kwargs):  # noqa: ANN001, ANN202
-        batches.append(gt)
-        return real(gt, *args, **kwargs)
-
-    monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
+    pairs = _spy(monkeypatch, stage1, "sample_pairs")
     asked = []
 
     def never() -> bool:
-        asked.append(len(batches))
+        asked.append(len(pairs))
         return False
 
     cfg = _stage1(epochs=2, batch_size=5, drop_last=drop_last, anchor="proto")  # small batches need no groups
     train_embedding(bundle, train, data["val"], cfg, should_stop=never)
+    batches = [args[0] for args, _ in pairs]  # each batch's ground-truth boxes
     assert [len(b) for b in batches] == sizes * 2
     assert asked == list(range(2 * len(sizes)))  # before each batch, not after
     all_rows = {tuple(r) for r in train.boxes.tolist()}
@@ -215,18 +203,10 @@ def test_stage1_batches_each_image_once_per_epoch_and_asks_before_every_batch(bu
 
 @pytest.mark.parametrize(("drop_last", "sizes"), [(True, [3, 3, 3]), (False, [1, 2, 3, 3, 3])])
 def test_stage1_batches_of_several_kinds_hold_one_kind_and_follow_drop_last(bundle, monkeypatch, drop_last, sizes):
-    import models.train.embedding as stage1
-
     train = LabeledImages.concat([cmnist(4, "train", 7, "patch", 2), cmnist(7, "train", 5, "patch", 2)])
-    batches = []
-    real = stage1.sample_pairs
-
-    def sample_pairs(gt, *args, **kwargs):  # noqa: ANN001, ANN202
-        batches.append(gt)
-        return real(gt, *args, **kwargs)
-
-    monkeypatch.setattr(stage1, "sample_pairs", sample_pairs)
+    pairs = _spy(monkeypatch, stage1, "sample_pairs")
     train_embedding(bundle, train, train, _stage1(batch_size=3, drop_last=drop_last, anchor="proto"))
+    batches = [args[0] for args, _ in pairs]  # each batch's ground-truth boxes
     assert sorted(len(b) for b in batches) == sizes  # 7 -> 3 + 3 (+ 1), 5 -> 3 (+ 2)
     kind_of = {tuple(r): int(k) for r, k in zip(train.boxes.tolist(), train.classes, strict=True)}
     assert all(len({kind_of[tuple(r)] for r in b.tolist()}) == 1 for b in batches)
@@ -234,8 +214,6 @@ def test_stage1_batches_of_several_kinds_hold_one_kind_and_follow_drop_last(bund
 
 def test_stage1_trains_through_the_exemplar_anchor(bundle, data, monkeypatch):
     """``shuffle_exemplar`` anchors are crop embeddings with their gradient: a loss of the anchor alone trains."""
-    import models.train.embedding as stage1
-
     monkeypatch.setattr(stage1, "triplet_loss", lambda anchor, pos, neg, margin: anchor.norm(dim=-1).mean())
     head = _state(bundle.embedder.head)
     train_embedding(bundle, data["train"], data["val"], _stage1(anchor="shuffle_exemplar"))
@@ -243,51 +221,29 @@ def test_stage1_trains_through_the_exemplar_anchor(bundle, data, monkeypatch):
 
 
 def test_stage1_cross_kind_term_only_with_a_weight_and_several_kinds(bundle, monkeypatch):
-    import models.train.embedding as stage1
-
-    calls = []
-    real = stage1._other_kind_prototype
-
-    def other(*args):  # noqa: ANN002, ANN202
-        calls.append(args[3])  # the group size
-        out = real(*args)
-        assert out.requires_grad  # the other kind's prototype is trained through too
-        return out
-
-    monkeypatch.setattr(stage1, "_other_kind_prototype", other)
+    others = _spy(monkeypatch, stage1, "_other_kind_prototype")
     two = LabeledImages.concat([cmnist(4, "train", 10, "patch", 2), cmnist(7, "train", 10, "patch", 2)])
     one = cmnist(4, "train", 20, "patch", 2)
     one_labeled = LabeledImages.concat([one])  # one kind, labeled as such
     assert one_labeled.classes is not None and one_labeled.classes.unique().tolist() == [0]
     for data_, weight in ((two, 0.0), (one, 5.0), (one_labeled, 5.0)):
         train_embedding(bundle, data_, data_, _stage1(batch_size=10, class_weight=weight, anchor="shuffle_exemplar"))
-    assert calls == []
+    assert others == []
     train_embedding(bundle, two, two, _stage1(batch_size=10, class_weight=0.5, group_size=4,
                                              anchor="shuffle_exemplar"))
-    assert calls == [4, 4]  # once per batch, with the configured group
+    assert [args[3] for args, _ in others] == [4, 4]  # once per batch, with the configured group
+    assert all(out.requires_grad for _, out in others)  # the other kind's prototype is trained through too
 
 
 def test_stage1_anchors_and_the_cross_kind_term_read_the_ground_truth_boxes(bundle, monkeypatch):
     """Each image's row 0 is its ground-truth box: the ``self`` anchor and the cross-kind term's embedding are it."""
-    import models.train.embedding as stage1
-
-    seen = {}
-    real_trip, real_kind = stage1.triplet_loss, stage1.kind_margin_loss
-
-    def trip(anchor, pos, neg, margin):  # noqa: ANN001, ANN202
-        seen.update(anchor=anchor, pos=pos)
-        return real_trip(anchor, pos, neg, margin)
-
-    def kind(emb, own, other, margin):  # noqa: ANN001, ANN202
-        seen.update(emb=emb, own=own)
-        return real_kind(emb, own, other, margin)
-
-    monkeypatch.setattr(stage1, "triplet_loss", trip)
-    monkeypatch.setattr(stage1, "kind_margin_loss", kind)
+    trip, kind = _spy(monkeypatch, stage1, "triplet_loss"), _spy(monkeypatch, stage1, "kind_margin_loss")
     two = LabeledImages.concat([cmnist(4, "train", 10, "patch", 2), cmnist(7, "train", 10, "patch", 2)])
     train_embedding(bundle, two, two, _stage1(batch_size=10, class_weight=1.0, anchor="self", eval_every=5, epochs=1))
-    assert torch.equal(seen["emb"], seen["own"]) and torch.equal(seen["anchor"], seen["emb"])
-    assert not torch.equal(seen["anchor"], seen["pos"][:, 0])
+    (anchor, pos, _, _), _ = trip[-1]
+    (emb, own, _, _), _ = kind[-1]
+    assert torch.equal(emb, own) and torch.equal(anchor, emb)
+    assert not torch.equal(anchor, pos[:, 0])
 
 
 def test_stage1_cross_kind_term_pulls_each_kind_to_its_own(bundle):
@@ -349,20 +305,14 @@ def _stage2(**kw) -> AgentTrainConfig:
 
 
 def test_stage2_keeps_its_best_validation_iteration(bundle, data, monkeypatch):
-    scores, snapshots, steps = [50.0, 80.0, 80.0, 40.0], {}, []
+    scores, snapshots = [50.0, 80.0, 80.0, 40.0], {}
 
     def scripted(bundle_, agent, val, proto):  # noqa: ANN001, ANN202 -- stands in for validation CorLoc
         snapshots[len(snapshots)] = _state(agent)
         return scores[len(snapshots) - 1], None
 
-    real_step = stage2.policy_step
-
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        steps.append(1)
-        return real_step(*args, **kwargs)
-
     monkeypatch.setattr(stage2, "evaluate_corloc", scripted)
-    monkeypatch.setattr(stage2, "policy_step", counted)
+    steps = _spy(monkeypatch, stage2, "policy_step")
     logged = []
     cfg = _stage2(iterations=7, eval_every=2, lr=0.02, seed=2)
     s = train_agent(bundle, data["train"], data["val"], data["val_ex"], cfg, on_log=logged.append)
