@@ -431,3 +431,75 @@ def test_stage2_is_seeded(shipped, data):
 
     assert _same(agent_after(0), agent_after(0))
     assert not _same(agent_after(0), agent_after(1))
+
+
+# ---------------------------------------------------------------------------------------------- the policy step
+
+
+class _LeftScorer:
+    """A distance that reads pixels and no embedding: the boxes' left edge; it records what the env gave it."""
+
+    name, pixels, embedding = "left", True, False
+
+    def __init__(self):
+        self.distances, self.images = [], []
+
+    def env_distance(self, env, roi, emb):  # noqa: ANN001, ANN201
+        self.images.append(env.images01)
+        self.distances.append(env.boxes[:, 0].clone())
+        return self.distances[-1]
+
+
+def _step_setup(bundle, data):  # noqa: ANN001, ANN202
+    with torch.no_grad():
+        feats = features_of(bundle, data["train"].images)
+        proto = prototypes_for(bundle, data["val_ex"], data["train"])
+    agent = bundle.new_agent()
+    return feats, proto.expand(len(feats), -1), agent, torch.optim.Adam(agent.parameters(), lr=1e-3)
+
+
+def test_policy_step_reports_the_final_distance_of_its_scorer_on_the_pixels(bundle, data):
+    feats, protos, agent, opt = _step_setup(bundle, data)
+    scorer = _LeftScorer()
+    images = data["train"].images
+    stats = stage2.policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(), torch.Generator().manual_seed(0),
+                               scorer=scorer, images01=images)
+    assert len(scorer.distances) == bundle.config.env.steps + 1  # the start and every step
+    assert stats["charts/final_distance"] == pytest.approx(float(scorer.distances[-1].mean()))
+    assert stats["charts/final_distance"] != pytest.approx(float(scorer.distances[-2].mean()))
+    assert all(i is images for i in scorer.images)
+    assert set(stats) == {"losses/policy", "losses/entropy", "charts/return", "charts/final_distance"}
+    assert agent.training  # left in training mode
+
+
+def test_policy_step_a_box_reward_reads_the_boxes_it_is_given(bundle, data):
+    feats, protos, agent, _ = _step_setup(bundle, data)
+    cfg = AgentTrainConfig(reward="iou")
+    start = _state(agent)
+
+    def ret(boxes: torch.Tensor) -> float:
+        agent.load_state_dict(start)
+        opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+        return stage2.policy_step(bundle, agent, opt, feats, protos, cfg, torch.Generator().manual_seed(0),
+                                  gt_boxes=boxes)["charts/return"]
+
+    right = data["train"].boxes
+    wrong = right.flip(0)  # another image's box, the same episodes
+    assert ret(right) != pytest.approx(ret(wrong))
+    assert ret(right) == pytest.approx(ret(right))
+
+
+def test_policy_step_adds_the_kl_to_its_reference_only_when_weighted(bundle, data):
+    feats, protos, agent, opt = _step_setup(bundle, data)
+    reference = copy.deepcopy(agent)
+    gen = torch.Generator().manual_seed(0)
+    off = stage2.policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(kl_coef=0.0), gen,
+                             reference=reference)
+    assert "losses/kl" not in off
+    same = copy.deepcopy(agent)
+    on = stage2.policy_step(bundle, agent, torch.optim.Adam(agent.parameters(), lr=1e-3), feats, protos,
+                            AgentTrainConfig(kl_coef=0.5), gen, reference=same)
+    assert on["losses/kl"] == pytest.approx(0.0, abs=1e-6)  # the same policy: no divergence
+    moved = stage2.policy_step(bundle, agent, torch.optim.Adam(agent.parameters(), lr=1e-3), feats, protos,
+                               AgentTrainConfig(kl_coef=0.5), gen, reference=reference)
+    assert isinstance(moved["losses/kl"], float) and moved["losses/kl"] > 0  # two steps away from the reference
