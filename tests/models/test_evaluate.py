@@ -51,23 +51,38 @@ def _squares_within(boxes: torch.Tensor, size: int) -> bool:
     return bool((boxes[:, :2] >= 0).all() and (boxes[:, 2:] <= size).all() and (w > 0).all() and (h > 0).all())
 
 
-def test_the_candidate_boxes(bundle):
-    size, min_side = bundle.config.input.size, bundle.config.env.min_side  # 84, 8 on cMNIST
-    t = training_candidates(bundle)
+def _sides_and_corners(boxes: torch.Tensor, size: int) -> tuple[list[float], list[float]]:
+    """The widths of the boxes the image's right and bottom edges do not clip, and every left edge (a box clipped
+    below half the minimum side, three quarters for rectangles, is dropped: the last corners are that far in)."""
+    inside = (boxes[:, 2] < size) & (boxes[:, 3] < size)
+    return sorted(set((boxes[inside, 2] - boxes[inside, 0]).tolist())), sorted(set(boxes[:, 0].tolist()))
+
+
+def test_the_candidate_boxes_of_the_protocol(bundle):
+    """The benchmarks' numbers are read on these sets (e.g. "949 boxes per image" for the ranking baseline)."""
+    size, min_side = bundle.config.input.size, bundle.config.env.min_side  # 84, 28 on cMNIST
+    assert (size, min_side) == (84, 28.0)
+    t = training_candidates(bundle)  # squares every 84 // 21 = 4 px, from the minimum side to 0.9 x 84
     w, h = t[:, 2] - t[:, 0], t[:, 3] - t[:, 1]
     assert _squares_within(t, size) and ((w == h) | (t[:, 2] == size) | (t[:, 3] == size)).all()  # squares, or clipped
-    full = (t[:, 0] == 0) & (t[:, 1] == 0)  # corner boxes are never clipped
-    assert w[full].min() == min_side and w[full].max() <= 0.9 * size and w[full].max() > 0.9 * size - size // 21
-    assert torch.equal(t.unique(dim=0), t.unique(dim=0)) and len(t.unique(dim=0)) == len(t)
-    assert len(ranking_candidates(bundle, per_side=7)) < len(ranking_candidates(bundle)) < len(
-        ranking_candidates(bundle, per_side=28))
-    r = ranking_candidates(bundle)
-    assert _squares_within(r, size) and (r[:, 2] - r[:, 0] >= 0.5 * min_side).all()  # clipping keeps half a side
-    rects = rect_candidates(bundle)
-    inside = (rects[:, 2] < size) & (rects[:, 3] < size)  # not clipped by the image's right or bottom edge
+    assert len(t) == 2887 and len(t.unique(dim=0)) == len(t)
+    assert _sides_and_corners(t, size) == ([float(x) for x in range(28, 76, 4)], [float(x) for x in range(0, 69, 4)])
+    r = ranking_candidates(bundle)  # 14 per side: every round(84 / 14) = 6 px
+    assert len(r) == 949 and _squares_within(r, size)
+    assert _sides_and_corners(r, size) == ([float(x) for x in range(28, 76, 6)], [float(x) for x in range(0, 67, 6)])
+    assert _sides_and_corners(ranking_candidates(bundle, per_side=7), size)[1] == [float(x) for x in range(0, 61, 12)]
+    rects = rect_candidates(bundle)  # 10 geometric sides from 28 to 84, corners every max(4, 84 // 16) = 5 px
+    assert len(rects) == 6536
+    sides = torch.logspace(torch.log10(torch.tensor(28.0)), torch.log10(torch.tensor(84.0)), 10).round()
+    inside_sides, corners = _sides_and_corners(rects, size)
+    assert inside_sides == sorted(set(sides.tolist()) - {84.0}) and corners == [float(x) for x in range(0, 61, 5)]
+    assert _sides_and_corners(rect_candidates(bundle, stride=7), size)[1] == [float(x) for x in range(0, 64, 7)]
+    assert len(rect_candidates(bundle, sides=6)) < len(rects)
+    inside = (rects[:, 2] < size) & (rects[:, 3] < size)
     rw, rh = rects[inside, 2] - rects[inside, 0], rects[inside, 3] - rects[inside, 1]
     assert (rw / rh).max() > 2.0 and (rw / rh).max() <= 2.5 and (rh / rw).max() <= 2.5  # rectangles, up to 2.5:1
-    assert torch.minimum(rw, rh).min() == min_side
+    cw, ch = rects[:, 2] - rects[:, 0], rects[:, 3] - rects[:, 1]
+    assert torch.minimum(cw, ch).min() >= 0.75 * min_side  # clipping keeps three quarters of the minimum side
 
 
 def _embed_pairs(bundle, data, cands, pairs, seed):  # noqa: ANN001, ANN202
@@ -174,6 +189,9 @@ def test_corloc_of_the_last_boxes(bundle, data, proto):
     value, final = evaluate_corloc(bundle, agent, data, proto, nearest=True)
     assert torch.equal(final, boxes) and value == corloc(boxes, data.boxes)
     sampled = localize_boxes(bundle, agent, data, proto, deterministic=False, seed=4)[-1]
+    seed0 = localize_boxes(bundle, agent, data, proto, deterministic=False, seed=0)[-1]
+    assert torch.equal(evaluate_corloc(bundle, agent, data, proto, deterministic=False)[1], seed0)  # seed 0 by default
+    assert not torch.equal(seed0, sampled)
     assert torch.equal(evaluate_corloc(bundle, agent, data, proto, deterministic=False, seed=4)[1], sampled)
     assert torch.equal(evaluate_corloc(bundle, agent, data, proto, samples=2, seed=4)[1],
                        localize_boxes(bundle, agent, data, proto, samples=2, seed=4)[-1])
