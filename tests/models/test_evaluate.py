@@ -5,6 +5,7 @@ written out here from the embedder and the agent directly."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from models.evaluate import (
 from models.experiments.cmnist import cmnist
 from models.features import features_of, prototype_of, with_features
 from models.inference import Localizer
+from models.presets import photo_config
 
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
 
@@ -83,6 +85,16 @@ def test_the_candidate_boxes_of_the_protocol(bundle):
     assert (rw / rh).max() > 2.0 and (rw / rh).max() <= 2.5 and (rh / rw).max() <= 2.5  # rectangles, up to 2.5:1
     cw, ch = rects[:, 2] - rects[:, 0], rects[:, 3] - rects[:, 1]
     assert torch.minimum(cw, ch).min() >= 0.75 * min_side  # clipping keeps three quarters of the minimum side
+
+
+def test_the_candidate_boxes_at_the_photo_size():
+    """224 px and a 40 px minimum side: squares every 224 // 21 = 10 px, the ranking's every round(224 / 14) = 16 px
+    (only the bundle's config is read)."""
+    photo = SimpleNamespace(config=photo_config())
+    t, r = training_candidates(photo), ranking_candidates(photo)
+    assert len(t) == 5713 and len(r) == 1474
+    assert _sides_and_corners(t, 224) == ([float(x) for x in range(40, 202, 10)], [float(x) for x in range(0, 201, 10)])
+    assert _sides_and_corners(r, 224) == ([float(x) for x in range(40, 202, 16)], [float(x) for x in range(0, 193, 16)])
 
 
 def _embed_pairs(bundle, data, cands, pairs, seed):  # noqa: ANN001, ANN202
