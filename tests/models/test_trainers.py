@@ -19,6 +19,7 @@ from models.evaluate import evaluate_corloc, evaluate_ordacc, ranking_metrics, t
 from models.experiments.cmnist import cmnist
 from models.features import crop_embeddings, features_of, prototypes_for, with_features
 from models.nets.embedding import ProjectionHead
+from models.policy import policy_step
 from models.train.agent import AgentTrainConfig, train_agent
 from models.train.embedding import EmbeddingTrainConfig, Interrupted, train_embedding
 
@@ -41,8 +42,10 @@ def data():
             "val_ex": cmnist(4, "val", 5, "patch", 1, offset=100)}
 
 
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+def _state(of: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a module's state dict, or of a state dict."""
+    sd = of.state_dict() if isinstance(of, torch.nn.Module) else of
+    return {k: v.detach().clone() for k, v in sd.items()}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -82,10 +85,9 @@ class _Scripted:
     """Stands in for stage 1's validation: the scores it is told to give, in turn."""
 
     def __init__(self, scores: list[float]):
-        self.scores, self.calls = list(scores), 0
+        self.scores = list(scores)
 
     def __call__(self, *args, **kwargs) -> float:
-        self.calls += 1
         return self.scores.pop(0)
 
 
@@ -154,17 +156,13 @@ def test_stage1_weighs_the_triplet_loss(bundle, data):
 
 def test_stage1_reconstruction_trains_a_decoder_kept_in_the_bundle(bundle, data):
     assert "decoder" in bundle.training  # the shipped cMNIST bundle carries stage 1's decoder
-    before = _state_dict_copy(bundle.training["decoder"])
+    before = _state(bundle.training["decoder"])
     s = train_embedding(bundle, data["train"], data["val"], _stage1(recon_weight=1.0, head_only=False, lr=0.0))
     assert all("losses/recon" in r for r in s["history"])
     # lr 0: nothing moves, so what is kept is the decoder it was given, loaded, not a fresh one
     assert _same(bundle.training["decoder"], before)
     train_embedding(bundle, data["train"], data["val"], _stage1(recon_weight=1.0, head_only=False, lr=1e-3))
     assert not _same(bundle.training["decoder"], before)
-
-
-def _state_dict_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in sd.items()}
 
 
 @pytest.mark.parametrize(("n", "drop_last", "sizes"), [(12, False, [5, 5, 2]), (12, True, [5, 5]), (10, True, [5, 5]),
@@ -288,8 +286,9 @@ def test_stage1_is_seeded(shipped, data):
 
 def test_stage1_teaches_a_fresh_head_to_order_boxes(bundle):
     """A learning check in seconds: the shipped encoder, a new random head, a few epochs of the triplet loss alone."""
-    torch.manual_seed(0)
-    bundle.embedder.head = ProjectionHead(bundle.config.head)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        bundle.embedder.head = ProjectionHead(bundle.config.head)
     train, val = cmnist(4, "train", 30, "patch", 5), cmnist(4, "val", 60, "patch", 5)
     before = evaluate_ordacc(bundle, val)
     s = train_embedding(bundle, train, val, _stage1(epochs=2, batch_size=15, eval_every=2, triplet_weight=1.0))
@@ -462,8 +461,8 @@ def test_policy_step_reports_the_final_distance_of_its_scorer_on_the_pixels(bund
     feats, protos, agent, opt = _step_setup(bundle, data)
     scorer = _LeftScorer()
     images = data["train"].images
-    stats = stage2.policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(), torch.Generator().manual_seed(0),
-                               scorer=scorer, images01=images)
+    stats = policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(), torch.Generator().manual_seed(0),
+                        scorer=scorer, images01=images)
     assert len(scorer.distances) == bundle.config.env.steps + 1  # the start and every step
     assert stats["charts/final_distance"] == pytest.approx(float(scorer.distances[-1].mean()))
     assert stats["charts/final_distance"] != pytest.approx(float(scorer.distances[-2].mean()))
@@ -480,8 +479,8 @@ def test_policy_step_a_box_reward_reads_the_boxes_it_is_given(bundle, data):
     def ret(boxes: torch.Tensor) -> float:
         agent.load_state_dict(start)
         opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-        return stage2.policy_step(bundle, agent, opt, feats, protos, cfg, torch.Generator().manual_seed(0),
-                                  gt_boxes=boxes)["charts/return"]
+        return policy_step(bundle, agent, opt, feats, protos, cfg, torch.Generator().manual_seed(0),
+                           gt_boxes=boxes)["charts/return"]
 
     right = data["train"].boxes
     wrong = right.flip(0)  # another image's box, the same episodes
@@ -493,13 +492,12 @@ def test_policy_step_adds_the_kl_to_its_reference_only_when_weighted(bundle, dat
     feats, protos, agent, opt = _step_setup(bundle, data)
     reference = copy.deepcopy(agent)
     gen = torch.Generator().manual_seed(0)
-    off = stage2.policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(kl_coef=0.0), gen,
-                             reference=reference)
+    off = policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(kl_coef=0.0), gen, reference=reference)
     assert "losses/kl" not in off
     same = copy.deepcopy(agent)
-    on = stage2.policy_step(bundle, agent, torch.optim.Adam(agent.parameters(), lr=1e-3), feats, protos,
-                            AgentTrainConfig(kl_coef=0.5), gen, reference=same)
+    on = policy_step(bundle, agent, torch.optim.Adam(agent.parameters(), lr=1e-3), feats, protos,
+                     AgentTrainConfig(kl_coef=0.5), gen, reference=same)
     assert on["losses/kl"] == pytest.approx(0.0, abs=1e-6)  # the same policy: no divergence
-    moved = stage2.policy_step(bundle, agent, torch.optim.Adam(agent.parameters(), lr=1e-3), feats, protos,
-                               AgentTrainConfig(kl_coef=0.5), gen, reference=reference)
+    moved = policy_step(bundle, agent, torch.optim.Adam(agent.parameters(), lr=1e-3), feats, protos,
+                        AgentTrainConfig(kl_coef=0.5), gen, reference=reference)
     assert isinstance(moved["losses/kl"], float) and moved["losses/kl"] > 0  # two steps away from the reference
