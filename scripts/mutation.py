@@ -75,7 +75,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "stage1": ("models/train/embedding.py", TRAINER_TESTS),
     "stage2": ("models/train/agent.py", TRAINER_TESTS),
     "evaluate": ("models/evaluate.py", TRAINER_TESTS + ["tests/models/test_evaluate.py"]),
-    "features": ("models/features.py", TRAINER_TESTS + ["tests/models/test_evaluate.py"]),
+    "features": ("models/features.py",
+                 TRAINER_TESTS + ["tests/models/test_evaluate.py", "tests/models/test_features.py"]),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
