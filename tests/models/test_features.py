@@ -73,6 +73,13 @@ def test_crop_embeddings_are_the_localizers_exemplar_embeddings(bundle, data):
         assert not crop_embeddings(bundle, data).requires_grad
     finally:
         bundle.embedder.requires_grad_(False)
+    # carried crop features are what is embedded (these are not the backbone's)
+    odd = with_features(bundle, data, crops=True)
+    odd.crop_feats = odd.crop_feats + 0.5
+    with torch.no_grad():
+        expect = bundle.embedder.embed(odd.crop_feats, odd.crop_boxes[:, None])[:, 0]
+    assert torch.allclose(crop_embeddings(bundle, odd), expect, atol=1e-5)
+    assert not torch.allclose(expect, mine, atol=1e-3)
     # carried features without their boxes are not used: the crops are embedded again
     half = with_features(bundle, data, crops=True)
     half.crop_feats = torch.zeros_like(half.crop_feats)
@@ -89,7 +96,7 @@ def test_the_prototype_is_the_localizers(bundle, data):
 
 def test_prototypes_of_several_kinds_each_images_own_and_the_missing_named(bundle):
     ex = LabeledImages.concat([cmnist(4, "train", 2, "patch", 1), cmnist(7, "train", 3, "patch", 1),
-                               cmnist(1, "train", 2, "patch", 1)])  # kinds 0, 1, 2
+                               cmnist(1, "train", 1, "patch", 1)])  # kinds 0, 1, 2: two, three, one exemplars
     emb = crop_embeddings(bundle, ex)
     data = LabeledImages.concat([cmnist(4, "val", 1, "patch", 0), cmnist(7, "val", 1, "patch", 0),
                                  cmnist(1, "val", 2, "patch", 0)])
