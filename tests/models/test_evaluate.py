@@ -12,7 +12,7 @@ import torch
 
 from models.bundle import load_bundle
 from models.core.metrics import corloc, spearman
-from models.core.ordinal import anchors_for, sample_pairs
+from models.core.ordinal import anchors_for, ordinal_accuracy, sample_pairs
 from models.evaluate import (
     evaluate_corloc,
     evaluate_ordacc,
@@ -97,8 +97,10 @@ def test_the_candidate_boxes_at_the_photo_size():
     assert _sides_and_corners(r, 224) == ([float(x) for x in range(40, 202, 16)], [float(x) for x in range(0, 193, 16)])
 
 
-def _embed_pairs(bundle, data, cands, pairs, seed):  # noqa: ANN001, ANN202
-    gen = torch.Generator().manual_seed(seed)
+def _embed_pairs(bundle, data, cands, pairs, seed=0, generator=None):  # noqa: ANN001, ANN202
+    """The ground-truth, positive and negative box embeddings of ``pairs`` pairs per image, drawn as OrdAcc draws them
+    (from ``generator``, or a new one seeded ``seed``), the pairs and the generator after the draw."""
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     p = sample_pairs(data.boxes, cands, pairs, generator=gen)
     with torch.no_grad():
         feats = features_of(bundle, data.images)
@@ -109,9 +111,9 @@ def _embed_pairs(bundle, data, cands, pairs, seed):  # noqa: ANN001, ANN202
 def test_ordacc_against_its_definition(bundle, data):
     cands = training_candidates(bundle)
     gt, pos, neg, _, gen = _embed_pairs(bundle, data, cands, 32, seed=3)
-    inst = ((pos - gt[:, None]).norm(dim=-1) < (neg - gt[:, None]).norm(dim=-1)).float().mean() * 100
+    inst = ordinal_accuracy(gt, pos, neg)
     anchor = anchors_for("shuffle_proto", gt, 5, gen)  # drawn after the pairs, from the same generator
-    grouped = ((pos - anchor[:, None]).norm(dim=-1) < (neg - anchor[:, None]).norm(dim=-1)).float().mean() * 100
+    grouped = ordinal_accuracy(anchor, pos, neg)
     both = ordacc_all(bundle, data, ("proto", "inst"), seed=3)
     assert both["inst"] == pytest.approx(float(inst)) and both["proto"] == pytest.approx(float(grouped))
     assert both["inst"] != pytest.approx(both["proto"])
@@ -120,11 +122,11 @@ def test_ordacc_against_its_definition(bundle, data):
     # the candidates it is given, the pairs and groups it is told
     few = cands[::5]
     _, pos_f, neg_f, _, _ = _embed_pairs(bundle, data, few, 8, seed=3)
-    inst_few = ((pos_f - gt[:, None]).norm(dim=-1) < (neg_f - gt[:, None]).norm(dim=-1)).float().mean() * 100
+    inst_few = ordinal_accuracy(gt, pos_f, neg_f)
     assert evaluate_ordacc(bundle, data, "inst", pairs=8, seed=3, candidates=few) == pytest.approx(float(inst_few))
     gt2, _, _, _, gen2 = _embed_pairs(bundle, data, cands, 32, seed=3)
     anchor3 = anchors_for("shuffle_proto", gt2, 3, gen2)
-    in_threes = ((pos - anchor3[:, None]).norm(dim=-1) < (neg - anchor3[:, None]).norm(dim=-1)).float().mean() * 100
+    in_threes = ordinal_accuracy(anchor3, pos, neg)
     assert evaluate_ordacc(bundle, data, group_size=3, seed=3) == pytest.approx(float(in_threes))
     with pytest.raises(ValueError, match="anchor must be 'proto' or 'inst', got 'self'"):
         ordacc_all(bundle, data, ("self",))
@@ -137,18 +139,11 @@ def test_ordacc_reads_carried_features_and_any_batch(bundle, data):
     # each batch draws its own pairs from the one generator, in turn; every image counts
     split = ordacc_all(bundle, data, ("inst",), seed=1, batch=10)["inst"]
     gen = torch.Generator().manual_seed(1)
-    hits, total = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(data), 10):
-            part = data.subset(torch.arange(i, min(i + 10, len(data))))
-            p = sample_pairs(part.boxes, training_candidates(bundle), 32, generator=gen)
-            out = bundle.embedder.embed(features_of(bundle, part.images),
-                                        torch.cat([part.boxes[:, None], p.pos, p.neg], 1))
-            g, ps, ng = out[:, 0], out[:, 1:33], out[:, 33:]
-            hits += float(((ps - g[:, None]).norm(dim=-1) < (ng - g[:, None]).norm(dim=-1)).float().sum())
-            total += ps.shape[0] * ps.shape[1]
-    assert total == 24 * 32
-    assert split == pytest.approx(100 * hits / total)
+    parts = [_embed_pairs(bundle, data.subset(torch.arange(i, min(i + 10, len(data)))), training_candidates(bundle),
+                          32, generator=gen)[:3] for i in range(0, len(data), 10)]
+    gt, pos, neg = (torch.cat(t) for t in zip(*parts, strict=True))
+    assert pos.shape[:2] == (24, 32)
+    assert split == pytest.approx(float(ordinal_accuracy(gt, pos, neg)))
 
 
 def test_ranking_metrics_against_their_definition(bundle, data, proto):
@@ -158,13 +153,13 @@ def test_ranking_metrics_against_their_definition(bundle, data, proto):
     rho = spearman(torch.cat([d_pos, d_neg], 1).double(), torch.cat([p.pos_iou, p.neg_iou], 1).double()).mean()
     m = ranking_metrics(bundle, data, proto, seed=2, chunk=5)  # rectangles by default, in chunks of 5 images
     assert m["ordacc"] == pytest.approx(float((d_pos < d_neg).float().mean() * 100))
-    inst = ((pos - gt[:, None]).norm(dim=-1) < (neg - gt[:, None]).norm(dim=-1)).float().mean() * 100
+    inst = ordinal_accuracy(gt, pos, neg)
     assert m["ordacc_inst"] == pytest.approx(float(inst))
     assert m["spearman"] == pytest.approx(float(rho), abs=1e-6) and m["spearman"] < -0.5  # nearer, more overlap
     assert ranking_metrics(bundle, with_features(bundle, data), proto, seed=2) == pytest.approx(m)
     few = training_candidates(bundle)
     _, pos_s, neg_s, _, _ = _embed_pairs(bundle, data, few, 4, seed=2)
-    squares = float(((pos_s - proto).norm(dim=-1) < (neg_s - proto).norm(dim=-1)).float().mean() * 100)
+    squares = float(ordinal_accuracy(proto.expand(len(pos_s), -1), pos_s, neg_s))
     assert ranking_metrics(bundle, data, proto, pairs=4, seed=2, candidates=few)["ordacc"] == pytest.approx(squares)
 
 
@@ -238,7 +233,6 @@ class _RightmostScorer:
 
 @pytest.mark.parametrize("pixels", [False, True])
 def test_ranking_by_a_scorer(bundle, data, pixels):
-    data = data.subset(torch.arange(24))
     scorer = _RightmostScorer(pixels)
     cands = ranking_candidates(bundle)
     got = ranking(bundle, data, None, scorer=scorer, batch=10, chunk=100)
