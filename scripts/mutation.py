@@ -40,6 +40,10 @@ INFERENCE_TESTS = ["tests/models/test_instances.py", "tests/models/test_companio
 # learning check, not a unit test)
 TRAINER_TESTS = ["tests/models/test_trainers.py", "tests/models/test_general_bundles.py"]
 
+# the networks' forward paths: shapes, batch-1 paths, layers, and what a rollout computes with them
+NET_TESTS = ["tests/models/test_nets.py", "tests/models/test_small_batch_paths.py",
+             "tests/models/test_rollout_inference_behaviour.py"]
+
 TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_templates_math.py"]
 
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
@@ -77,6 +81,12 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "evaluate": ("models/evaluate.py", TRAINER_TESTS + ["tests/models/test_evaluate.py"]),
     "features": ("models/features.py",
                  TRAINER_TESTS + ["tests/models/test_evaluate.py", "tests/models/test_features.py"]),
+    "probes": ("models/data/probes.py", ["tests/models/test_probes.py", "tests/models/test_probes_guard.py",
+                                          "tests/models/test_calibration.py"]),
+    "bundle": ("models/bundle.py", ["tests/models/test_bundle_format.py", "tests/models/test_rollout_bundle.py",
+                                    "tests/models/test_bundle_identity.py", "tests/models/test_companion.py"]),
+    "agent_net": ("models/nets/agent.py", NET_TESTS),
+    "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
 
 COPY_EXCLUDES = {".git", ".venv", "var", "photos", "mutants", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
