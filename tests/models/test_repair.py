@@ -1,26 +1,15 @@
-"""Reward repair: the head learns on probes, the backbone does not move, the change is kept only when held-out
-probes confirm it, and a checkpoint carries the repaired head and prototype (format 2) while format 1 still loads."""
+"""Reward repair: the head learns on probes, the backbone does not move, and the change is kept only when held-out
+probes confirm it (the checkpoint file that carries a repaired head: ``test_bundle_format.py``)."""
 
 from __future__ import annotations
 
-import io
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from models.bundle import (
-    PolicyMismatch,
-    Reward,
-    Start,
-    checkpoint_from_bytes,
-    head_from_bytes,
-    head_to_bytes,
-    load_bundle,
-    policy_from_bytes,
-    policy_to_bytes,
-)
+from models.bundle import Reward, Start, load_bundle
 from models.core.boxes import paired_iou
 from models.data.types import exemplar_crops
 from models.experiments.datasets import GlyphKind
@@ -125,98 +114,6 @@ def test_a_start_to_pair_with_is_kept_only_with_the_repair_and_the_guard_then_sc
     refused = guarded_setup(bundle, proto, crops, unl.images[:24], None, **kw, start=start,
                             repair=RepairConfig(epochs=3, min_gain=100.0))  # never kept
     assert refused.reward == "bundle head" and refused.start is None and refused.guard.loc.companion is None
-
-
-def test_a_checkpoint_carries_its_repaired_head_and_prototype_and_old_ones_still_load(bundle):
-    agent = bundle.agent_state
-    old = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
-                          prototype_dim=bundle.prototype_dim)
-    assert torch.load(io.BytesIO(old), weights_only=True)["format_version"] == 1  # unchanged without a reward
-    state, meta, reward = checkpoint_from_bytes(old, bundle)
-    assert reward is None and meta == {} and all(torch.equal(v, agent[k]) for k, v in state.items())
-
-    head = {k: v + 1 for k, v in bundle.embedder.head.state_dict().items()}
-    proto = torch.arange(bundle.prototype_dim, dtype=torch.float32)
-    new = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
-                          prototype_dim=bundle.prototype_dim, reward=Reward(head, proto))
-    state, _, reward = checkpoint_from_bytes(new, bundle)
-    assert torch.equal(reward.prototype, proto) and all(torch.equal(v, head[k]) for k, v in reward.head.items())
-    assert policy_from_bytes(new, bundle)[0].keys() == agent.keys()  # the agent-only reader still works
-
-    served = bundle.with_head(reward.head)
-    assert served.embedder.encoder is bundle.embedder.encoder  # shared, not copied
-    assert all(torch.equal(v, head[k]) for k, v in served.embedder.head.state_dict().items())
-    assert not torch.equal(next(iter(bundle.embedder.head.state_dict().values())), next(iter(head.values())))
-
-    obj = torch.load(io.BytesIO(new), weights_only=True)
-    assert obj["format_version"] == 2 and "refine" not in obj["reward"]  # a format-2 reward serves unrefined
-    assert reward.refine is False and served.refine is False and bundle.refine is False
-
-    refined = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
-                              prototype_dim=bundle.prototype_dim, reward=Reward(head, proto, refine=True))
-    obj3 = torch.load(io.BytesIO(refined), weights_only=True)
-    assert obj3["format_version"] == 3 and obj3["reward"]["refine"] is True
-    _, _, reward3 = checkpoint_from_bytes(refined, bundle)
-    assert reward3.refine is True and bundle.with_head(reward3.head, reward3.refine).refine is True
-
-    # format 4: the start it is paired with (the bundle's agent and head: only the prototype is written)
-    start = Start(proto.flip(0))
-    paired = policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
-                             prototype_dim=bundle.prototype_dim, reward=Reward(head, proto, start=start))
-    obj4 = torch.load(io.BytesIO(paired), weights_only=True)
-    assert obj4["format_version"] == 4 and set(obj4["reward"]["start"]) == {"prototype"}
-    st = checkpoint_from_bytes(paired, bundle)[2].start
-    assert torch.equal(st.prototype, start.prototype) and st.agent is None and st.head is None and not st.refine
-    own = Start(proto, agent={k: v + 2 for k, v in agent.items()}, head=head, refine=True)
-    st = checkpoint_from_bytes(policy_to_bytes(agent, bundle_name=bundle.name, reward=Reward(head, proto,
-                                                                                          start=own)), bundle)[2].start
-    assert st.refine and all(torch.equal(v, own.agent[k]) for k, v in st.agent.items())
-    assert all(torch.equal(v, head[k]) for k, v in st.head.items())
-    short = Reward(head, proto, start=Start(proto[:-1]))  # a start of another prototype dimension is refused
-    with pytest.raises(PolicyMismatch, match="dimension"):
-        checkpoint_from_bytes(policy_to_bytes(agent, bundle_name=bundle.name, reward=short), bundle)
-
-    # format 5: the start votes with the job's earlier checkpoints (the consensus rule), an empty tuple included
-    earlier = ({k: v + 3 for k, v in agent.items()}, {k: v + 4 for k, v in agent.items()})
-    for voters in ((), earlier):
-        voted = policy_to_bytes(agent, bundle_name=bundle.name, reward=Reward(head, proto, start=replace(
-            start, consensus=voters)))
-        obj5 = torch.load(io.BytesIO(voted), weights_only=True)
-        assert obj5["format_version"] == 5 and len(obj5["reward"]["start"]["consensus"]) == len(voters)
-        st = checkpoint_from_bytes(voted, bundle)[2].start
-        assert st.consensus is not None and len(st.consensus) == len(voters)
-        assert all(torch.equal(a[k], b[k]) for a, b in zip(st.consensus, voters, strict=True) for k in agent)
-    assert checkpoint_from_bytes(paired, bundle)[2].start.consensus is None  # format 4: the two heads' agreement
-
-    # format 6: the heads (the reward's, the start's) stored apart, the file holding what store_head returned
-    heads: dict[str, bytes] = {}
-
-    def store(h):
-        data = head_to_bytes(h)
-        heads[str(len(heads))] = data
-        return {"id": str(len(heads) - 1)}
-
-    def load(ref):
-        return head_from_bytes(heads[ref["id"]])
-
-    apart = policy_to_bytes(agent, bundle_name=bundle.name, reward=Reward(head, proto, refine=True, start=own),
-                            store_head=store)
-    obj6 = torch.load(io.BytesIO(apart), weights_only=True)
-    assert obj6["format_version"] == 6 and obj6["reward"]["head_ref"] == {"id": "0"} and "head" not in obj6["reward"]
-    assert obj6["reward"]["start"]["head_ref"] == {"id": "1"} and len(heads) == 2
-    assert len(apart) < len(refined) / 2  # the head was most of the file
-    _, _, reward6 = checkpoint_from_bytes(apart, bundle, load_head=load)
-    assert reward6.refine and all(torch.equal(v, head[k]) for k, v in reward6.head.items())
-    assert all(torch.equal(v, head[k]) for k, v in reward6.start.head.items())
-    assert policy_from_bytes(apart, bundle)[0].keys() == agent.keys()  # the agent alone needs no head
-    with pytest.raises(ValueError, match="keeps its reward's head apart"):
-        checkpoint_from_bytes(apart, bundle)  # no head reader
-
-    obj3["format_version"] = 7
-    buf = io.BytesIO()
-    torch.save(obj3, buf)
-    with pytest.raises(ValueError, match="format 7"):
-        checkpoint_from_bytes(buf.getvalue(), bundle)
 
 
 def test_too_few_probes_for_repair_are_refused_and_a_job_then_keeps_the_bundle_head(bundle, glyph_job):
