@@ -8,6 +8,7 @@ import decimal
 import hashlib
 import io
 import os
+import pickle
 from dataclasses import replace
 from pathlib import Path
 
@@ -214,6 +215,9 @@ def test_policy_files_record_what_they_were_written_for_and_default_their_meta(t
     no_meta = saved_bytes({"format": "qloc-policy", "format_version": 1, "bundle": bundle.name,
                            "agent": bundle.agent_state})
     assert policy_from_bytes(no_meta, bundle)[1] == {} and checkpoint_from_bytes(no_meta, bundle)[1:] == ({}, None)
+    assert checkpoint_from_bytes((tmp_path / "p.pt").read_bytes(), bundle)[1] == {"iteration": 3}
+    with pytest.raises(ValueError, match="^policy is not a readable qloc-policy file"):
+        checkpoint_from_bytes(b"junk")
 
 
 # ---- atomic writes ------------------------------------------------------------------------------------------------
@@ -271,6 +275,9 @@ def test_head_refs_lists_the_heads_a_format_6_file_keeps_apart(tmp_path, bundle)
     assert head_refs(only) == [{"id": "t"}]  # the start serves the bundle's head: nothing stored for it
     assert head_refs(write("5.pt", reward=Reward(head, proto, start=Start(proto, consensus=())))) == []
     assert head_refs(write("1.pt")) == []
+    (tmp_path / "evil.pt").write_bytes(saved_bytes({"reward": decimal.Decimal(1)}))
+    with pytest.raises(pickle.UnpicklingError):  # read as tensors and plain types only
+        head_refs(tmp_path / "evil.pt")
 
 
 def test_a_head_file_round_trips_on_the_cpu():

@@ -242,6 +242,8 @@ def test_push_pull_fills_from_the_only_pixels_it_knows_even_on_odd_sides():
     tiny = torch.tensor([[[[1.0, 5.0], [3.0, 9.0]]]])
     tiny_known = torch.tensor([[[[1.0, 1.0], [1.0, 0.0]]]])
     torch.testing.assert_close(_push_pull(tiny, tiny_known), torch.tensor([[[[1.0, 5.0], [3.0, 3.0]]]]))
+    one_known = torch.tensor([[[[0.0, 0.0], [0.0, 1.0]]]])  # the mean of one pixel is that pixel, exactly
+    assert torch.equal(_push_pull(tiny, one_known), torch.full((1, 1, 2, 2), 9.0))
 
 
 # ---- erase_boxes --------------------------------------------------------------------------------------------------
