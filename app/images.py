@@ -171,11 +171,13 @@ def other_format(data: bytes) -> str | None:
 
 def header_pixels(fp: IO[bytes]) -> int | None:
     """Width x height read from the header of the image in ``fp`` (nothing decoded), or ``None`` if it cannot be
-    read (the decode then refuses the file with its reason). Reads from the current position, leaves it anywhere."""
+    read (the decode then refuses the file with its reason). Reads the stream from its start (where Pillow opens it
+    from), leaves the position anywhere."""
+    fp.seek(0)
     head = fp.read(12)
     if not (head.startswith(_PNG_MAGIC) or head.startswith(_JPEG_MAGIC) or _is_webp(head)):
         return None
-    fp.seek(-len(head), io.SEEK_CUR)
+    fp.seek(0)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
