@@ -85,6 +85,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                           "tests/models/test_calibration.py"]),
     "bundle": ("models/bundle.py", ["tests/models/test_bundle_format.py", "tests/models/test_rollout_bundle.py",
                                     "tests/models/test_bundle_identity.py", "tests/models/test_companion.py"]),
+    "samples": ("models/data/calibration_samples.py", ["tests/models/test_calibration_samples.py",
+                                                       "tests/models/test_calibration.py"]),
     "images": ("app/images.py", ["tests/app/test_app_images.py", "tests/app/test_app_images_decode.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),

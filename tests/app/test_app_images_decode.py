@@ -6,6 +6,8 @@ taken. No HTTP: ``app.images`` alone, against Pillow called plainly."""
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -283,3 +285,112 @@ def test_sniff_format_names_what_it_takes_and_what_it_refuses():
         "phone.heic: HEIC format; only PNG, JPEG or WebP images are accepted: convert it to one of them first")
     with pytest.raises(ImageRejected, match=r"^notes.txt: not a PNG, JPEG or WebP image$"):
         sniff_format(b"hello", "notes.txt")
+
+
+# ---- decode_image's checks, word for word -------------------------------------------------------------------------
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG that only claims its size (an empty IDAT): Pillow reads the header, never pixels."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def refused(data: bytes, *, name: str | None = "a.png", declared: str | None = None,
+            limits: UploadLimits = LIMITS) -> ImageRejected:
+    with pytest.raises(ImageRejected) as e:
+        decode_image(data, filename=name, declared_type=declared, limits=limits)
+    assert str(e.value) == e.value.detail
+    return e.value
+
+
+def test_the_declared_type_is_read_without_its_parameters_case_or_spaces():
+    data = encode(noise("L", (8, 8)))
+    for declared in ("image/PNG", " image/png ; charset=binary", "application/octet-stream", "", None):
+        assert decode_image(data, filename="a", declared_type=declared, limits=LIMITS).format == "PNG"
+    e = refused(data, declared="text/plain; charset=utf-8")
+    assert (e.reason, e.detail) == ("unsupported_type", "a.png: content type 'text/plain' is not PNG, JPEG or WebP")
+
+
+def test_byte_and_pixel_limits_hold_at_their_bound_and_refuse_past_it_by_name():
+    data = encode(noise("L", (10, 8)))
+    exact = UploadLimits(max_file_bytes=len(data), max_image_pixels=80)
+    assert decode_image(data, filename=None, declared_type=None, limits=exact).image.size == (10, 8)
+    e = refused(data, name=None, limits=UploadLimits(len(data) - 1, 80))
+    assert (e.reason, e.detail) == ("too_large", f"upload: {len(data)} bytes, the limit is {len(data) - 1}")
+    e = refused(data, limits=UploadLimits(len(data), 79))
+    assert (e.reason, e.detail) == ("too_large", "a.png: 10x8 pixels, the limit is 79")
+    e = refused(b"", name=None)
+    assert (e.reason, e.detail) == ("bad_image", "upload: empty file")
+
+
+@pytest.mark.parametrize("size", [(1, 5), (5, 1), (1, 1)])
+def test_an_image_one_pixel_wide_or_tall_is_an_image(size):
+    assert decode(encode(noise("L", size))).image.size == size
+
+
+def test_an_animated_png_of_two_frames_is_refused_with_its_frame_count():
+    frames = [noise("RGB", (20, 10), seed=i) for i in range(2)]
+    data = encode(frames[0], "PNG", save_all=True, append_images=frames[1:])
+    e = refused(data)
+    assert (e.reason, e.detail) == ("unsupported_type", "a.png: an animated PNG (2 frames); animated images are not "
+                                    "accepted: send the frame to use as a still PNG")
+    assert decode(encode(frames[0], "PNG", save_all=True)).image.size == (20, 10)  # one frame: a still image
+
+
+def test_a_multi_picture_jpeg_is_read_as_its_first_picture_drafted_like_a_jpeg(drafts):
+    first, second = noise("RGB", (400, 300), seed=8), noise("RGB", (400, 300), seed=9)
+    data = encode(first, "MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    im = decode(data, max_side=100)
+    assert im.format == "JPEG" and im.content_type == "image/jpeg" and drafts == [("RGB", (100, 75))]
+    ref = Image.open(io.BytesIO(data))
+    ref.draft("RGB", (100, 75))
+    expected = ref.convert("RGB").resize((100, 75), Image.Resampling.BICUBIC, reducing_gap=2.0)
+    assert np.array_equal(pixels(im.image), pixels(expected))
+    stored = open_stored(data)
+    assert stored.format == "JPEG" and stored.ext == ".jpg" and stored.data == data
+
+
+def test_a_decompression_bomb_is_refused_by_the_upload_limit_before_any_pixel_is_read():
+    e = refused(png_header(100_000, 100_000))  # Pillow refuses it on opening
+    assert (e.reason, e.detail) == ("too_large", "a.png: 10000000000 pixels, the limit is 20000000")
+
+
+def test_pillows_bomb_warning_is_a_refusal_of_the_upload(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 1,200 pixels: Pillow warns
+    e = refused(encode(noise("L", (40, 30))))
+    assert (e.reason, e.detail) == ("too_large", "a.png: 1200 pixels, the limit is 20000000")
+
+
+def test_a_bomb_error_without_a_pixel_count_still_names_the_limit(monkeypatch):
+    def bomb(*args, **kwargs):
+        raise Image.DecompressionBombError("too big")
+
+    monkeypatch.setattr(Image, "open", bomb)
+    e = refused(encode(noise("L", (4, 4))))
+    assert (e.reason, e.detail) == ("too_large", "a.png: more pixels than Pillow opens, the limit is 20000000")
+
+
+def test_a_broken_image_is_refused_with_what_pillow_said():
+    data = encode(noise("L", (40, 30)))
+    e = refused(data[: len(data) // 2])
+    assert e.reason == "bad_image" and e.detail.startswith("a.png: cannot decode image (")
+    assert "NoneType" not in e.detail and e.detail.split("(", 1)[1].split(":", 1)[0] in (
+        "OSError", "SyntaxError", "ValueError", "EOFError")
+
+
+def test_a_decoded_upload_keeps_its_name_and_bytes_unless_told_not_to():
+    data = encode(noise("L", (8, 8)))
+    im = decode_image(data, filename="kept.png", declared_type=None, limits=LIMITS)
+    assert im.filename == "kept.png" and im.data == data
+    assert decode_image(data, filename=None, declared_type=None, limits=LIMITS, keep_data=False).data == b""
+
+
+def test_an_svg_is_named_only_within_its_first_512_bytes_and_after_spaces_only():
+    assert other_format(b"<?xml version='1.0'?>" + b" " * 488 + b"<svg/>") is None  # '<svg' from byte 509 on
+    assert other_format(b"<?xml version='1.0'?>" + b" " * 487 + b"<svg/>") == "SVG"
+    assert other_format(b"X<svg/>") is None and other_format(b"\t\r\n <svg/>") == "SVG"
