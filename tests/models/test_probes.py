@@ -84,9 +84,9 @@ def expected_probe(background: torch.Tensor, crop: torch.Tensor, box: torch.Tens
 
 @pytest.mark.parametrize("shape", ["rect", "ellipse"])
 def test_each_probe_is_its_crop_resized_into_its_box_and_blended_with_the_alpha(shape):
-    torch.manual_seed(0)
-    background = torch.rand(1, 3, 48, 48)  # one image: every probe's background is known
-    crops = [torch.rand(3, 12, 20) * 3 - 1, torch.rand(3, 18, 9)]  # the first one out of [0, 1]: clamped
+    background = torch.rand(1, 3, 48, 48, generator=gen(0))  # one image: every probe's background is known
+    crops = [torch.rand(3, 12, 20, generator=gen(1)) * 3 - 1,  # out of [0, 1]: clamped
+             torch.rand(3, 18, 9, generator=gen(2))]
     probes = paste_probes(crops, background, 24, object_side=16, generator=gen(4), feather=3, shape=shape)
     assert probes.images.shape == (24, 3, 48, 48) and probes.boxes.dtype == torch.float32
     assert set(probes.sources.tolist()) == {0, 1}
@@ -137,10 +137,11 @@ def test_probes_reach_every_border_and_draw_their_columns_and_rows_apart():
 def test_the_same_generator_makes_the_same_probes_whatever_the_global_seed():
     images = torch.rand(4, 1, 30, 30, generator=gen(0))
     crops = [torch.rand(1, 8, 6, generator=gen(1)), torch.rand(1, 5, 9, generator=gen(2))]
-    torch.manual_seed(1)
-    a = paste_probes(crops, images, 12, object_side=9, generator=gen(7))
-    torch.manual_seed(2)
-    b = paste_probes(crops, images, 12, object_side=9, generator=gen(7))
+    with torch.random.fork_rng():  # the global seed set here is not left behind
+        torch.manual_seed(1)
+        a = paste_probes(crops, images, 12, object_side=9, generator=gen(7))
+        torch.manual_seed(2)
+        b = paste_probes(crops, images, 12, object_side=9, generator=gen(7))
     assert torch.equal(a.images, b.images) and torch.equal(a.boxes, b.boxes) and torch.equal(a.sources, b.sources)
 
 
@@ -280,8 +281,9 @@ def test_erase_boxes_with_two_images_swaps_their_regions_and_one_image_is_kept()
 def test_erase_boxes_draws_from_its_generator_only():
     images = torch.rand(6, 1, 10, 10, generator=gen(0))
     boxes = torch.tensor([[1.0, 1.0, 6.0, 6.0]]).expand(6, 4)
-    torch.manual_seed(3)
-    a = erase_boxes(images, boxes, gen(11))
-    torch.manual_seed(4)
-    b = erase_boxes(images, boxes, gen(11))
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        a = erase_boxes(images, boxes, gen(11))
+        torch.manual_seed(4)
+        b = erase_boxes(images, boxes, gen(11))
     assert torch.equal(a, b)
