@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -227,8 +228,6 @@ def test_stored_images_keep_their_name_and_format():
 def test_a_stored_image_over_pillows_pixel_bound_still_opens(monkeypatch):
     """What was accepted once is read again without a warning turned error (the upload's limits applied then)."""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         im = open_stored(encode(noise("L", (40, 30))))  # 1,200 pixels: over the bound, under twice it
