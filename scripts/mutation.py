@@ -48,7 +48,7 @@ TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_t
 
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
-EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"],
+EXTRA_ARGS = {"jobs": ["-m", "not slow"],
               # the Batcher's own tests (a held engine, threads; no model, no HTTP)
               "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
@@ -87,8 +87,6 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                     "tests/models/test_bundle_identity.py", "tests/models/test_companion.py"]),
     "samples": ("models/data/calibration_samples.py", ["tests/models/test_calibration_samples.py",
                                                        "tests/models/test_calibration.py"]),
-    "reaper": ("worker/reaper.py", ["tests/worker/test_worker_reaper.py", "tests/worker/test_worker_outbox.py",
-                                    "tests/app/test_app_jobstates.py"]),
     "images": ("app/images.py", ["tests/app/test_app_images.py", "tests/app/test_app_images_decode.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
