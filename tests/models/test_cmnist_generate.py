@@ -1,0 +1,131 @@
+"""cMNIST generation checked against MNIST itself: which file and which part of it each split draws from, each
+background's corruption by its own rule (gray patches off the digit, clutter cut from other digits around the
+digit's ink, impulse and gaussian noise at their rates), the selective two-digit images, and the refusals. What the
+benchmarks and the shipped bundles are measured on, so a split that leaks or a background that drifts shows here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.data.cmnist import CMnistSpec, _source_indices, generate, generate_pair, load_mnist
+
+TRAIN = load_mnist("train")
+TEST = load_mnist("test")
+
+
+def digit_crops(batch) -> np.ndarray:
+    """``[N, 28, 28]`` uint8: the digit inside each box, back in MNIST's 0..255."""
+    return np.stack([np.rint(img[0, b[1]:b[3], b[0]:b[2]].numpy() * 255).astype(np.uint8)
+                     for img, b in zip(batch.images, batch.boxes.long(), strict=True)])
+
+
+def source_of(crop: np.ndarray, images: np.ndarray, candidates: np.ndarray) -> int | None:
+    """The index among ``candidates`` of the MNIST image ``crop`` is, or None."""
+    hits = candidates[(images[candidates] == crop).all(axis=(1, 2))]
+    return int(hits[0]) if len(hits) else None
+
+
+def test_splits_partition_the_files_fixed_parts_and_val_is_its_fraction():
+    _, y = TRAIN
+    _, yt = TEST
+    for d in (0, 7):
+        tr, va, te = (_source_indices(y if s != "test" else yt, d, s, 0.2) for s in ("train", "val", "test"))
+        assert len(va) == int((y == d).sum() * 0.2) and len(tr) == (y == d).sum() - len(va)
+        assert np.array_equal(te, np.flatnonzero(yt == d))  # test: every one of the test file's
+        assert np.array_equal(np.sort(np.concatenate([tr, va])), np.flatnonzero(y == d))
+        assert np.all(np.diff(tr) > 0) and np.all(np.diff(va) > 0)
+        assert len(_source_indices(y, d, "val", 0.5)) == int((y == d).sum() * 0.5)
+    # the partition is fixed per digit, not drawn from any seed
+    assert np.array_equal(_source_indices(y, 3, "val", 0.2), _source_indices(y, 3, "val", 0.2))
+    assert not np.array_equal(_source_indices(y, 3, "val", 0.2)[:50], np.flatnonzero(y == 3)[:50])
+
+
+@pytest.mark.parametrize("split", ["train", "val", "test"])
+def test_each_split_draws_its_digits_from_its_own_part_of_mnist(split):
+    images, labels = TEST if split == "test" else TRAIN
+    batch = generate(CMnistSpec(5, split, 12, "none", seed=2))
+    allowed = _source_indices(labels, 5, split, 0.2)
+    sources = [source_of(c, images, allowed) for c in digit_crops(batch)]
+    assert None not in sources and len(set(sources)) == 12  # 12 different digits, all of this split
+    assert batch.labels.tolist() == [5] * 12 and batch.labels.dtype == torch.long and len(batch) == 12
+    outside = batch.images.clone()
+    for img, b in zip(outside, batch.boxes.long(), strict=True):
+        img[0, b[1]:b[3], b[0]:b[2]] = 0
+    assert float(outside.abs().max()) == 0  # "none": the digit alone
+
+
+def test_splits_seeds_and_backgrounds_draw_apart():
+    base = generate(CMnistSpec(4, "train", 6, "patch", seed=0))
+    for other in (CMnistSpec(4, "val", 6, "patch", seed=0), CMnistSpec(4, "train", 6, "patch", seed=1),
+                  CMnistSpec(4, "train", 6, "clutter", seed=0)):
+        assert not torch.equal(base.boxes, generate(other).boxes)
+
+
+def test_an_offset_past_the_split_is_refused_by_name():
+    n = int((TRAIN[1] == 9).sum() * 0.2)
+    generate(CMnistSpec(9, "val", 1, "none", offset=n - 1))  # the last one is still there
+    with pytest.raises(ValueError, match="^only 0 digit-9 images in the val split$"):
+        generate(CMnistSpec(9, "val", 1, "none", offset=n))
+    with pytest.raises(ValueError, match="background must be one of .*'none'.*got 'fog'"):
+        generate(CMnistSpec(9, "val", 1, "fog"))
+
+
+def test_patches_are_four_gray_squares_off_the_digit():
+    batch = generate(CMnistSpec(2, "train", 10, "patch", seed=3))
+    for img, b in zip(batch.images[:, 0].numpy(), batch.boxes.long(), strict=True):
+        out = img.copy()
+        out[b[1]:b[3], b[0]:b[2]] = 0
+        vals = np.unique(out[out > 0])
+        assert 1 <= len(vals) <= 4 and vals.min() >= 50 / 255 - 1e-6 and vals.max() <= 219 / 255 + 1e-6
+        covered = (out > 0).sum()
+        assert 19 * 19 <= covered <= 4 * 55 * 55
+
+
+def test_clutter_is_6_pixel_pieces_around_the_digits_ink_which_stays_as_it_was():
+    batch = generate(CMnistSpec(6, "train", 8, "clutter", seed=4))
+    x, y = TRAIN
+    sixes = _source_indices(y, 6, "train", 0.2)
+    for img, b in zip(batch.images[:, 0].numpy(), batch.boxes.long(), strict=True):
+        crop = np.rint(img[b[1]:b[3], b[0]:b[2]] * 255).astype(np.uint8)
+        ink = x[sixes] > 0  # [K, 28, 28]
+        same_ink = ((x[sixes] == crop[None]) | ~ink).all(axis=(1, 2))
+        assert same_ink.any()  # the digit's ink is an MNIST 6's, untouched; pieces only where it has none
+        out = img.copy()
+        out[b[1]:b[3], b[0]:b[2]] = 0
+        assert 0 < int((out > 0).sum()) <= 16 * 36  # at most 16 pieces of 6 x 6
+    none = generate(CMnistSpec(6, "train", 8, "none", seed=4))
+    assert not torch.equal(none.images, batch.images)
+
+
+def test_impulse_and_gaussian_noise_at_their_rates():
+    imp = generate(CMnistSpec(1, "train", 20, "impulse", seed=5))
+    out = imp.images.clone()
+    for img, b in zip(out, imp.boxes.long(), strict=True):
+        img[0, b[1]:b[3], b[0]:b[2]] = float("nan")
+    bg = out[~torch.isnan(out)]
+    assert 0.025 < float((bg == 1.0).float().mean()) < 0.035  # 3 % salt on the background
+    assert float(((bg != 0) & (bg != 1)).float().sum()) == 0  # and nothing else there
+    gau = generate(CMnistSpec(1, "train", 20, "gaussian", seed=5))
+    out = gau.images.clone()
+    for img, b in zip(out, gau.boxes.long(), strict=True):
+        img[0, b[1]:b[3], b[0]:b[2]] = float("nan")
+    bg = out[~torch.isnan(out)]
+    assert 0.04 < float(bg.mean()) < 0.06  # N(0, 0.12) clipped at 0: mean 0.12 / sqrt(2 pi) = 0.048
+    assert 0.06 < float(bg.std()) < 0.08 and float((bg == 0).float().mean()) > 0.45  # half clipped to 0
+
+
+def test_two_digit_images_hold_both_digits_of_their_split_apart_and_three_patches_off_both():
+    first, second = generate_pair((3, 8), "test", n=8, seed=1)
+    images, labels = TEST
+    for batch, d in ((first, 3), (second, 8)):
+        allowed = _source_indices(labels, d, "test", 0.2)
+        assert all(source_of(c, images, allowed) is not None for c in digit_crops(batch))
+    for img, a, b in zip(first.images[:, 0].numpy(), first.boxes.long(), second.boxes.long(), strict=True):
+        assert abs(int(a[0] - b[0])) >= 28 or abs(int(a[1] - b[1])) >= 28  # apart
+        out = img.copy()
+        out[a[1]:a[3], a[0]:a[2]] = 0
+        out[b[1]:b[3], b[0]:b[2]] = 0
+        assert 1 <= len(np.unique(out[out > 0])) <= 3
+    assert not torch.equal(first.boxes, generate_pair((3, 8), "val", n=8, seed=1)[0].boxes)
