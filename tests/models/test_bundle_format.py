@@ -128,10 +128,11 @@ def test_loading_a_bundle_reads_no_pretrained_weights(monkeypatch):
         asked.append(pretrained)
         return build(cfg, pretrained)
 
+    b = tiny()
     monkeypatch.setitem(backbones.BACKBONES, "mnist_conv", spy)
     bundle_from_bytes(saved_bytes({"format": "qloc-bundle", "format_version": 1, "name": "t",
-                                   "config": tiny().config.to_dict(), "embedder": tiny().embedder.state_dict(),
-                                   "agent": tiny().agent_state}))
+                                   "config": b.config.to_dict(), "embedder": b.embedder.state_dict(),
+                                   "agent": b.agent_state}))
     assert asked[-1] is False
 
 

@@ -21,6 +21,14 @@ def digit_crops(batch) -> np.ndarray:
                      for img, b in zip(batch.images, batch.boxes.long(), strict=True)])
 
 
+def background(images: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """The pixels of ``images [N, 1, S, S]`` outside each image's box, flattened."""
+    out = images.clone()
+    for img, b in zip(out, boxes.long(), strict=True):
+        img[0, b[1]:b[3], b[0]:b[2]] = float("nan")
+    return out[~torch.isnan(out)]
+
+
 def source_of(crop: np.ndarray, images: np.ndarray, candidates: np.ndarray) -> int | None:
     """The index among ``candidates`` of the MNIST image ``crop`` is, or None."""
     hits = candidates[(images[candidates] == crop).all(axis=(1, 2))]
@@ -86,32 +94,25 @@ def test_patches_are_four_gray_squares_off_the_digit():
 def test_clutter_is_6_pixel_pieces_around_the_digits_ink_which_stays_as_it_was():
     batch = generate(CMnistSpec(6, "train", 8, "clutter", seed=4))
     x, y = TRAIN
-    sixes = _source_indices(y, 6, "train", 0.2)
-    for img, b in zip(batch.images[:, 0].numpy(), batch.boxes.long(), strict=True):
-        crop = np.rint(img[b[1]:b[3], b[0]:b[2]] * 255).astype(np.uint8)
-        ink = x[sixes] > 0  # [K, 28, 28]
-        same_ink = ((x[sixes] == crop[None]) | ~ink).all(axis=(1, 2))
+    sixes = x[_source_indices(y, 6, "train", 0.2)]  # [K, 28, 28]
+    ink = sixes > 0
+    for crop in digit_crops(batch):
+        same_ink = ((sixes == crop[None]) | ~ink).all(axis=(1, 2))
         assert same_ink.any()  # the digit's ink is an MNIST 6's, untouched; pieces only where it has none
-        out = img.copy()
-        out[b[1]:b[3], b[0]:b[2]] = 0
-        assert 0 < int((out > 0).sum()) <= 16 * 36  # at most 16 pieces of 6 x 6
+    for i in range(len(batch)):
+        bg = background(batch.images[i:i + 1], batch.boxes[i:i + 1])
+        assert 0 < int((bg > 0).sum()) <= 16 * 36  # at most 16 pieces of 6 x 6
     none = generate(CMnistSpec(6, "train", 8, "none", seed=4))
     assert not torch.equal(none.images, batch.images)
 
 
 def test_impulse_and_gaussian_noise_at_their_rates():
     imp = generate(CMnistSpec(1, "train", 20, "impulse", seed=5))
-    out = imp.images.clone()
-    for img, b in zip(out, imp.boxes.long(), strict=True):
-        img[0, b[1]:b[3], b[0]:b[2]] = float("nan")
-    bg = out[~torch.isnan(out)]
+    bg = background(imp.images, imp.boxes)
     assert 0.025 < float((bg == 1.0).float().mean()) < 0.035  # 3 % salt on the background
     assert float(((bg != 0) & (bg != 1)).float().sum()) == 0  # and nothing else there
     gau = generate(CMnistSpec(1, "train", 20, "gaussian", seed=5))
-    out = gau.images.clone()
-    for img, b in zip(out, gau.boxes.long(), strict=True):
-        img[0, b[1]:b[3], b[0]:b[2]] = float("nan")
-    bg = out[~torch.isnan(out)]
+    bg = background(gau.images, gau.boxes)
     assert 0.04 < float(bg.mean()) < 0.06  # N(0, 0.12) clipped at 0: mean 0.12 / sqrt(2 pi) = 0.048
     assert 0.06 < float(bg.std()) < 0.08 and float((bg == 0).float().mean()) > 0.45  # half clipped to 0
 
