@@ -13,7 +13,11 @@ service's defaults, the guard observing and stopping early):
 - ``wise_paired_a``: ``wise_a`` paired with the start, as localize pairs a checkpoint;
 - ``swa``: the mean of every checkpoint's agent (start included) on the repaired head;
 - ``medoid``: per image, the box of {start, each checkpoint} with the highest mean IoU with the others
-  (``models.companion.consensus``, what ``QLOC_PAIR_RULE=consensus`` serves).
+  (``models.companion.consensus``, what ``QLOC_PAIR_RULE=consensus`` serves);
+- ``auto_wise_{a}[_paired]_{rule}``: what ``activate=auto`` would serve if the job's checkpoints were stored as
+  ``wise_{a}`` (or ``wise_paired_{a}``): a guard on the job's own probes and labeled examples scores the interpolated
+  agents, decides with the labeled rule ``rule`` (``beyond_noise``, the default, or ``agree``), and the interpolated
+  checkpoint it activates is served (the start where it activates none); ``..._activated``: how many jobs activated.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/photo_wise_val.py --seeds 0 1 --classes birds fish fruit
 """
@@ -30,19 +34,37 @@ from photo_union_val import job_parser, photo_job
 
 from app.config import Settings
 from models.bundle import Reward, Start, load_bundle
-from models.companion import consensus
+from models.companion import consensus, start_companion
 from models.core.metrics import corloc
 from models.data.photos import load_manifest
 from models.experiments.datasets import PhotoKind
 from models.features import features_of, prototype_of
+from models.guard import LABELED_RULES, Guard
 from models.inference import Localizer
 
 ALPHAS = (0.25, 0.5, 0.75)
+GUARDED_ALPHAS = (0.5,)
 
 
 def lerp(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], t: float) -> dict[str, torch.Tensor]:
     return {k: torch.lerp(a[k].float(), b[k].float(), t).to(a[k].dtype) if a[k].is_floating_point() else b[k]
             for k in a}
+
+
+def wise_guard(bundle, prototype: torch.Tensor, setup, seed: int, wise: dict[int, dict], pair: bool) -> Guard:
+    """A guard on the job's own probes and labeled examples (split as its guard split them), the start scored with
+    the bundle's head, the interpolated checkpoints ``wise`` with the repaired one (paired with the start when
+    ``pair``), as the job's guard scores its checkpoints."""
+    g = Guard(bundle, prototype, setup.guard.probes, torch.Generator().manual_seed(seed * 7919 + 4),
+              counts=setup.guard.counts)
+    g.start(None)
+    if setup.repair is not None and setup.repair.kept:
+        g.use_reward(setup.repair.bundle, setup.repair.prototype)
+        if pair:
+            g.pair_with(start_companion(Localizer(bundle, bundle.device), Start(prototype)))
+    for i, w in wise.items():
+        g.observe(i, w)
+    return g
 
 
 def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, split: str) -> dict:
@@ -81,6 +103,17 @@ def run(bundle, kind: PhotoKind, seed: int, settings: Settings, n_val: int, spli
     row["swa"] = corloc(boxes(rep_loc, setup.prototype, swa), val.boxes)
     answers = torch.stack([start, *(boxes(rep_loc, setup.prototype, states[i]) for i in sorted(states))])
     row["medoid"] = corloc(answers[consensus(answers), torch.arange(answers.shape[1])], val.boxes)
+    for a in GUARDED_ALPHAS:
+        wise = {i: lerp(s0, states[i], a) for i in sorted(states)}
+        for pair in (False, True) if kept else (False,):
+            g = wise_guard(bundle, proto, setup, seed, wise, pair)
+            for rule in LABELED_RULES:
+                d = g.decide("auto", labeled_rule=rule)
+                name = f"auto_wise_{a}{'_paired' if pair else ''}_{rule}"
+                it = d["activate"]
+                row[name] = row["before"] if it is None else corloc(boxes(g.served(it), setup.prototype, wise[it]),
+                                                                    val.boxes)
+                row[f"{name}_activated"] = int(it is not None)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
@@ -98,11 +131,14 @@ def main() -> None:
         manifest = load_manifest()
         rows = [run(bundle, PhotoKind(c, manifest), seed, Settings(), a.n_val, a.split)
                 for seed in a.seeds for c in a.classes]
-    keys = [k for k in rows[0] if k not in ("target", "seed", "repair_kept", "last", "checkpoints", "seconds")]
+    skip = ("target", "seed", "repair_kept", "last", "checkpoints", "seconds")
+    keys = [k for k in rows[0] if k not in skip and not k.endswith("_activated")]
     summary = {k: {"mean": round(sum(r[k] for r in rows) / len(rows), 2),
                    "mean_gain": round(sum(r[k] - r["before"] for r in rows) / len(rows), 2),
                    "worst_gain": round(min(r[k] - r["before"] for r in rows), 2),
-                   "below_1": sum(r[k] - r["before"] < -1 for r in rows)} for k in keys}
+                   "below_1": sum(r[k] - r["before"] < -1 for r in rows),
+                   **({"activated": sum(r.get(f"{k}_activated", 0) for r in rows)}
+                      if f"{k}_activated" in rows[0] else {})} for k in keys}
     print(json.dumps({"command": " ".join(["python", *sys.argv]), "rows": rows, "summary": summary}, indent=1))
 
 

@@ -70,6 +70,8 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from photo_wise_val import lerp, wise_guard  # noqa: E402
+
 from app.config import Settings  # noqa: E402
 from models.adapt import AdaptConfig, adapt  # noqa: E402
 from models.bundle import Bundle, Start, load_bundle  # noqa: E402
@@ -107,6 +109,14 @@ class Options:
     template_fractions: tuple[float, ...] = TEMPLATE_FRACTIONS
     ranking: bool = True
     ranking_sides: int = 7
+    labeled: bool = False
+    """The guarded job gets the exemplar photos with their boxes as the set's labeled examples (a set created from
+    whole images with ``boxes``); otherwise none (a set of crops)."""
+    wise: tuple[float, ...] = ()
+    """Weight interpolation (``benchmarks/photo_wise_val.py``): for each ``a``, the guarded job's checkpoints as
+    ``lerp(start, checkpoint, a)``, scored by a guard on the job's probes: ``guarded_wise_{a}`` what ``activate=auto``
+    would serve (labeled rule ``beyond_noise``), ``guarded_wise_{a}_agree`` with ``agree``, ``wise_{a}_last`` the
+    last one (``activate=true``)."""
     max_images: int | None = None
     """Only the first this many photos of each split (a quick check); None: all."""
     splits: tuple[str, ...] = ("val", "test")
@@ -182,7 +192,7 @@ def candidates_within(bundle: Bundle, budget: int) -> tuple[Tensor, dict[str, in
 
 
 def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Tensor, seed: int,
-            settings: Settings) -> dict[str, Any]:
+            settings: Settings, labeled: LabeledImages | None = None) -> dict[str, Any]:
     """An adaptation job as ``worker/jobs.py`` runs it (its reward, probes, guard, checkpoints, early stop) ->
     the decision, the states of the checkpoints, and the bundle / prototype they are served with."""
     t0 = time.perf_counter()
@@ -190,7 +200,7 @@ def run_job(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Te
     pair = (Start(prototype, consensus=() if settings.pair_rule == "consensus" else None)  # as worker/jobs.py pairs
             if pairs_start(settings.pair_start, bundle) else None)
     setup = guarded_setup(bundle, prototype, crops, images01, None, synthetic=settings.synthetic_probes,
-                          generator_seed=seed, repair=repair,
+                          generator_seed=seed, repair=repair, labeled=labeled,
                           guard_cfg=GuardConfig(patience=settings.early_stop_patience), choice=settings.reward_choice,
                           start=pair, probe_style=probe_style(settings.probe_style, bundle))
     guard, states = setup.guard, {}
@@ -322,9 +332,16 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
                 + f"  adapt {statistics.fmean(secs):.0f} s")
 
     guarded, synthetic, last, paired, unanimous, info = [], [], [], [], [], []
+    wise_runs: dict[str, list] = {f"{m}{a}{t}": [] for a in opts.wise
+                                  for m, t in (("guarded_wise_", ""), ("guarded_wise_", "_agree"), ("wise_", "_last"))}
     settings = Settings()
+    labeled = None
+    if opts.labeled:
+        batch, scales = preprocess([p.image for p in ex], spec)
+        labeled = LabeledImages(batch, torch.tensor([p.box for p in ex], dtype=torch.float32)
+                                / torch.cat([scales, scales], dim=1))
     for seed in opts.guard_seeds:
-        job = run_job(bundle, proto, crops, images01, seed, settings)
+        job = run_job(bundle, proto, crops, images01, seed, settings, labeled)
         d, setup = job["decision"], job["setup"]
         served = Localizer(setup.bundle, bundle.device)
         it = d["activate"]
@@ -345,6 +362,16 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
             three = Localizer(pair.bundle, pair.device, companion=replace(pair.companion, judge=judge))
         unanimous.append(evaluate_agent(job["states"][last_it], None, three, setup.prototype) if last_it is not None
                          else evaluate_agent(None, None))
+        s0 = {k: v.detach().cpu() for k, v in bundle.agent_state.items()}
+        for a in opts.wise:
+            wise = {i: lerp(s0, st, a) for i, st in sorted(job["states"].items())}
+            g = wise_guard(bundle, proto, setup, seed, wise, setup.start is not None)
+            for rule, name in (("beyond_noise", f"guarded_wise_{a}"), ("agree", f"guarded_wise_{a}_agree")):
+                wi = g.decide("auto", labeled_rule=rule)["activate"]
+                wise_runs[name].append(evaluate_agent(wise[wi], None, g.served(wi), setup.prototype)
+                                       if wi is not None else evaluate_agent(None, None))
+            wise_runs[f"wise_{a}_last"].append(evaluate_agent(wise[last_it], None, g.served(last_it), setup.prototype)
+                                               if last_it is not None else evaluate_agent(None, None))
         best = d["validation"]["best"]
         info.append({"seed": seed, "verdict": d["verdict"], "activated": it, "activated_synthetic": it_s,
                      "last_iteration": last_it, "probe_style": probe_style(settings.probe_style, bundle),
@@ -357,7 +384,7 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
     if opts.guard_seeds:
         for m, runs in (("guarded", guarded), ("guarded_synthetic", synthetic), ("guarded_last", last),
                         ("guarded_paired", paired),
-                        ("guarded_unanimous", unanimous)):
+                        ("guarded_unanimous", unanimous), *wise_runs.items()):
             row = {"class": cls, "method": m, "seeds": list(opts.guard_seeds)}
             row.update({s: _seeded([r[s] for r in runs]) for s in data})
             row["jobs"] = info
@@ -441,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--classes", nargs="+", help="default: every class")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="policy-only adaptation seeds")
     p.add_argument("--guard-seeds", type=int, nargs="*", default=[0], help="guarded job seeds (none: skip)")
+    p.add_argument("--labeled", action="store_true", help="the exemplar photos with their boxes as labeled examples")
+    p.add_argument("--wise", type=float, nargs="*", default=[], help="weight interpolation factors (see Options)")
     p.add_argument("--max-images", type=int, help="only the first N photos of each split (a quick check)")
     p.add_argument("--no-template", action="store_true")
     p.add_argument("--threads", type=int, default=1)
@@ -459,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle = load_bundle(a.bundle, "cpu")
     loc = Localizer(bundle, "cpu")
     opts = Options(seeds=tuple(a.seeds), guard_seeds=tuple(a.guard_seeds), max_images=a.max_images,
+                   labeled=a.labeled, wise=tuple(a.wise),
                    template=not a.no_template)
     t0 = time.perf_counter()
     rows = []
