@@ -166,3 +166,33 @@ def test_the_photos_settings_choose_by_the_bundles_input(channels, style, paired
     assert probe_style("photos", b) == style and pairs_start("photos", b) is paired
     assert probe_style("rect", b) == "rect" and probe_style("soft", b) == "soft"
     assert pairs_start("always", b) is True and pairs_start("never", b) is False
+
+
+@pytest.mark.parametrize(("n_train", "batch_size", "batches"), [(40, 32, 1), (16, 32, 1), (20, 8, 2)])
+def test_repair_trains_on_full_batches_of_at_most_its_batch_size(bundle, glyph_job, n_train, batch_size, batches):
+    """One batch of ``min(batch_size, probes)`` per full batch, the remainder dropped (the shuffled-group anchor needs
+    two groups in a batch): ``should_stop`` is asked before every batch."""
+    crops, unl, _ = glyph_job
+    asked = []
+    repair_reward(bundle, crops, _probes(bundle, crops, unl, n_train, 1), _probes(bundle, crops, unl, 8, 2),
+                  RepairConfig(epochs=2, batch_size=batch_size), should_stop=lambda: asked.append(1) and False)
+    assert len(asked) == 2 * batches
+
+
+def test_repair_decides_on_two_validation_probes_and_refuses_one(bundle, glyph_job):
+    crops, unl, _ = glyph_job
+    train, val = _probes(bundle, crops, unl, 16, 1), _probes(bundle, crops, unl, 2, 2)
+    assert repair_reward(bundle, crops, train, val, RepairConfig(epochs=1)).record["val_probes"] == 2
+    with pytest.raises(ValueError, match="and 2 validation probes, got 16 and 1"):
+        repair_reward(bundle, crops, train, _probes(bundle, crops, unl, 1, 2))
+
+
+def test_repair_scores_before_and_after_on_its_seed(bundle, glyph_job):
+    crops, unl, _ = glyph_job
+    train, val = _probes(bundle, crops, unl, 16, 1), _probes(bundle, crops, unl, 24, 2)
+    proto = Localizer(bundle, "cpu").prototype(crops)
+    seeds = {s: faithfulness(bundle, proto, val, s) for s in (0, 3)}
+    assert seeds[0] != seeds[3]  # the seed draws the box pairs OrdAcc is measured on
+    rep = repair_reward(bundle, crops, train, val, RepairConfig(epochs=1, min_gain=-1000.0, seed=3))
+    assert rep.kept and rep.record["before"] == seeds[3]
+    assert rep.record["after"] == faithfulness(rep.bundle, rep.prototype, val, 3) != seeds[3]
