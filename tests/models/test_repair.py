@@ -198,10 +198,13 @@ def test_repair_scores_before_and_after_on_its_seed(bundle, glyph_job):
     assert rep.record["after"] == faithfulness(rep.bundle, rep.prototype, val, 3) != seeds[3]
 
 
-def test_repair_trains_the_head_with_its_config_and_the_shuffled_exemplar_anchor(bundle, glyph_job, monkeypatch):
+@pytest.mark.parametrize(("batch_size", "group_size"), [(16, 5), (6, 3)])
+def test_repair_trains_the_head_with_its_config_and_the_shuffled_exemplar_anchor(bundle, glyph_job, monkeypatch,
+                                                                                 batch_size, group_size):
     """What repair asks of stage 1's trainer: the ordinal triplet around shuffled groups of the *exemplars'* crops
     (the client's objects, not the probes' own boxes), no reconstruction, the head alone, its epochs, learning rate
-    and seed, evaluated about six times; and a learning rate of 0 leaves the head as it was."""
+    and seed, evaluated about six times, groups of 5 or half a batch (two groups in each); and a learning rate of 0
+    leaves the head as it was."""
     import models.repair as repair_mod
 
     crops, unl, _ = glyph_job
@@ -215,11 +218,11 @@ def test_repair_trains_the_head_with_its_config_and_the_shuffled_exemplar_anchor
     monkeypatch.setattr(repair_mod, "train_embedding", spy)
     head = {k: v.clone() for k, v in bundle.embedder.head.state_dict().items()}
     repair_reward(bundle, crops, _probes(bundle, crops, unl, 24, 1), _probes(bundle, crops, unl, 8, 2),
-                  RepairConfig(epochs=12, lr=0.0, batch_size=16, seed=5))
+                  RepairConfig(epochs=12, lr=0.0, batch_size=batch_size, seed=5))
     ((trained, cfg),) = seen
     assert trained is not bundle  # a copy is trained
-    assert (cfg.epochs, cfg.batch_size, cfg.drop_last, cfg.lr, cfg.seed) == (12, 16, True, 0.0, 5)
+    assert (cfg.epochs, cfg.batch_size, cfg.drop_last, cfg.lr, cfg.seed) == (12, batch_size, True, 0.0, 5)
     assert (cfg.anchor, cfg.group_size, cfg.recon_weight, cfg.head_only, cfg.eval_every) == (
-        "shuffle_exemplar", 5, 0.0, True, 2)
+        "shuffle_exemplar", group_size, 0.0, True, 2)
     for k, v in trained.embedder.head.state_dict().items():  # 12 epochs at a learning rate of 0
         assert torch.equal(v, head[k]), k
