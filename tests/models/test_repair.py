@@ -217,7 +217,7 @@ def test_repair_trains_the_head_with_its_config_and_the_shuffled_exemplar_anchor
 
     monkeypatch.setattr(repair_mod, "train_embedding", spy)
     head = {k: v.clone() for k, v in bundle.embedder.head.state_dict().items()}
-    repair_reward(bundle, crops, _probes(bundle, crops, unl, 24, 1), _probes(bundle, crops, unl, 8, 2),
+    repair_reward(bundle, crops, _probes(bundle, crops, unl, 16, 1), _probes(bundle, crops, unl, 8, 2),
                   RepairConfig(epochs=12, lr=0.0, batch_size=batch_size, seed=5))
     ((trained, cfg),) = seen
     assert trained is not bundle  # a copy is trained
