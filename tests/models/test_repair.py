@@ -198,7 +198,7 @@ def test_repair_scores_before_and_after_on_its_seed(bundle, glyph_job):
     assert rep.record["after"] == faithfulness(rep.bundle, rep.prototype, val, 3) != seeds[3]
 
 
-@pytest.mark.parametrize(("batch_size", "group_size"), [(16, 5), (6, 3)])
+@pytest.mark.parametrize(("batch_size", "group_size"), [(16, 5), (7, 3)])
 def test_repair_trains_the_head_with_its_config_and_the_shuffled_exemplar_anchor(bundle, glyph_job, monkeypatch,
                                                                                  batch_size, group_size):
     """What repair asks of stage 1's trainer: the ordinal triplet around shuffled groups of the *exemplars'* crops
