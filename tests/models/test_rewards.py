@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models.bundle import load_bundle
+from models.core.templates import box_ncc, make_templates
 from models.data.glyphs import font_files
 from models.data.types import LabeledImages, exemplar_crops
 from models.experiments.datasets import GlyphKind
@@ -18,6 +19,7 @@ from models.guard import synthetic_probes
 from models.inference import Localizer, normalize
 from models.repair import (
     CANDIDATES,
+    NCC_JITTER,
     EmbeddingScorer,
     FeatureScorer,
     NCCScorer,
@@ -177,3 +179,18 @@ def test_the_choice_keeps_the_current_reward_on_a_tie_and_scores_on_the_seed_giv
     assert c.faithfulness["embedding"] != scorer_faithfulness(bundle, same, probes, 0)
     with pytest.raises(ValueError, match=r"the current reward 'ncc' must be one of the candidates \['embedding'\]"):
         choose_reward(bundle, {"embedding": same}, probes, current="ncc")
+
+
+def test_the_ncc_reward_reads_each_box_alone_unless_told_to_jitter(glyphs, probes):
+    """``NCC_JITTER`` (0): a box is read as it is, not as the best of its shifted reads (three times the cost per
+    adaptation step); ``1 - `` the mean over the templates of ``box_ncc`` at the jitter asked for."""
+    crops, _, _ = glyphs
+    boxes = probes.boxes[:, None] + torch.tensor([[0.0, 0.0, 0.0, 0.0], [3.0, -2.0, 5.0, 1.0]])  # [n, 2, 4]
+    templates = make_templates(crops)
+    assert NCC_JITTER == 0.0
+    for scorer, jitter in ((NCCScorer(crops), 0.0), (NCCScorer(crops, jitter=0.1), 0.1)):
+        want = (1.0 - box_ncc(probes.images, boxes, templates, jitter=jitter).mean(-1)).float()
+        assert torch.equal(scorer.distances(probes.images, boxes), want)
+    plain = NCCScorer(crops).distances(probes.images, boxes)
+    jittered = NCCScorer(crops, jitter=0.1).distances(probes.images, boxes)
+    assert (jittered <= plain + 1e-6).all() and (jittered < plain - 1e-3).any()  # the best read is never worse
