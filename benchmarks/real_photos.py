@@ -70,8 +70,6 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from photo_wise_val import lerp, wise_guard  # noqa: E402
-
 from app.config import Settings  # noqa: E402
 from models.adapt import AdaptConfig, adapt  # noqa: E402
 from models.bundle import Bundle, Start, load_bundle  # noqa: E402
@@ -362,6 +360,9 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
             three = Localizer(pair.bundle, pair.device, companion=replace(pair.companion, judge=judge))
         unanimous.append(evaluate_agent(job["states"][last_it], None, three, setup.prototype) if last_it is not None
                          else evaluate_agent(None, None))
+        if opts.wise:  # imported here: the tests import this file as a module, without benchmarks/ on the path
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from photo_wise_val import lerp, wise_guard
         s0 = {k: v.detach().cpu() for k, v in bundle.agent_state.items()}
         for a in opts.wise:
             wise = {i: lerp(s0, st, a) for i, st in sorted(job["states"].items())}
