@@ -338,6 +338,10 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
         batch, scales = preprocess([p.image for p in ex], spec)
         labeled = LabeledImages(batch, torch.tensor([p.box for p in ex], dtype=torch.float32)
                                 / torch.cat([scales, scales], dim=1))
+    if opts.wise:  # imported here: the tests import this file as a module, without benchmarks/ on the path
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from photo_wise_val import lerp, wise_guard
+        s0 = {k: v.detach().cpu() for k, v in bundle.agent_state.items()}  # the start every checkpoint is mixed with
     for seed in opts.guard_seeds:
         job = run_job(bundle, proto, crops, images01, seed, settings, labeled)
         d, setup = job["decision"], job["setup"]
@@ -360,10 +364,6 @@ def evaluate_class(loc: Localizer, cls: str, opts: Options | None = None,
             three = Localizer(pair.bundle, pair.device, companion=replace(pair.companion, judge=judge))
         unanimous.append(evaluate_agent(job["states"][last_it], None, three, setup.prototype) if last_it is not None
                          else evaluate_agent(None, None))
-        if opts.wise:  # imported here: the tests import this file as a module, without benchmarks/ on the path
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from photo_wise_val import lerp, wise_guard
-        s0 = {k: v.detach().cpu() for k, v in bundle.agent_state.items()}
         for a in opts.wise:
             wise = {i: lerp(s0, st, a) for i, st in sorted(job["states"].items())}
             g = wise_guard(bundle, proto, setup, seed, wise, setup.start is not None)
