@@ -156,7 +156,7 @@ def requeue_abandoned(session: Session, *, job_id: uuid.UUID, attempt: int, stal
     """running → queued, for a run whose worker stopped beating (``enqueued_at`` NULL: its task is to be sent)
     -> False when the run moved on since the reaper read ``attempt`` (finished, claimed, or beating again)."""
     return _applied(session.execute(update(tables.AdaptationJob).where(_abandoned(job_id, attempt, stale_before))
-                                    .values(status=JobState.QUEUED, worker=None, enqueued_at=None)))
+                                    .values(status=JobState.QUEUED, worker=None, enqueued_at=None, phase=None)))
 
 
 def cancel_abandoned(session: Session, *, job_id: uuid.UUID, attempt: int, stale_before: datetime,
@@ -173,4 +173,5 @@ def fail_abandoned(session: Session, *, job_id: uuid.UUID, attempt: int, stale_b
                    now: datetime | None = None) -> bool:
     """running → failed, for a run whose worker stopped beating once too often -> as ``requeue_abandoned``."""
     return _applied(session.execute(update(tables.AdaptationJob).where(_abandoned(job_id, attempt, stale_before))
-                                    .values(status=JobState.FAILED, error=error, finished_at=now or tables.utcnow())))
+                                    .values(status=JobState.FAILED, error=error, finished_at=now or tables.utcnow(),
+                                            phase=None)))

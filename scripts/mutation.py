@@ -46,9 +46,14 @@ NET_TESTS = ["tests/models/test_nets.py", "tests/models/test_small_batch_paths.p
 
 TEMPLATE_TESTS = ["tests/models/test_template_matching.py", "tests/models/test_templates_math.py"]
 
+# a job's lifecycle on SQL: the state machine's guarded updates, the reaper's requeue / fail / send, leases
+# (on SQLite and PostgreSQL; not the Celery end-to-end tests, marked slow)
+LIFECYCLE_TESTS = ["tests/app/test_app_jobstates.py", "tests/worker/test_worker_outbox.py",
+                   "tests/worker/test_worker_leases.py"]
+
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
-EXTRA_ARGS = {"jobs": ["-m", "not slow"],
+EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstates": ["-m", "not slow"],
               # the Batcher's own tests (a held engine, threads; no model, no HTTP)
               "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
@@ -88,6 +93,13 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "samples": ("models/data/calibration_samples.py", ["tests/models/test_calibration_samples.py",
                                                        "tests/models/test_calibration.py"]),
     "images": ("app/images.py", ["tests/app/test_app_images.py", "tests/app/test_app_images_decode.py"]),
+    "reaper": ("worker/reaper.py", LIFECYCLE_TESTS + [
+        "tests/worker/test_worker_pool.py::test_a_finished_jobs_own_uploads_are_deleted_its_pool_images_kept",
+        "tests/worker/test_worker_recovery.py::test_expire_lease_frees_only_the_dead_processs_run"]),
+    "jobstates": ("app/jobstates.py", LIFECYCLE_TESTS + ["tests/worker/test_worker_job_records.py"]),
+    # answers in other tools' formats: COCO results, Label Studio tasks and its ML backend's protocol
+    "export": ("app/export.py", ["tests/app/test_app_export.py", "tests/app/test_labelstudio.py"]),
+    "labelstudio": ("app/labelstudio.py", ["tests/app/test_labelstudio.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

@@ -186,7 +186,7 @@ def test_the_reaper_requeues_or_fails_only_a_run_still_abandoned(db):
     now = utcnow()
     stale_before = now - timedelta(seconds=60)
     dead = dict(status="running", attempts=1, worker="w", heartbeat_at=now - timedelta(seconds=61),
-                enqueued_at=now - timedelta(hours=1))
+                enqueued_at=now - timedelta(hours=1), phase="adapting")
     requeued, failed, beating = (new_job(db, set_id, **dead) for _ in range(3))
     never_beat = new_job(db, set_id, **{**dead, "heartbeat_at": None})
     with db.begin() as s:  # the run beat again after the reaper read it
@@ -202,12 +202,31 @@ def test_the_reaper_requeues_or_fails_only_a_run_still_abandoned(db):
     assert apply(db, jobstates.requeue_abandoned, job_id=never_beat, attempt=1, stale_before=stale_before)
     for job_id in (requeued, never_beat):
         job = row(db, job_id)
-        assert (job.status, job.attempts, job.worker, job.enqueued_at) == ("queued", 1, None, None)
+        assert (job.status, job.attempts, job.worker, job.enqueued_at, job.phase) == ("queued", 1, None, None, None)
     assert apply(db, jobstates.fail_abandoned, job_id=failed, attempt=1, stale_before=stale_before, error="lost",
                  now=now)
     job = row(db, failed)
-    assert (job.status, job.error, job.finished_at) == ("failed", "lost", now)
+    assert (job.status, job.error, job.finished_at, job.phase) == ("failed", "lost", now, None)
+    assert row(db, beating).phase == "adapting"
     assert not apply(db, jobstates.requeue_abandoned, job_id=failed, attempt=1, stale_before=stale_before)
+
+
+def test_the_reaper_cancels_an_abandoned_run_whose_cancel_was_asked_and_only_that(db):
+    set_id = new_set(db)
+    now = utcnow()
+    stale_before = now - timedelta(seconds=60)
+    dead = dict(status="running", attempts=1, worker="w", heartbeat_at=now - timedelta(seconds=61), phase="adapting")
+    asked, not_asked = new_job(db, set_id, cancel_requested=True, **dead), new_job(db, set_id, **dead)
+    beating = new_job(db, set_id, cancel_requested=True, **{**dead, "heartbeat_at": now})
+    assert not apply(db, jobstates.cancel_abandoned, job_id=not_asked, attempt=1, stale_before=stale_before)
+    assert not apply(db, jobstates.cancel_abandoned, job_id=beating, attempt=1, stale_before=stale_before)
+    assert not apply(db, jobstates.cancel_abandoned, job_id=asked, attempt=2, stale_before=stale_before)
+    assert (row(db, not_asked).status, row(db, beating).status, row(db, asked).status) == ("running",) * 3
+    assert apply(db, jobstates.cancel_abandoned, job_id=asked, attempt=1, stale_before=stale_before, now=now)
+    job = row(db, asked)
+    assert (job.status, job.error, job.finished_at, job.phase) == ("canceled", jobstates.CANCELED_ON_REQUEST, now,
+                                                                     None)
+    assert not apply(db, jobstates.cancel_abandoned, job_id=asked, attempt=1, stale_before=stale_before)
 
 
 def test_a_job_result_is_activated_only_where_the_set_still_holds_the_jobs_base(db):

@@ -10,6 +10,7 @@ the API dying between commit and send, the broker losing the message, the reaper
 """
 
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -34,6 +35,7 @@ from app.main import create_app
 from app.queue import JobQueue, broker_transport_options
 from app.tables import AdaptationJob, Checkpoint, utcnow
 from worker import jobs
+from worker import reaper as reaper_module
 from worker.context import WorkerContext
 from worker.reaper import Reaper, jobs_to_send, send_job
 
@@ -230,6 +232,36 @@ def test_the_api_answers_503_and_fails_the_job_only_if_nobody_sent_it(api, ctx, 
     r = post_job(api, set_id, iterations=3)
     assert r.status_code == 202 and r.json()["status"] == "queued"
     assert row(ctx, uuid.UUID(r.json()["id"])).enqueued_at is not None
+
+
+def test_the_reaper_thread_goes_on_after_a_failed_round_and_ends_when_stopped(api, ctx, db_settings, monkeypatch):
+    """The worker's reaper thread: a round that raises (the database down) is logged and the next round comes
+    ``reaper_interval`` later; ``stop`` ends the thread at its next wait."""
+    job_id = create_unsent_job(api, register_set(api), monkeypatch)
+    set_row(ctx, job_id, created_at=utcnow() - timedelta(hours=1))  # never sent, past the grace: due now
+    rounds = []
+    real_round = reaper_module.reap_abandoned_jobs
+
+    def first_round_fails(c, *, now=None):
+        rounds.append(time.monotonic())
+        if len(rounds) == 1:
+            raise ConnectionError("database unreachable")
+        return real_round(c, now=now)
+
+    monkeypatch.setattr(reaper_module, "reap_abandoned_jobs", first_round_fails)
+    send = Recorder()
+    reaper = Reaper(ctx, send)
+    reaper.start()
+    deadline = time.monotonic() + 20
+    while not send.sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reaper.stop()
+    reaper._thread.join(timeout=5)
+    assert send.sent == [job_id] and not reaper._thread.is_alive()
+    assert len(rounds) >= 2 and rounds[1] - rounds[0] >= 0.9 * db_settings.reaper_interval  # waited between rounds
+    n = len(rounds)
+    time.sleep(2 * db_settings.reaper_interval)
+    assert len(rounds) == n  # stopped: no round since
 
 
 # --- against a real worker and broker: each fault ends with the job run once

@@ -30,8 +30,6 @@ from app.tables import AdaptationJob, Checkpoint
 from worker.jobs import claim_job
 from worker.reaper import expire_lease, reap_abandoned_jobs
 
-pytestmark = pytest.mark.slow
-
 RESUME_WITHIN_S = 20.0
 """The floor: a job whose worker died is running again on another worker this long after the kill."""
 
@@ -168,6 +166,7 @@ def check_resumed_once(out: dict[str, Any], iterations: int) -> None:
     assert f"job {out['job_id']} resumes from checkpoint" in log and f"at iteration {resumed_at}" in log, log[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.exclusive  # timed: nothing else shares the machine (tests/conftest.py)
 def test_kill_9_mid_job_resumes_on_a_new_worker_within_the_floor(recovery_stack):
     out = kill_mid_job_and_resume(recovery_stack, iterations=12, kill_after=2)
@@ -176,6 +175,7 @@ def test_kill_9_mid_job_resumes_on_a_new_worker_within_the_floor(recovery_stack)
     check_resumed_once(out, 12)
 
 
+@pytest.mark.slow
 @pytest.mark.exclusive  # timed: nothing else shares the machine (tests/conftest.py)
 def test_kill_9_of_the_pool_process_resumes_at_once(tmp_path, bundle_dir):
     """The worker lives: its main process expires the lease once the pool reports the process lost (after
