@@ -323,6 +323,27 @@ def test_the_reaper_requeues_below_the_budget_and_fails_at_it(db_client, db_ctx)
     assert reap_abandoned_jobs(db_ctx) == ([], [])
 
 
+def test_the_reaper_cancels_an_abandoned_job_whose_cancel_was_asked(db_client, db_ctx):
+    """A dead worker's job the user asked to cancel is canceled, not resumed only to be canceled there, whatever its
+    attempts; the end is dated by the round's clock (as a failure at the budget is)."""
+    n = db_ctx.settings.max_job_attempts
+    asked, set_id = new_job(db_client)
+    asked_at_budget, _ = new_job(db_client, str(set_id))
+    at_budget, _ = new_job(db_client, str(set_id))
+    hour_ago = utcnow() - timedelta(hours=1)
+    set_row(db_ctx, asked, status="running", attempts=1, worker="dead", heartbeat_at=hour_ago, cancel_requested=True)
+    set_row(db_ctx, asked_at_budget, status="running", attempts=n, worker="dead", heartbeat_at=hour_ago,
+            cancel_requested=True)
+    set_row(db_ctx, at_budget, status="running", attempts=n, worker="dead", heartbeat_at=hour_ago)
+    now = utcnow() + timedelta(minutes=5)  # a round's clock, not the database's
+    assert reap_abandoned_jobs(db_ctx, now=now) == ([], [at_budget])
+    for job_id in (asked, asked_at_budget):
+        job = snapshot(db_ctx, job_id)
+        assert (job["status"], job["error"], job["finished_at"]) == ("canceled", "canceled on request", now)
+    assert snapshot(db_ctx, at_budget)["finished_at"] == now
+    assert reap_abandoned_jobs(db_ctx, now=now) == ([], [])
+
+
 # --- a redelivered job resumes from its checkpoint
 
 

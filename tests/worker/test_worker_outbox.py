@@ -211,6 +211,56 @@ def test_a_send_lost_to_another_reaper_is_not_repeated(api, ctx, db_settings, mo
     assert first.sent == [job_id] and second.sent == []
 
 
+def test_jobs_to_send_lists_only_queued_jobs_due_oldest_first(api, ctx, db_settings, monkeypatch):
+    set_id = register_set(api)
+    newer, older = create_unsent_job(api, set_id, monkeypatch, iterations=2), create_unsent_job(api, set_id,
+                                                                                                  monkeypatch)
+    t = utcnow()
+    set_row(ctx, older, created_at=t - timedelta(minutes=2))
+    set_row(ctx, newer, created_at=t - timedelta(minutes=1))
+    grace = timedelta(seconds=db_settings.enqueue_grace)
+    assert jobs_to_send(ctx, now=t) == [(older, None), (newer, None)]  # the order they were created in
+    # the bounds: due only once the grace (or requeue_after since the last send) has passed, not at it
+    assert jobs_to_send(ctx, now=t - timedelta(minutes=2) + grace) == []
+    sent_at = t - timedelta(seconds=db_settings.requeue_after)
+    set_row(ctx, newer, enqueued_at=sent_at)
+    assert jobs_to_send(ctx, now=t) == [(older, None)]
+    assert jobs_to_send(ctx, now=t + timedelta(seconds=1)) == [(older, None), (newer, sent_at)]
+    # a job claimed since its last send (or finished) is no longer the outbox's
+    set_row(ctx, newer, status="running", heartbeat_at=t)
+    set_row(ctx, older, status="canceled")
+    assert jobs_to_send(ctx, now=t + timedelta(days=1)) == []
+
+
+def test_send_job_sends_only_a_job_still_queued_and_a_failed_send_clears_only_its_own_stamp(api, ctx, db_settings,
+                                                                                           monkeypatch):
+    set_id = register_set(api)
+    taken, ok, fails, restamped = (create_unsent_job(api, set_id, monkeypatch, iterations=i) for i in (2, 3, 4, 5))
+    t = later(db_settings.enqueue_grace + 1)
+    assert jobs.claim_job(ctx, taken, worker="w") == 1  # read as queued, claimed by a worker before the send
+    send = Recorder()
+    assert not send_job(ctx, taken, send, read=None, now=t) and send.sent == []
+    assert row(ctx, taken).enqueued_at is None
+
+    def broken(job_id):
+        raise ConnectionError("broker unreachable")
+
+    assert send_job(ctx, ok, send, read=None, now=t) and send.sent == [ok]
+    with pytest.raises(ConnectionError):
+        send_job(ctx, fails, broken, read=None, now=t)  # the same round (the same `now`) as `ok`'s send
+    assert row(ctx, fails).enqueued_at is None and row(ctx, ok).enqueued_at == t  # `ok`'s stamp stands
+
+    other = t + timedelta(seconds=5)
+
+    def another_reaper_sent_it_meanwhile(job_id):
+        set_row(ctx, job_id, enqueued_at=other)
+        raise ConnectionError("broker unreachable")
+
+    with pytest.raises(ConnectionError):
+        send_job(ctx, restamped, another_reaper_sent_it_meanwhile, read=None, now=t)
+    assert row(ctx, restamped).enqueued_at == other  # not this reaper's stamp: left alone
+
+
 def test_the_api_answers_503_and_fails_the_job_only_if_nobody_sent_it(api, ctx, db_settings, monkeypatch):
     set_id = register_set(api)
 
@@ -251,6 +301,7 @@ def test_the_reaper_thread_goes_on_after_a_failed_round_and_ends_when_stopped(ap
     monkeypatch.setattr(reaper_module, "reap_abandoned_jobs", first_round_fails)
     send = Recorder()
     reaper = Reaper(ctx, send)
+    assert reaper._thread.daemon and reaper._thread.name == "qloc-reaper"  # never holds the worker's exit
     reaper.start()
     deadline = time.monotonic() + 20
     while not send.sent and time.monotonic() < deadline:

@@ -73,7 +73,7 @@ def test_a_job_adapts_on_the_pool_it_was_created_with(api, ctx, monkeypatch):
 def test_a_finished_jobs_own_uploads_are_deleted_its_pool_images_kept(api, ctx):
     """A finished job never runs again: the reaper deletes the copies of the files it was posted with (succeeded,
     or canceled while queued), keeps the pool's images it took, and the job's record stays readable."""
-    from worker.reaper import drop_finished_uploads
+    from worker.reaper import Reaper, drop_finished_uploads
 
     set_id = api.post("/v1/exemplar-sets", files=named("crop", seed=9)).json()["id"]
     assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b", seed=10)).status_code == 201
@@ -86,9 +86,15 @@ def test_a_finished_jobs_own_uploads_are_deleted_its_pool_images_kept(api, ctx):
     uploads = [f for f in stored_files(root) if "/images/" in f and "/jobs/" in f]
     pool = [f for f in stored_files(root) if "/pool/" in f]
     assert len(uploads) == 3 and len(pool) == 2
-    assert drop_finished_uploads(ctx) == 1  # the canceled job's; the other is queued: its files are needed
+    reaper = Reaper(ctx, send=lambda job_id: None)
+    reaper.run_once()  # a reaper's first round sweeps: the canceled job's file; the other job is queued: it needs its
+    job_uploads = [f for f in stored_files(root) if "/images/" in f and "/jobs/" in f]
+    assert len(job_uploads) == 2
     assert run_adaptation_job(ctx, uuid.UUID(ran["id"]), worker="test") == "succeeded"
-    assert drop_finished_uploads(ctx) == 2 and drop_finished_uploads(ctx) == 0
+    reaper.run_once()  # a round within UPLOADS_SWEEP_S of the last sweep does not sweep
+    assert [f for f in stored_files(root) if "/images/" in f and "/jobs/" in f] == job_uploads
+    assert drop_finished_uploads(ctx, limit=1) == 1  # at most `limit` files a sweep; the next sweep goes on
+    assert drop_finished_uploads(ctx) == 1 and drop_finished_uploads(ctx) == 0
     left = stored_files(root)
     assert not [f for f in left if "/images/" in f and "/jobs/" in f] and [f for f in left if "/pool/" in f] == pool
     assert not any((root / f"exemplar-sets/{set_id}/jobs/{j['id']}/images").exists() for j in (ran, canceled))

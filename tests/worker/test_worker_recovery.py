@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from service_fixtures import FAST_JOB, Stack, files, make_test_settings, migrate, png_bytes, running_stack
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from app.config import Settings
 from app.db import make_engine, make_sessionmaker
@@ -66,6 +66,20 @@ def test_expire_lease_frees_only_the_dead_processs_run(api, ctx):
     with ctx.session_factory() as s:
         job = s.get_one(AdaptationJob, job_id)
     assert (job.status, job.attempts, job.worker) == ("running", 2, "host:3")
+
+    # only the job named: another run recorded under the same process name keeps its lease
+    other = uuid.UUID(api.post(f"/v1/exemplar-sets/{set_id}/adaptations", files=files(png_bytes())).json()["id"])
+    assert claim_job(ctx, other, worker="host:3") == 1
+    assert expire_lease(ctx, job_id, "host:3")
+    assert claim_job(ctx, other, worker="host:5") is None and claim_job(ctx, job_id, worker="host:5") == 3
+    # a finished run is left as it finished: its heartbeat is not dated back
+    with ctx.session_factory.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(status="succeeded"))
+    with ctx.session_factory() as s:
+        beat = s.get_one(AdaptationJob, job_id).heartbeat_at
+    assert not expire_lease(ctx, job_id, "host:5")
+    with ctx.session_factory() as s:
+        assert s.get_one(AdaptationJob, job_id).heartbeat_at == beat
 
 
 def _rows(session_factory, job_id: uuid.UUID) -> tuple[AdaptationJob, list[Checkpoint]]:
