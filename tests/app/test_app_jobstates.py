@@ -117,7 +117,7 @@ def test_claim_takes_a_queued_job_or_a_run_whose_heartbeat_stopped(db):
     now = utcnow()
     assert apply(db, jobstates.claim, job_id=job_id, worker="a", stale_before=now - timedelta(seconds=9), now=now) == 1
     job = row(db, job_id)
-    assert (job.status, job.attempts, job.worker, job.started_at) == ("running", 1, "a", now)
+    assert (job.status, job.attempts, job.worker, job.started_at, job.phase) == ("running", 1, "a", now, "setup")
     assert apply(db, jobstates.claim, job_id=job_id, worker="b", stale_before=now, now=now) is None  # beating
     later = now + timedelta(seconds=10)
     assert apply(db, jobstates.claim, job_id=job_id, worker="b", stale_before=later - timedelta(seconds=9),
@@ -137,13 +137,25 @@ def test_a_run_finishes_or_fails_only_under_its_own_fencing_token(db):
     assert not apply(db, jobstates.fail_run, job_id=failed, attempt=3, error="x")  # no such run
     assert row(db, done).status == row(db, failed).status == "running"
 
-    assert apply(db, jobstates.finish_run, job_id=done, attempt=2, **finish)
+    ckpt = new_checkpoint(db, set_id)
+    with db.begin() as s:  # the run's phase, and the checkpoint its last sync recorded
+        s.execute(update(AdaptationJob).where(AdaptationJob.id.in_([done, failed]))
+                  .values(phase="adapting", checkpoint_id=ckpt))
+    assert apply(db, jobstates.finish_run, job_id=done, attempt=2, **finish)  # no checkpoint_id, no verdict
     job = row(db, done)
     assert (job.status, job.progress_iteration, job.mean_reward, job.error) == ("succeeded", 4, 0.5, None)
     assert job.finished_at is not None and job.heartbeat_at == job.finished_at
+    assert (job.phase, job.checkpoint_id, job.verdict, job.validation) == (None, ckpt, None, None)  # the row's kept
     assert apply(db, jobstates.fail_run, job_id=failed, attempt=2, error="e" * 3000)
     job = row(db, failed)
-    assert (job.status, job.error) == ("failed", "e" * 2000) and job.finished_at is not None
+    assert (job.status, job.error, job.phase) == ("failed", "e" * 2000, None) and job.finished_at is not None
+    # a run's checkpoint and its guard's verdict are recorded when given
+    judged = new_job(db, set_id, status="running", attempts=1)
+    last = new_checkpoint(db, set_id)
+    assert apply(db, jobstates.finish_run, job_id=judged, attempt=1, checkpoint_id=last, verdict="improved",
+                 validation={"probes": 8}, **finish)
+    job = row(db, judged)
+    assert (job.checkpoint_id, job.verdict, job.validation) == (last, "improved", {"probes": 8})
 
     for job_id in (done, failed):  # a finished job stays as it finished
         assert not apply(db, jobstates.finish_run, job_id=job_id, attempt=2, **finish)
@@ -155,11 +167,14 @@ def test_a_run_finishes_or_fails_only_under_its_own_fencing_token(db):
 
 def test_fail_unsent_fails_only_a_queued_job_whose_task_was_never_sent(db):
     set_id = new_set(db)
-    unsent, sent = new_job(db, set_id), new_job(db, set_id, enqueued_at=utcnow())
+    unsent, sent = new_job(db, set_id, idempotency_key="k1"), new_job(db, set_id, enqueued_at=utcnow())
     assert not apply(db, jobstates.fail_unsent, job_id=sent, error="broker down")
     assert row(db, sent).status == "queued"
-    assert apply(db, jobstates.fail_unsent, job_id=unsent, error="broker down")
-    assert (row(db, unsent).status, row(db, unsent).error) == ("failed", "broker down")
+    now = utcnow() - timedelta(minutes=1)
+    assert apply(db, jobstates.fail_unsent, job_id=unsent, error="broker down", now=now)
+    job = row(db, unsent)
+    # the key freed: the client's retry with it makes a new job, not this failed one
+    assert (job.status, job.error, job.finished_at, job.idempotency_key) == ("failed", "broker down", now, None)
     assert not apply(db, jobstates.fail_unsent, job_id=unsent, error="again")
 
 
@@ -172,7 +187,8 @@ def test_cancel_ends_a_queued_job_flags_a_running_one_and_leaves_a_finished_one(
     assert not apply(db, jobstates.cancel_queued, job_id=running)
     assert apply(db, jobstates.request_cancel, job_id=queued)
     job = row(db, queued)
-    assert (job.status, job.cancel_requested) == ("canceled", True) and job.finished_at is not None
+    assert (job.status, job.cancel_requested, job.error) == ("canceled", True, jobstates.CANCELED_ON_REQUEST)
+    assert job.finished_at is not None
     assert apply(db, jobstates.request_cancel, job_id=running)
     job = row(db, running)
     assert (job.status, job.cancel_requested, job.finished_at) == ("running", True, None)  # the run stops itself
@@ -195,6 +211,9 @@ def test_the_reaper_requeues_or_fails_only_a_run_still_abandoned(db):
     for job_id in (requeued, failed, beating, never_beat):  # a token the reaper did not read
         assert not apply(db, jobstates.requeue_abandoned, job_id=job_id, attempt=2, stale_before=stale_before)
     assert not apply(db, jobstates.requeue_abandoned, job_id=beating, attempt=1, stale_before=stale_before)
+    at_bound = new_job(db, set_id, **{**dead, "heartbeat_at": stale_before})  # exactly at the bound: not stale yet
+    assert not apply(db, jobstates.requeue_abandoned, job_id=at_bound, attempt=1, stale_before=stale_before)
+    assert not apply(db, jobstates.fail_abandoned, job_id=at_bound, attempt=1, stale_before=stale_before, error="x")
     assert not apply(db, jobstates.fail_abandoned, job_id=beating, attempt=1, stale_before=stale_before, error="x")
     assert row(db, beating).status == "running"
 
@@ -242,8 +261,9 @@ def test_a_job_result_is_activated_only_where_the_set_still_holds_the_jobs_base(
                      base_checkpoint_id=base)  # no such set
 
     # a job created while its set had no active checkpoint: NULL compares as a value
-    empty = new_set(db)
+    empty, other_empty = new_set(db), new_set(db)
     first, second = new_checkpoint(db, empty), new_checkpoint(db, empty)
     assert apply(db, jobstates.activate_job_result, set_id=empty, checkpoint_id=first, base_checkpoint_id=None)
     assert not apply(db, jobstates.activate_job_result, set_id=empty, checkpoint_id=second, base_checkpoint_id=None)
     assert active(db, empty) == first
+    assert active(db, other_empty) is None  # only the job's own set moves
