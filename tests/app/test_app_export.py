@@ -128,3 +128,47 @@ def test_exports_hold_a_second_looks_window_that_instances_do_not_list():
     assert [[(r["value"]["x"], r["value"]["y"]) for r in t["predictions"][0]["result"]] for t in tasks] == [
         [(40.0, 0.0), (50.0, 50.0)], [(50.0, 50.0)]]
     assert len({r["id"] for r in tasks[0]["predictions"][0]["result"]}) == 2
+
+
+def test_export_fields_by_value():
+    """The exported numbers themselves, on answers made by hand: COCO's boxes and scores rounded as documented, a
+    score without a calibration, Label Studio's percent box on a box off the image's top edge, its fixed fields, the
+    task name of an upload without a file name, the default image ids; with instances, the least likely one gives
+    way to a second look's window wherever it stands in the list (ties: the later one)."""
+    from app.export import AnswerOptions, coco, labelstudio
+    from app.schemas import InstanceResult, LocalizationResult
+
+    r = LocalizationResult(filename="a.png", width=200, height=100, box=[10.123456, 20.987654, 60.5, 70.25],
+                           score=3.0, confidence=0.123456789, found=True)
+    (a,) = coco([r], image_ids=[7], category_id=1, category_name="x", only_found=False)["annotations"]
+    assert a["bbox"] == [10.12, 20.99, 50.38, 49.26] and a["score"] == 0.123457
+    uncalibrated = [r.model_copy(update={"confidence": None, "score": s}) for s in (3.0, -1.0)]
+    scores = [a["score"] for a in coco(uncalibrated, image_ids=[1, 2], category_id=1, category_name="x",
+                                       only_found=False)["annotations"]]
+    assert scores == [0.25, 1.0]  # 1 / (1 + distance), a distance below 0 read as 0
+    with pytest.raises(ValueError):
+        coco([r], image_ids=[1, 2], category_id=1, category_name="x", only_found=False)
+
+    (task,) = labelstudio([r.model_copy(update={"filename": None})], label="x", from_name="label", to_name="image",
+                          model_version="v")
+    assert task["data"] == {"image": "image-1"}
+    (region,) = task["predictions"][0]["result"]
+    value = dict(region["value"])
+    assert (value.pop("rotation"), value.pop("rectanglelabels")) == (0, ["x"])
+    assert value == pytest.approx({"x": 5.061728, "y": 20.987654, "width": 25.188272, "height": 49.262346}, rel=1e-6)
+    assert (region["image_rotation"], region["score"]) == (0, pytest.approx(0.123456789))
+    second = labelstudio([r, r.model_copy(update={"filename": None})], label="x", from_name="label",
+                         to_name="image", model_version="v")
+    assert [t["data"]["image"] for t in second] == ["a.png", "image-2"]
+    assert AnswerOptions().ids(3) == [1, 2, 3] and AnswerOptions(image_ids="5,9").ids(2) == [5, 9]
+
+    def inst(x, confidence):
+        return InstanceResult(box=[x, 0.0, x + 10.0, 10.0], score=1.0, confidence=confidence, found=True)
+
+    window = LocalizationResult(filename="a.png", width=100, height=100, box=[40.0, 40.0, 60.0, 60.0], score=1.0,
+                                confidence=0.9, found=True, reranked=True)
+    for confidences, kept in (((0.8, 0.2, 0.5), [0.0, 20.0]), ((0.5, 0.5, 0.9), [0.0, 20.0])):
+        answer = window.model_copy(update={"instances": [inst(10.0 * k, c) for k, c in enumerate(confidences)]})
+        boxes = [a["bbox"][0] for a in coco([answer], image_ids=[1], category_id=1, category_name="x",
+                                            only_found=False)["annotations"]]
+        assert boxes == [40.0, *kept]
