@@ -54,6 +54,7 @@ LIFECYCLE_TESTS = ["tests/app/test_app_jobstates.py", "tests/worker/test_worker_
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
 EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstates": ["-m", "not slow"],
+              "pool": ["-m", "not slow"],
               # the Batcher's own tests (a held engine, threads; no model, no HTTP)
               "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
@@ -99,7 +100,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "jobstates": ("app/jobstates.py", LIFECYCLE_TESTS + ["tests/worker/test_worker_job_records.py"]),
     # answers in other tools' formats: COCO results, Label Studio tasks and its ML backend's protocol
     "export": ("app/export.py", ["tests/app/test_app_export.py", "tests/app/test_labelstudio.py"]),
-    "labelstudio": ("app/labelstudio.py", ["tests/app/test_labelstudio.py"]),
+    "labelstudio": ("app/labelstudio.py", ["tests/app/test_labelstudio.py", "tests/app/test_labelstudio_fetch.py"]),
+    # an exemplar set's image pool: the cap under concurrency, a job's snapshot, deletion while jobs hold images
+    "pool": ("app/pool.py", ["tests/app/test_app_pool.py", "tests/worker/test_worker_pool.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

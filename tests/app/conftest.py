@@ -4,6 +4,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from labelstudio_fake import fake_ls  # noqa: F401 -- a fixture, used by name
 from service_fixtures import (  # noqa: F401 -- fixtures are used by name
     PG_ADMIN_URL,
     bundle_dir,
