@@ -100,7 +100,11 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "jobstates": ("app/jobstates.py", LIFECYCLE_TESTS + ["tests/worker/test_worker_job_records.py"]),
     # answers in other tools' formats: COCO results, Label Studio tasks and its ML backend's protocol
     "export": ("app/export.py", ["tests/app/test_app_export.py", "tests/app/test_labelstudio.py"]),
-    "labelstudio": ("app/labelstudio.py", ["tests/app/test_labelstudio.py", "tests/app/test_labelstudio_fetch.py"]),
+    # (the protocol's tests through the app take seconds each: the config's and the fetcher's own, by value)
+    "labelstudio": ("app/labelstudio.py", [
+        "tests/app/test_labelstudio_fetch.py",
+        "tests/app/test_labelstudio.py::test_label_config_picks_the_rectangle_labels_and_the_sets_label",
+        "tests/app/test_labelstudio.py::test_project_ids_parse"]),
     # an exemplar set's image pool: the cap under concurrency, a job's snapshot, deletion while jobs hold images
     "pool": ("app/pool.py", ["tests/app/test_app_pool.py", "tests/worker/test_worker_pool.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),

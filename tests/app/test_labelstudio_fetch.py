@@ -4,11 +4,22 @@ its refusals. The protocol through the app is ``test_labelstudio.py``."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from labelstudio_fake import IMAGES, JWT
 from service_fixtures import free_port
 
-from app.labelstudio import MAX_SHOWN_URL, Access, ImageFetcher, Refused, _looks_like_jwt, _origin, shown
+from app.labelstudio import (
+    MAX_SHOWN_URL,
+    Access,
+    ImageFetcher,
+    Refused,
+    _looks_like_jwt,
+    _origin,
+    max_instances_of,
+    merged,
+    shown,
+)
 
 
 def test_shown_drops_the_query_and_fragment_and_bounds_the_length():
@@ -52,3 +63,112 @@ def test_a_refused_or_failed_token_exchange_is_a_422_naming_the_task_and_the_add
     assert refused.value.status == 422
     assert refused.value.detail.startswith(f"task 8: cannot exchange the Label Studio personal access token at "
                                            f"{nobody}/api/token/refresh/: ConnectError: ")
+
+
+def test_the_hosts_hold_once_label_studios_address_is_known(fake_ls):
+    """``QLOC_LABELSTUDIO_FETCH_HOSTS`` with Label Studio's address known: its own origin is fetched, another host
+    only when listed (by name, or name and port), whatever the case of the URL."""
+    port = fake_ls.url.rsplit(":", 1)[1]
+    with ImageFetcher(Access(fake_ls.url, None), max_bytes=10**6, timeout=5.0, hosts=["example.invalid"]) as f:
+        assert f.fetch("/data/upload/1/a.png", "task 1") == IMAGES["a.png"]
+        with pytest.raises(Refused, match=f"http://localhost:{port} is not among QLOC_LABELSTUDIO_FETCH_HOSTS"):
+            f.fetch(f"http://localhost:{port}/any/b.png", "task 2")
+    assert [path for path, _ in fake_ls.seen] == ["/data/upload/1/a.png"]
+    with ImageFetcher(Access(fake_ls.url, None), max_bytes=10**6, timeout=5.0, hosts=[f"localhost:{port}"]) as f:
+        assert f.fetch(f"http://LOCALHOST:{port}/any/b.png", "task 2") == IMAGES["b.png"]
+
+
+def test_resolve_tells_label_studio_paths_storage_uris_and_urls_apart(fake_ls):
+    ls = Access(fake_ls.url, "t")
+    with ImageFetcher(ls, max_bytes=10, timeout=5.0) as f:
+        assert f.resolve("  /data/upload/3/a.png ", "task 1") == (f"{fake_ls.url}/data/upload/3/a.png", True)
+        assert f.resolve(f"{fake_ls.url.upper()}/x.png", "task 1") == (f"{fake_ls.url.upper()}/x.png", True)
+        assert f.resolve("https://elsewhere.example/x.png", "task 1") == ("https://elsewhere.example/x.png", False)
+        fileuri = "czM6Ly9idWNrZXQvay5wbmc="  # urlsafe base64 of s3://bucket/k.png
+        assert f.resolve("s3://bucket/k.png", "task 1", task_id=5) == (
+            f"{fake_ls.url}/tasks/5/resolve/?fileuri={fileuri}", True)
+        for url, words in (("", "the image URL is empty or not a string"), (5, "the image URL is empty"),
+                           ("//elsewhere.example/x.png", "not relative ones"),  # protocol-relative: not a path
+                           ("ftp://elsewhere.example/x.png", "not ftp ones"),
+                           ("s3://bucket/k.png", "is in cloud storage")):  # no task to resolve it for
+            with pytest.raises(Refused) as refused:
+                f.resolve(url, "task 9")
+            assert refused.value.status == 422 and refused.value.detail.startswith("task 9: ")
+            assert words in refused.value.detail, refused.value.detail
+    with ImageFetcher(Access(None, None), max_bytes=10, timeout=5.0) as f, pytest.raises(Refused) as refused:
+        f.resolve("/data/upload/3/a.png?token=secret", "task 1")
+    assert refused.value.detail == (
+        "task 1: /data/upload/3/a.png is a Label Studio path, and Label Studio's address is unknown: connect qloc as "
+        "the project's ML backend (its /setup call gives the address; set Label Studio's HOST), or set "
+        "QLOC_LABELSTUDIO_URL")
+
+
+def mock_fetcher(handler, max_bytes=100, access=Access(None, None)):
+    """An ImageFetcher whose requests ``handler`` answers (httpx's mock transport)."""
+    f = ImageFetcher(access, max_bytes=max_bytes, timeout=5.0)
+    f._client = httpx.Client(transport=httpx.MockTransport(handler))
+    return f
+
+
+def test_fetch_refuses_what_it_cannot_use_with_the_reason():
+    def answer(request):
+        name = request.url.path.strip("/")
+        if name == "big-declared":
+            return httpx.Response(200, headers={"Content-Length": "101"}, content=b"x" * 101)
+        if name == "big-streamed":
+            return httpx.Response(200, content=iter([b"x" * 60, b"x" * 41]))  # no length declared
+        if name == "exact":
+            return httpx.Response(200, content=b"x" * 100)
+        if name == "slow":
+            raise httpx.ReadTimeout("read timed out", request=request)
+        if name == "reset":
+            raise httpx.ConnectError("connection reset", request=request)
+        return httpx.Response(int(name))
+
+    with mock_fetcher(answer, access=Access("http://ls.example", "t")) as f:
+        assert f.fetch("http://img.example/exact", "task 1") == b"x" * 100  # the bound itself is allowed
+        for path, status, detail in (
+            ("big-declared", 413, "task 1: the image is larger than 100 bytes"),
+            ("big-streamed", 413, "task 1: the image is larger than 100 bytes"),
+            ("slow", 422, "task 1: http://img.example/slow did not answer within 5 s"),
+            ("reset", 422, "task 1: cannot fetch http://img.example/reset: ConnectError: connection reset"),
+            ("404", 422, "task 1: GET http://img.example/404 answered 404"),
+            ("401", 422, "task 1: GET http://img.example/401 answered 401"),  # not Label Studio's: no hint
+        ):
+            with pytest.raises(Refused) as refused:
+                f.fetch(f"http://img.example/{path}?sig=secret", "task 1")
+            assert (refused.value.status, refused.value.detail) == (status, detail)
+        for status in (401, 403):
+            with pytest.raises(Refused, match=f"answered {status} \\(Label Studio's token is missing or refused"):
+                f.fetch(f"/{status}", "task 2")
+
+
+def test_data_uris_decode_within_the_byte_bound():
+    with mock_fetcher(lambda request: httpx.Response(500), max_bytes=6) as f:
+        assert f.fetch(" DATA:image/png;base64,YWJj ZGVm\n", "task 1") == b"abcdef"  # whitespace in base64 is skipped
+        assert f.fetch("data:text/plain,a%20b", "task 1") == b"a b"
+        for uri, status, words in (("data:image/png;base64", 422, "needs a comma"),
+                                   ("data:image/png;base64,!!!!", 422, "not valid base64"),
+                                   ("data:;base64,YWJjZGVmZw==", 413, "larger than 6 bytes"),  # 7 bytes decoded
+                                   ("data:," + "a" * 7, 413, "larger than 6 bytes"),
+                                   ("data:;base64," + "A" * 21, 413, "larger than 6 bytes")):  # refused undecoded
+            with pytest.raises(Refused) as refused:
+                f.fetch(uri, "task 3")
+            assert refused.value.status == status and refused.value.detail.startswith("task 3: ")
+            assert words in refused.value.detail
+
+
+def test_max_instances_and_the_merged_address():
+    assert [max_instances_of(v, 8) for v in (None, "", "  ", "{}", '{"max_instances": 4}', {"max_instances": 8})] == [
+        1, 1, 1, 1, 4, 8]
+    for bad in ("nope", "[4]", [4], {"max_instances": 0}, {"max_instances": 9}, {"max_instances": True},
+                {"max_instances": 2.0}, '{"max_instances": "2"}'):
+        with pytest.raises(Refused) as refused:
+            max_instances_of(bad, 8)
+        assert refused.value.status == 422 and "max_instances" in refused.value.detail
+    with pytest.raises(Refused, match="from 1 to 8, got 9"):
+        max_instances_of({"max_instances": 9}, 8)
+    remembered = Access("http://setup.example/", "setup-token", 3)
+    assert merged(None, None, remembered) == Access("http://setup.example", "setup-token", 3)
+    assert merged("http://conf.example//", None, remembered) == Access("http://conf.example", "setup-token", 3)
+    assert merged(None, "conf-token", Access()) == Access(None, "conf-token", 1)
