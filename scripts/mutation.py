@@ -102,7 +102,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "export": ("app/export.py", ["tests/app/test_app_export.py", "tests/app/test_labelstudio.py"]),
     # (the protocol's tests through the app take seconds each: the config's and the fetcher's own, by value)
     "labelstudio": ("app/labelstudio.py", [
-        "tests/app/test_labelstudio_fetch.py",
+        "tests/app/test_labelstudio_units.py",
         "tests/app/test_labelstudio.py::test_label_config_picks_the_rectangle_labels_and_the_sets_label",
         "tests/app/test_labelstudio.py::test_project_ids_parse"]),
     # an exemplar set's image pool: the cap under concurrency, a job's snapshot, deletion while jobs hold images

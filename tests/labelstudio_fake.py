@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -15,12 +16,14 @@ from service_fixtures import png_bytes
 
 class FakeLabelStudio:
     """A local HTTP server: images under ``/data/upload/3/<name>`` (and anywhere else by name), Label Studio's
-    task list (``/api/tasks/?project=3``), its token exchange (``/api/token/refresh/``); records each request's
-    path and Authorization header."""
+    task list (``/api/tasks/?project=3``), its token exchange (``/api/token/refresh/``), redirects
+    (``/redirect/<n>/<name>``: n hops, then the image), a slow answer (``/slow/<name>``: after 2 s); records each
+    request's path and Authorization header, and its User-Agent."""
 
     def __init__(self, images: dict[str, bytes]):
         self.images = images
         self.seen: list[tuple[str, str | None]] = []
+        self.agents: list[str | None] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -36,6 +39,16 @@ class FakeLabelStudio:
 
             def do_GET(self) -> None:  # noqa: N802
                 fake.seen.append((self.path, self.headers.get("Authorization")))
+                fake.agents.append(self.headers.get("User-Agent"))
+                if self.path.startswith("/redirect/"):
+                    hops, name = self.path.split("/")[2:4]
+                    self.send_response(302)
+                    self.send_header("Location", f"/redirect/{int(hops) - 1}/{name}" if int(hops) > 1 else f"/{name}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if self.path.startswith("/slow/"):
+                    time.sleep(2.0)
                 if self.path.startswith("/api/tasks/"):
                     tasks = [{"id": k + 1, "data": {"picture": f"/data/upload/3/{n}"}, "project": 3}
                              for k, n in enumerate(fake.images)]

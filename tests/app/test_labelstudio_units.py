@@ -1,6 +1,7 @@
-"""``app.labelstudio``'s fetcher and helpers by value, without the app: what a message shows of a URL (never its
-query, which may hold a signature), whose origin gets Label Studio's token, the personal access token's exchange and
-its refusals. The protocol through the app is ``test_labelstudio.py``."""
+"""``app.labelstudio`` by value, without the app: the label config's choice and refusals, project ids, what a message
+shows of a URL (never its query, which may hold a signature), whose origin gets Label Studio's token, the personal
+access token's exchange, the fetcher's hosts, redirects, timeout, size bounds and refusals. The protocol through the
+app is ``test_labelstudio.py``."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from app.labelstudio import (
     Access,
     ImageFetcher,
     Refused,
+    Target,
     _looks_like_jwt,
     _origin,
     max_instances_of,
     merged,
+    parse_label_config,
+    project_id,
     shown,
 )
 
@@ -172,3 +176,103 @@ def test_max_instances_and_the_merged_address():
     assert merged(None, None, remembered) == Access("http://setup.example", "setup-token", 3)
     assert merged("http://conf.example//", None, remembered) == Access("http://conf.example", "setup-token", 3)
     assert merged(None, "conf-token", Access()) == Access(None, "conf-token", 1)
+
+
+def test_the_fetcher_names_itself_follows_at_most_five_redirects_and_keeps_its_timeout(fake_ls):
+    with ImageFetcher(Access(None, None), max_bytes=10**6, timeout=0.5) as f:
+        assert f.fetch(f"{fake_ls.url}/redirect/5/a.png", "task 1") == IMAGES["a.png"]
+        with pytest.raises(Refused, match=f"task 2: cannot fetch {fake_ls.url}/redirect/6/a.png: TooManyRedirects"):
+            f.fetch(f"{fake_ls.url}/redirect/6/a.png", "task 2")
+        with pytest.raises(Refused, match=f"task 3: {fake_ls.url}/slow/a.png did not answer within 0.5 s"):
+            f.fetch(f"{fake_ls.url}/slow/a.png", "task 3")
+    assert set(fake_ls.agents) == {"qloc-labelstudio"}
+
+
+def test_a_personal_access_token_is_exchanged_once_per_fetcher(fake_ls):
+    with ImageFetcher(Access(fake_ls.url, JWT), max_bytes=10**6, timeout=5.0) as f:
+        assert f.fetch("/data/upload/3/a.png", "task 1") == IMAGES["a.png"]
+        assert f.fetch(f"{fake_ls.url}/data/upload/3/b.png", "task 2") == IMAGES["b.png"]
+        assert f.fetch("s3://bucket/dir/c.png", "task 3", task_id=12) == IMAGES["c.png"]  # through the resolver
+        with pytest.raises(Refused, match="^task 4: ftp://x/a.png: only http"):
+            f.fetch("ftp://x/a.png", "task 4")
+    assert fake_ls.seen == [("/api/token/refresh/", None), ("/data/upload/3/a.png", "Bearer short-lived"),
+                            ("/data/upload/3/b.png", "Bearer short-lived"),
+                            ("/tasks/12/resolve/?fileuri=czM6Ly9idWNrZXQvZGlyL2MucG5n", "Bearer short-lived")]
+
+
+def test_refusals_by_their_whole_message(fake_ls):
+    with mock_fetcher(lambda request: httpx.Response(401), access=Access("http://ls.example", "t")) as f, \
+            pytest.raises(Refused) as refused:
+        f.fetch("/data/upload/1/a.png?token=x", "task 1")
+    assert refused.value.detail == (
+        "task 1: GET http://ls.example/data/upload/1/a.png answered 401 (Label Studio's token is missing or "
+        "refused: check QLOC_LABELSTUDIO_API_KEY or its legacy tokens)")
+    with ImageFetcher(Access(None, None), max_bytes=10, timeout=5.0, hosts=["a.example"]) as f, \
+            pytest.raises(Refused) as refused:
+        f.fetch(f"{fake_ls.url}/a.png", "task 2")
+    assert (refused.value.status, refused.value.detail) == (422, (
+        f"task 2: {fake_ls.url}/a.png: {fake_ls.url} is not among QLOC_LABELSTUDIO_FETCH_HOSTS (the hosts task images "
+        "may come from, besides Label Studio's own address)"))
+    with ImageFetcher(Access(None, None), max_bytes=10, timeout=5.0) as f, pytest.raises(Refused) as refused:
+        f.resolve("s3://bucket/k.png", "task 3", task_id=4)
+    assert (refused.value.status, refused.value.detail) == (422, (
+        "task 3: s3://bucket/k.png is in cloud storage, read through Label Studio, whose address is unknown: connect "
+        "qloc as the project's ML backend, or set QLOC_LABELSTUDIO_URL"))
+    for bad in ("nope", "[4]"):
+        with pytest.raises(Refused) as refused:
+            max_instances_of(bad, 8)
+        assert refused.value.detail == 'extra_params must be a JSON object, e.g. {"max_instances": 4}'
+
+
+def test_data_uris_at_their_bounds():
+    with mock_fetcher(lambda request: httpx.Response(500), max_bytes=10) as f:
+        assert f.fetch("data:,a,b", "task 1") == b"a,b"  # the data starts after the first comma
+        # base64: at most 4/3 of the bound, + 12, before decoding (whitespace counted): 25 characters here
+        assert f.fetch("data:;base64,YW" + " " * 21 + "Jj", "task 1") == b"abc"
+        with pytest.raises(Refused, match="larger than 10 bytes"):
+            f.fetch("data:;base64,YW" + " " * 22 + "Jj", "task 1")
+        # percent-encoded: 3 characters a byte, so 3 times the bound (+ 12) before decoding
+        assert f.fetch("data:," + "%61" * 10, "task 1") == b"a" * 10
+
+
+CONFIG_TAIL = '<RectangleLabels name="l" toName="i"><Label value="x"/></RectangleLabels></View>'
+
+
+def test_label_configs_by_value():
+    one = '<View><Image name="i" value="$image"/>' + CONFIG_TAIL
+    assert parse_label_config(one, set_name="other") == Target("l", "i", "image", "x")
+    assert parse_label_config(one.replace('"$image"', '"$a"'), set_name=None).image_key == "a"
+    several = ('<View><Image name="i" value="$image"/><Text name="t" value="$text"/>'
+               '<RectangleLabels toName="i"><Label value="x"/></RectangleLabels>'  # no name: skipped
+               '<RectangleLabels name="on-text" toName="t"><Label value="x"/></RectangleLabels>'  # not on an Image
+               '<RectangleLabels name="l" toName="i, t"><Label value="x"/><Header value="h"/></RectangleLabels>'
+               '</View>')
+    assert parse_label_config(several, set_name=None) == Target("l", "i", "image", "x")  # the first Image named
+    on_text = '<View><Text name="t" value="$text"/><RectangleLabels name="l" toName="t"><Label value="x"/>' \
+              '</RectangleLabels></View>'
+    for bad, message in (
+        ("  ", "the labeling config is empty (/setup's `schema`, a task's `label_config`): Label Studio sends the "
+               "project's; it needs a <RectangleLabels> tag on an <Image>"),
+        ('<!DOCTYPE View><View/>', "label_config must not contain a DOCTYPE or entities"),
+        ('<!doctype View><View/>', "label_config must not contain a DOCTYPE or entities"),
+        ('<View><!ENTITY a "b"></View>', "label_config must not contain a DOCTYPE or entities"),
+        ('<View><Image name="i" value="$"/>' + CONFIG_TAIL, None),  # a value naming no key
+        (on_text, 'label_config has no <RectangleLabels> tag whose toName is an <Image>: qloc predicts bounding '
+                  'boxes, e.g. <Image name="image" value="$image"/> <RectangleLabels name="label" toName="image">'
+                  '<Label value="object"/></RectangleLabels>'),
+        ('<View><Image name="i" value="$image"/><RectangleLabels name="l" toName="i"><Label value="b"/>'
+         '<Label value="a"/></RectangleLabels></View>',
+         "label_config: cannot tell which label the exemplar set (unnamed) is: its labels are ['a', 'b']; name the "
+         "exemplar set like one of them (case does not matter), or use one RectangleLabels tag with one label"),
+    ):
+        with pytest.raises(Refused) as refused:
+            parse_label_config(bad, set_name=None)
+        assert refused.value.status == 422
+        if message is None:
+            assert "has value='$'; qloc needs a task data key" in refused.value.detail
+        else:
+            assert refused.value.detail == message
+
+
+def test_project_ids_are_the_part_before_the_first_dot_at_most_64_characters():
+    assert [project_id(p) for p in ("1.2.3", " 7 .1712345678", "9" * 70)] == ["1", "7", "9" * 64]
