@@ -101,7 +101,7 @@ def test_resolve_tells_label_studio_paths_storage_uris_and_urls_apart(fake_ls):
             assert words in refused.value.detail, refused.value.detail
     with ImageFetcher(Access(None, None), max_bytes=10, timeout=5.0) as f, pytest.raises(Refused) as refused:
         f.resolve("/data/upload/3/a.png?token=secret", "task 1")
-    assert refused.value.detail == (
+    assert refused.value.status == 422 and refused.value.detail == (
         "task 1: /data/upload/3/a.png is a Label Studio path, and Label Studio's address is unknown: connect qloc as "
         "the project's ML backend (its /setup call gives the address; set Label Studio's HOST), or set "
         "QLOC_LABELSTUDIO_URL")
