@@ -141,11 +141,6 @@ def add(session: Session, store: BlobStore, *, set_id: uuid.UUID, images: list[D
     return rows
 
 
-def get(session: Session, *, set_id: uuid.UUID, image_id: uuid.UUID) -> PoolImage | None:
-    return session.scalars(select(PoolImage).where(PoolImage.id == image_id,
-                                                   PoolImage.exemplar_set_id == set_id)).first()
-
-
 def list_images(session: Session, *, set_id: uuid.UUID, limit: int, offset: int) -> tuple[list[PoolImage], int]:
     where = PoolImage.exemplar_set_id == set_id
     count = session.scalar(select(func.count()).select_from(PoolImage).where(where)) or 0

@@ -299,6 +299,60 @@ def test_images_a_queued_job_took_are_kept_until_it_ends(api, pool_settings):
         engine.dispose()
 
 
+def test_what_a_refused_deletion_names_one_job_or_the_first_five(api, pool_settings):
+    set_id = new_set(api)
+    (image,) = api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a")).json()["data"]
+    url = f"/v1/exemplar-sets/{set_id}/adaptations"
+    first = api.post(url, data={"source": "pool"}).json()["id"]
+    r = api.delete(f"/v1/exemplar-sets/{set_id}/images/{image['id']}")
+    assert (r.status_code, r.json()["detail"]) == (409, (
+        f"1 queued or running adaptation job ({first}) adapts on this pool image: it is kept until it ends; cancel "
+        "it (POST /v1/adaptations/{job_id}/cancel) or wait, then delete again"))
+    jobs = sorted([uuid.UUID(first)] + [uuid.UUID(api.post(url, data={"source": "pool"}).json()["id"])
+                                        for _ in range(5)])
+    r = api.delete(f"/v1/exemplar-sets/{set_id}/images")
+    shown = ", ".join(str(j) for j in jobs[:5])
+    assert (r.status_code, r.json()["detail"]) == (409, (
+        f"6 queued or running adaptation jobs ({shown}, ...) adapt on images of this pool: it is kept until they "
+        "end; cancel them (POST /v1/adaptations/{job_id}/cancel) or wait, then delete again"))
+    engine = make_engine(pool_settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s, pytest.raises(pool.ImageInUse) as in_use:
+            pool.delete_images(s, set_id=uuid.UUID(set_id))
+    finally:
+        engine.dispose()
+    assert in_use.value.job_ids == jobs
+    assert api.post(f"/v1/adaptations/{jobs[5]}/cancel").status_code == 202
+    assert api.delete(f"/v1/exemplar-sets/{set_id}/images").json()["detail"].startswith(
+        f"5 queued or running adaptation jobs ({shown}) adapt on images of this pool")  # five: all named
+
+
+def test_a_failed_write_is_not_taken_for_a_deleted_set_while_the_set_is_there(api, pool_settings):
+    """``deleted_meanwhile`` after an upload failed: a set still there keeps every file (a full disk is not a
+    deletion), and only a set gone has what is left of its folder removed."""
+    from app.storage import BlobStore
+
+    set_id = new_set(api)
+    assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b")).status_code == 201
+    before = stored_files(pool_settings.storage_dir)
+    store = BlobStore(pool_settings.storage_dir)
+    engine = make_engine(pool_settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            for error in (OSError(28, "No space left on device"), ValueError("not a storage error")):
+                assert not pool.deleted_meanwhile(s, store, uuid.UUID(set_id), error)
+            assert stored_files(pool_settings.storage_dir) == before
+            other = new_set(api)
+            assert pool.deleted_meanwhile(s, store, uuid.UUID(other), pool.SetGone(other))  # said gone: it is
+            assert api.delete(f"/v1/exemplar-sets/{other}").status_code == 204
+            (pool_settings.storage_dir / "exemplar-sets" / other / "pool").mkdir(parents=True)  # a write re-made it
+            assert pool.deleted_meanwhile(s, store, uuid.UUID(other), OSError(2, "No such file or directory"))
+            assert not (pool_settings.storage_dir / "exemplar-sets" / other).exists()
+    finally:
+        engine.dispose()
+    assert stored_files(pool_settings.storage_dir) == before
+
+
 @pytest.mark.parametrize("when", ["before_the_write", "under_the_write"])
 @pytest.mark.parametrize("route", ["pool", "keep", "adaptation"])
 def test_a_set_deleted_while_an_upload_writes_its_files_is_404_and_leaves_no_file(api, pool_settings, monkeypatch,
