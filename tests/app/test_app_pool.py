@@ -327,6 +327,28 @@ def test_what_a_refused_deletion_names_one_job_or_the_first_five(api, pool_setti
         f"5 queued or running adaptation jobs ({shown}) adapt on images of this pool")  # five: all named
 
 
+def test_deleting_one_sets_pool_images_leaves_other_jobs_links(api, pool_settings):
+    """Deleting images unlinks only the rows that named them: another set's queued job keeps the pool images it took
+    (still refused for deletion), and a finished job of the same set keeps its other links."""
+    mine, other = new_set(api), new_set(api)
+    a, b = api.post(f"/v1/exemplar-sets/{mine}/images", files=named("a", "b")).json()["data"]
+    api.post(f"/v1/exemplar-sets/{other}/images", files=named("c"))
+    done = api.post(f"/v1/exemplar-sets/{mine}/adaptations", data={"source": "pool"}).json()["id"]
+    assert api.post(f"/v1/adaptations/{done}/cancel").status_code == 202
+    waiting = api.post(f"/v1/exemplar-sets/{other}/adaptations", data={"source": "pool"}).json()["id"]
+    assert api.delete(f"/v1/exemplar-sets/{mine}/images/{a['id']}").status_code == 204
+    engine = make_engine(pool_settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            links = {(str(r.job_id), str(r.pool_image_id) if r.pool_image_id else None)
+                     for r in s.scalars(select(JobImage))}
+    finally:
+        engine.dispose()
+    assert {(j, i) for j, i in links if j == done} == {(done, None), (done, b["id"])}
+    assert [i is not None for j, i in links if j == waiting] == [True]
+    assert api.delete(f"/v1/exemplar-sets/{other}/images").status_code == 409  # the waiting job still holds it
+
+
 def test_a_failed_write_is_not_taken_for_a_deleted_set_while_the_set_is_there(api, pool_settings):
     """``deleted_meanwhile`` after an upload failed: a set still there keeps every file (a full disk is not a
     deletion), and only a set gone has what is left of its folder removed."""
