@@ -173,6 +173,46 @@ def test_concurrent_adds_never_pass_the_cap(api, pool_settings):
     assert es["num_pool_images"] == 4 and es["pool_bytes"] == 4 * len(data)
 
 
+def test_add_holds_the_byte_cap_itself_and_changes_only_its_sets_counts(api, pool_settings):
+    """``add`` decides for good, whatever ``check_room`` saw: the byte cap at its bound (the image count's is above),
+    the message with what the pool holds now, nothing stored when refused, and only the set added to counted."""
+    from app.storage import BlobStore
+
+    mine, other = uuid.UUID(new_set(api)), uuid.UUID(new_set(api))
+    image = Image.open(io.BytesIO(png_bytes(84, 84)))
+    image.load()
+    data = png_bytes(84, 84)
+    one = [DecodedImage(filename="a.png", data=data, image=image, format="PNG", width=84, height=84)]
+    store = BlobStore(pool_settings.storage_dir)
+    engine = make_engine(pool_settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            exact = pool.Limits(max_images=5, max_bytes=2 * len(data))  # two images fill it exactly
+            rows = pool.add(s, store, set_id=mine, images=one + one, limits=exact)
+            assert [(r.position, r.blob) for r in rows] == [
+                (k, f"exemplar-sets/{mine}/pool/{r.id}.png") for k, r in enumerate(rows)]
+            before = stored_files(pool_settings.storage_dir)
+            with pytest.raises(pool.PoolFull) as full:
+                pool.add(s, store, set_id=mine, images=one, limits=exact)
+            assert stored_files(pool_settings.storage_dir) == before
+            assert full.value.args[0] == (
+                f"the set's image pool is full: it holds 2 images ({2 * len(data)} bytes) of at most 5 "
+                f"({2 * len(data)} bytes), and this request adds 1 image ({len(data)} bytes). Nothing was stored: "
+                f"delete pool images (DELETE /v1/exemplar-sets/{mine}/images/{{image_id}}, or all of them with "
+                f"DELETE /v1/exemplar-sets/{mine}/images) or send fewer")
+            es = s.get_one(ExemplarSet, mine)
+            s.refresh(es)
+            with pytest.raises(pool.PoolFull):
+                pool.check_room(es, one, exact)
+            pool.check_room(es, one, pool.Limits(max_images=3, max_bytes=3 * len(data)))  # room for one: no error
+            s.expire_all()
+            counts = {sid: (s.get_one(ExemplarSet, sid).num_pool_images, s.get_one(ExemplarSet, sid).pool_bytes)
+                      for sid in (mine, other)}
+    finally:
+        engine.dispose()
+    assert counts == {mine: (2, 2 * len(data)), other: (0, 0)}
+
+
 def test_the_pool_is_deleted_with_its_set(api, pool_settings):
     set_id = new_set(api)
     before = snapshot(pool_settings)
