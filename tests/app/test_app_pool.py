@@ -202,8 +202,9 @@ def test_add_holds_the_byte_cap_itself_and_changes_only_its_sets_counts(api, poo
                 f"DELETE /v1/exemplar-sets/{mine}/images) or send fewer")
             es = s.get_one(ExemplarSet, mine)
             s.refresh(es)
-            with pytest.raises(pool.PoolFull):
+            with pytest.raises(pool.PoolFull) as full:
                 pool.check_room(es, one, exact)
+            assert f"DELETE /v1/exemplar-sets/{mine}/images/{{image_id}}" in full.value.args[0]
             pool.check_room(es, one, pool.Limits(max_images=3, max_bytes=3 * len(data)))  # room for one: no error
             s.expire_all()
             counts = {sid: (s.get_one(ExemplarSet, sid).num_pool_images, s.get_one(ExemplarSet, sid).pool_bytes)
