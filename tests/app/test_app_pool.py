@@ -4,6 +4,7 @@ and adaptation jobs that take the pool (a snapshot; the images they took are kep
 
 import io
 import uuid
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -55,13 +56,29 @@ def named(*names, seed=0):
     return [("files", (name, png_bytes(84, 84, seed=seed + i), "image/png")) for i, name in enumerate(names)]
 
 
-def pool_rows(settings, set_id):
+@contextmanager
+def session_on(settings):
+    """A session on the settings' database, its engine disposed afterwards."""
     engine = make_engine(settings.database_url)
     try:
         with make_sessionmaker(engine)() as s:
-            return list(s.scalars(select(PoolImage).where(PoolImage.exemplar_set_id == uuid.UUID(set_id))))
+            yield s
     finally:
         engine.dispose()
+
+
+def decoded(n, name="{}.png"):
+    """``n`` 84 x 84 PNG uploads as the routes decode them -> (the images, the bytes of each)."""
+    image = Image.open(io.BytesIO(png_bytes(84, 84)))
+    image.load()
+    data = png_bytes(84, 84)
+    return [DecodedImage(filename=name.format(i), data=data, image=image, format="PNG", width=84, height=84)
+            for i in range(n)], data
+
+
+def pool_rows(settings, set_id):
+    with session_on(settings) as s:
+        return list(s.scalars(select(PoolImage).where(PoolImage.exemplar_set_id == uuid.UUID(set_id))))
 
 
 def test_add_over_requests_list_count_and_delete(api, pool_settings):
@@ -152,11 +169,7 @@ def test_a_request_past_the_cap_is_refused_whole_and_stores_nothing(api, pool_se
 
 def test_concurrent_adds_never_pass_the_cap(api, pool_settings):
     set_id = uuid.UUID(new_set(api))
-    image = Image.open(io.BytesIO(png_bytes(84, 84)))
-    image.load()
-    data = png_bytes(84, 84)
-    two = [DecodedImage(filename=f"{i}.png", data=data, image=image, format="PNG", width=84, height=84)
-           for i in range(2)]
+    two, data = decoded(2)
 
     def add(ctx, i):
         with ctx.session_factory() as s:
@@ -179,38 +192,31 @@ def test_add_holds_the_byte_cap_itself_and_changes_only_its_sets_counts(api, poo
     from app.storage import BlobStore
 
     mine, other = uuid.UUID(new_set(api)), uuid.UUID(new_set(api))
-    image = Image.open(io.BytesIO(png_bytes(84, 84)))
-    image.load()
-    data = png_bytes(84, 84)
-    one = [DecodedImage(filename="a.png", data=data, image=image, format="PNG", width=84, height=84)]
+    one, data = decoded(1, name="a.png")
     store = BlobStore(pool_settings.storage_dir)
-    engine = make_engine(pool_settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as s:
-            exact = pool.Limits(max_images=5, max_bytes=2 * len(data))  # two images fill it exactly
-            rows = pool.add(s, store, set_id=mine, images=one + one, limits=exact)
-            assert [(r.position, r.blob) for r in rows] == [
-                (k, f"exemplar-sets/{mine}/pool/{r.id}.png") for k, r in enumerate(rows)]
-            before = stored_files(pool_settings.storage_dir)
-            with pytest.raises(pool.PoolFull) as full:
-                pool.add(s, store, set_id=mine, images=one, limits=exact)
-            assert stored_files(pool_settings.storage_dir) == before
-            assert full.value.args[0] == (
-                f"the set's image pool is full: it holds 2 images ({2 * len(data)} bytes) of at most 5 "
-                f"({2 * len(data)} bytes), and this request adds 1 image ({len(data)} bytes). Nothing was stored: "
-                f"delete pool images (DELETE /v1/exemplar-sets/{mine}/images/{{image_id}}, or all of them with "
-                f"DELETE /v1/exemplar-sets/{mine}/images) or send fewer")
-            es = s.get_one(ExemplarSet, mine)
-            s.refresh(es)
-            with pytest.raises(pool.PoolFull) as full:
-                pool.check_room(es, one, exact)
-            assert f"DELETE /v1/exemplar-sets/{mine}/images/{{image_id}}" in full.value.args[0]
-            pool.check_room(es, one, pool.Limits(max_images=3, max_bytes=3 * len(data)))  # room for one: no error
-            s.expire_all()
-            counts = {sid: (s.get_one(ExemplarSet, sid).num_pool_images, s.get_one(ExemplarSet, sid).pool_bytes)
-                      for sid in (mine, other)}
-    finally:
-        engine.dispose()
+    with session_on(pool_settings) as s:
+        exact = pool.Limits(max_images=5, max_bytes=2 * len(data))  # two images fill it exactly
+        rows = pool.add(s, store, set_id=mine, images=one + one, limits=exact)
+        assert [(r.position, r.blob) for r in rows] == [
+            (k, f"exemplar-sets/{mine}/pool/{r.id}.png") for k, r in enumerate(rows)]
+        before = stored_files(pool_settings.storage_dir)
+        with pytest.raises(pool.PoolFull) as full:
+            pool.add(s, store, set_id=mine, images=one, limits=exact)
+        assert stored_files(pool_settings.storage_dir) == before
+        assert full.value.args[0] == (
+            f"the set's image pool is full: it holds 2 images ({2 * len(data)} bytes) of at most 5 "
+            f"({2 * len(data)} bytes), and this request adds 1 image ({len(data)} bytes). Nothing was stored: "
+            f"delete pool images (DELETE /v1/exemplar-sets/{mine}/images/{{image_id}}, or all of them with "
+            f"DELETE /v1/exemplar-sets/{mine}/images) or send fewer")
+        es = s.get_one(ExemplarSet, mine)
+        s.refresh(es)
+        with pytest.raises(pool.PoolFull) as full:
+            pool.check_room(es, one, exact)
+        assert f"DELETE /v1/exemplar-sets/{mine}/images/{{image_id}}" in full.value.args[0]
+        pool.check_room(es, one, pool.Limits(max_images=3, max_bytes=3 * len(data)))  # room for one: no error
+        s.expire_all()
+        counts = {sid: (s.get_one(ExemplarSet, sid).num_pool_images, s.get_one(ExemplarSet, sid).pool_bytes)
+                  for sid in (mine, other)}
     assert counts == {mine: (2, 2 * len(data)), other: (0, 0)}
 
 
@@ -283,14 +289,10 @@ def test_jobs_on_the_pool_the_files_or_both(api, pool_settings):
     only_files = api.post(url, files=named("f1"))
     assert only_files.json()["params"]["num_images"] == 1 and only_files.json()["params"]["num_pool_images"] == 0
 
-    engine = make_engine(pool_settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as s:
-            rows = list(s.scalars(select(JobImage).where(JobImage.job_id == uuid.UUID(both.json()["id"]))
-                                  .order_by(JobImage.position)))
-            pool_blobs = {r.id: r.blob for r in s.scalars(select(PoolImage))}
-    finally:
-        engine.dispose()
+    with session_on(pool_settings) as s:
+        rows = list(s.scalars(select(JobImage).where(JobImage.job_id == uuid.UUID(both.json()["id"]))
+                              .order_by(JobImage.position)))
+        pool_blobs = {r.id: r.blob for r in s.scalars(select(PoolImage))}
     assert [r.filename for r in rows] == ["f1", "f2", "p1", "p2", "p3"]
     assert [r.pool_image_id is None for r in rows] == [True, True, False, False, False]
     assert all(r.blob == pool_blobs[r.pool_image_id] for r in rows[2:])  # the pool's files, not copies
@@ -331,13 +333,9 @@ def test_images_a_queued_job_took_are_kept_until_it_ends(api, pool_settings):
     assert pool_rows(pool_settings, set_id) == []
     counts, _ = snapshot(pool_settings)
     assert counts["job_images"] == 2  # the finished job keeps its record, unlinked from the deleted images
-    engine = make_engine(pool_settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as s:
-            assert s.scalar(select(ExemplarSet.num_pool_images).where(ExemplarSet.id == uuid.UUID(set_id))) == 0
-            assert all(r.pool_image_id is None for r in s.scalars(select(JobImage)))
-    finally:
-        engine.dispose()
+    with session_on(pool_settings) as s:
+        assert s.scalar(select(ExemplarSet.num_pool_images).where(ExemplarSet.id == uuid.UUID(set_id))) == 0
+        assert all(r.pool_image_id is None for r in s.scalars(select(JobImage)))
 
 
 def test_what_a_refused_deletion_names_one_job_or_the_first_five(api, pool_settings):
@@ -356,12 +354,8 @@ def test_what_a_refused_deletion_names_one_job_or_the_first_five(api, pool_setti
     assert (r.status_code, r.json()["detail"]) == (409, (
         f"6 queued or running adaptation jobs ({shown}, ...) adapt on images of this pool: it is kept until they "
         "end; cancel them (POST /v1/adaptations/{job_id}/cancel) or wait, then delete again"))
-    engine = make_engine(pool_settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as s, pytest.raises(pool.ImageInUse) as in_use:
-            pool.delete_images(s, set_id=uuid.UUID(set_id))
-    finally:
-        engine.dispose()
+    with session_on(pool_settings) as s, pytest.raises(pool.ImageInUse) as in_use:
+        pool.delete_images(s, set_id=uuid.UUID(set_id))
     assert in_use.value.job_ids == jobs
     assert api.post(f"/v1/adaptations/{jobs[5]}/cancel").status_code == 202
     assert api.delete(f"/v1/exemplar-sets/{set_id}/images").json()["detail"].startswith(
@@ -378,13 +372,9 @@ def test_deleting_one_sets_pool_images_leaves_other_jobs_links(api, pool_setting
     assert api.post(f"/v1/adaptations/{done}/cancel").status_code == 202
     waiting = api.post(f"/v1/exemplar-sets/{other}/adaptations", data={"source": "pool"}).json()["id"]
     assert api.delete(f"/v1/exemplar-sets/{mine}/images/{a['id']}").status_code == 204
-    engine = make_engine(pool_settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as s:
-            links = {(str(r.job_id), str(r.pool_image_id) if r.pool_image_id else None)
-                     for r in s.scalars(select(JobImage))}
-    finally:
-        engine.dispose()
+    with session_on(pool_settings) as s:
+        links = {(str(r.job_id), str(r.pool_image_id) if r.pool_image_id else None)
+                 for r in s.scalars(select(JobImage))}
     assert {(j, i) for j, i in links if j == done} == {(done, None), (done, b["id"])}
     assert [i is not None for j, i in links if j == waiting] == [True]
     assert api.delete(f"/v1/exemplar-sets/{other}/images").status_code == 409  # the waiting job still holds it
@@ -399,20 +389,16 @@ def test_a_failed_write_is_not_taken_for_a_deleted_set_while_the_set_is_there(ap
     assert api.post(f"/v1/exemplar-sets/{set_id}/images", files=named("a", "b")).status_code == 201
     before = stored_files(pool_settings.storage_dir)
     store = BlobStore(pool_settings.storage_dir)
-    engine = make_engine(pool_settings.database_url)
-    try:
-        with make_sessionmaker(engine)() as s:
-            for error in (OSError(28, "No space left on device"), ValueError("not a storage error")):
-                assert not pool.deleted_meanwhile(s, store, uuid.UUID(set_id), error)
-            assert stored_files(pool_settings.storage_dir) == before
-            other = new_set(api)
-            assert pool.deleted_meanwhile(s, store, uuid.UUID(other), pool.SetGone(other))  # said gone: it is
-            assert api.delete(f"/v1/exemplar-sets/{other}").status_code == 204
-            (pool_settings.storage_dir / "exemplar-sets" / other / "pool").mkdir(parents=True)  # a write re-made it
-            assert pool.deleted_meanwhile(s, store, uuid.UUID(other), OSError(2, "No such file or directory"))
-            assert not (pool_settings.storage_dir / "exemplar-sets" / other).exists()
-    finally:
-        engine.dispose()
+    with session_on(pool_settings) as s:
+        for error in (OSError(28, "No space left on device"), ValueError("not a storage error")):
+            assert not pool.deleted_meanwhile(s, store, uuid.UUID(set_id), error)
+        assert stored_files(pool_settings.storage_dir) == before
+        other = new_set(api)
+        assert pool.deleted_meanwhile(s, store, uuid.UUID(other), pool.SetGone(other))  # said gone: it is
+        assert api.delete(f"/v1/exemplar-sets/{other}").status_code == 204
+        (pool_settings.storage_dir / "exemplar-sets" / other / "pool").mkdir(parents=True)  # a write re-made it
+        assert pool.deleted_meanwhile(s, store, uuid.UUID(other), OSError(2, "No such file or directory"))
+        assert not (pool_settings.storage_dir / "exemplar-sets" / other).exists()
     assert stored_files(pool_settings.storage_dir) == before
 
 
