@@ -107,6 +107,16 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/app/test_labelstudio.py::test_project_ids_parse"]),
     # an exemplar set's image pool: the cap under concurrency, a job's snapshot, deletion while jobs hold images
     "pool": ("app/pool.py", ["tests/app/test_app_pool.py", "tests/worker/test_worker_pool.py"]),
+    # the service's side of `found`: a new set's calibration, each answer's verdict, the second look's rules
+    "app_calibration": ("app/calibration.py", [
+        "tests/app/test_app_calibration.py",
+        *(f"tests/app/test_app_batching.py::{t}" for t in (
+            "test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_would_read_them",
+            "test_second_looks_of_concurrent_calls_are_taken_in_one_forward_for_the_doubtful_answers_only",
+            "test_the_engine_reads_each_sets_kind_check_with_the_batch_as_the_verdict_would",
+            "test_the_engines_second_look_on_a_set_with_a_kind_check_needs_the_check_and_the_ncc_fit_to_doubt"))]),
+    # the service's SQL by value, on SQLite and PostgreSQL (the routes' tests reach it through HTTP, minutes a mutant)
+    "crud": ("app/crud.py", ["tests/app/test_crud_units.py", "tests/app/test_app_set_reads.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
