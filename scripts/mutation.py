@@ -109,7 +109,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "pool": ("app/pool.py", ["tests/app/test_app_pool.py", "tests/worker/test_worker_pool.py"]),
     # the service's side of `found`: a new set's calibration, each answer's verdict, the second look's rules
     "app_calibration": ("app/calibration.py", [
-        "tests/app/test_app_calibration.py",
+        "tests/app/test_app_calibration_units.py", "tests/app/test_app_calibration.py",
         *(f"tests/app/test_app_batching.py::{t}" for t in (
             "test_the_engine_reads_each_sets_ncc_features_with_the_batch_as_the_verdict_would_read_them",
             "test_second_looks_of_concurrent_calls_are_taken_in_one_forward_for_the_doubtful_answers_only",

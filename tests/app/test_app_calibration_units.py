@@ -8,6 +8,7 @@ a box read in the wrong frame (multiplied by the image's scale instead of divide
 from __future__ import annotations
 
 import math
+import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -259,3 +260,188 @@ def test_a_new_sets_calibration_is_fit_on_what_the_set_has(monkeypatch, loaded):
     assert captured["labeled"] is None and captured["negative_crops"] is None
     assert captured["negative_embeddings"] is None and captured["seed"] == 5
     assert (out.negatives, out.num_negatives) == (None, 0)
+
+
+def _instances(n: int = 2) -> Localization:
+    from models.inference import Instance
+
+    boxes = [(0.0, 0.0, 10.0, 10.0), (20.0, 20.0, 30.0, 30.0), (40.0, 40.0, 50.0, 50.0)][:n + 1]
+    return Localization(boxes[0], 0.5, instances=[Instance(b, 0.5 + k) for k, b in enumerate(boxes)])
+
+
+def test_without_a_calibration_every_answer_and_instance_is_found_with_no_confidence():
+    results = [_instances(2), Localization((1.0, 2.0, 3.0, 4.0), 0.7)]
+    out = judge(results, [Image.new("L", (S, S))] * 2, None, threshold=0.5, min_confidence=0.9, loaded=None,
+                prototype=b"", negatives=None, rerank="true")
+    assert [(j.box, j.confidence, j.found, j.reranked) for j in out] == [
+        ((0.0, 0.0, 10.0, 10.0), None, True, False), ((1.0, 2.0, 3.0, 4.0), None, True, False)]
+    assert [(i.box, i.score, i.confidence, i.found) for i in out[0].instances] == [
+        ((0.0, 0.0, 10.0, 10.0), 0.5, None, True), ((20.0, 20.0, 30.0, 30.0), 1.5, None, True),
+        ((40.0, 40.0, 50.0, 50.0), 2.5, None, True)]
+    assert out[1].instances is None
+
+
+def test_judge_leaves_the_answer_where_no_rerank_is_asked_for():
+    """``rerank`` defaults to ``false``: a likelier candidate does not replace the answer."""
+    logit = [math.log(p / (1 - p)) for p in (0.1, 0.1, 0.9, 0.3)]  # the answer, then its 3 instances
+    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
+    cal = ncc_calibration(templates)
+    cal.ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0)  # the identity on ncc=
+    [j] = judge([_instances(2)], [Image.new("L", (S, S))], cal.to_dict(), threshold=0.5, min_confidence=None,
+                loaded=None, prototype=b"", negatives=None, ncc=(torch.tensor([logit], dtype=torch.float64), None))
+    assert j.box == (0.0, 0.0, 10.0, 10.0) and not j.reranked and j.confidence == pytest.approx(0.1)
+    assert [i.confidence for i in j.instances] == pytest.approx([0.1, 0.9, 0.3])
+
+
+def test_a_kind_read_by_the_engine_is_the_confidence_only_for_a_calibration_with_a_kind_check():
+    """``kind`` (the engine's reading of a set's check) answers only where the calibration has a check (its rows
+    cut to the answer's); a calibration without one answers by its fit, whatever ``kind`` carries."""
+    from models.verifier import KindCheck
+
+    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
+    plain = ncc_calibration(templates)
+    plain.ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0)
+    checked = Calibration(plain.score, None, 0.5, {}, plain.ncc, None, templates,
+                          KindCheck([1.0, 0.0], [[0.0, 1.0]], "a", 0.99, "sha"))
+    kind = torch.tensor([[0.7, 0.2, 0.1, 0.0, 0.0]], dtype=torch.float64)  # padded past the 3 boxes
+    ncc = (torch.tensor([[0.0, 2.0, -2.0]], dtype=torch.float64), None)
+    args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None, ncc=ncc, kind=kind)
+    answer = [_instances(1)]  # the answer and 2 instances
+    [by_kind] = judge(answer, [Image.new("L", (S, S))], checked.to_dict(), **args)
+    assert [by_kind.confidence] + [i.confidence for i in by_kind.instances] == pytest.approx([0.7, 0.2, 0.1])
+    [by_fit] = judge(answer, [Image.new("L", (S, S))], plain.to_dict(), **args)
+    assert [by_fit.confidence] + [i.confidence for i in by_fit.instances] == pytest.approx(
+        [0.5, 1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(2.0))])
+
+
+def test_an_ncc_fit_without_templates_answers_by_the_scores_fit():
+    """A calibration holding an NCC fit but no templates (nothing to read NCC features with) answers by the score's
+    fit, and one with templates but no NCC fit does too."""
+    score = PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0)  # sigmoid(log score) = score / (1 + score)
+    ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 5.0)
+    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
+    args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None)
+    for cal in (Calibration(score, None, 0.5, {}, ncc, None, None), Calibration(score, None, 0.5, {}, None, None,
+                                                                               templates)):
+        [j] = judge([Localization((0.0, 0.0, 10.0, 10.0), 3.0)], [Image.new("L", (S, S))], cal.to_dict(), **args)
+        assert j.confidence == pytest.approx(0.75)
+
+
+def test_the_negatives_fit_is_read_where_the_set_the_calibration_and_a_way_to_embed_allow():
+    """A set with negatives and a calibration with their fit: the boxes are scored by ``by_negatives`` (a localize
+    worker: the images and every row of boxes in their pixels) where there is no local bundle; without negatives,
+    without the fit, or with no way to embed the boxes, the score's fit answers."""
+    score = PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0)
+    neg_fit = PlattFit(["log_score", "log_ratio"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0)
+    images = [Image.new("L", (2 * S, S)), Image.new("L", (S, S))]
+    results = [Localization((0.0, 0.0, 10.0, 10.0), 3.0, instances=_instances(1).instances),
+               Localization((5.0, 5.0, 20.0, 20.0), 3.0, instances=_instances(1).instances)]
+    calls = []
+
+    def scorer(imgs, boxes):  # type: ignore[no-untyped-def]
+        calls.append((imgs, boxes.clone()))
+        return torch.tensor([[0.9, 0.8, 0.7], [0.6, 0.5, 0.4]], dtype=torch.float64)
+
+    args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"")
+    with_fit = Calibration(score, neg_fit).to_dict()
+    got = judge(results, images, with_fit, negatives=b"\0" * 8, by_negatives=scorer, **args)
+    assert [[j.confidence] + [i.confidence for i in j.instances] for j in got] == [
+        pytest.approx([0.9, 0.8, 0.7]), pytest.approx([0.6, 0.5, 0.4])]
+    [(imgs, boxes)] = calls
+    assert imgs == images and boxes.tolist() == [
+        [[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0], [20.0, 20.0, 30.0, 30.0]],
+        [[5.0, 5.0, 20.0, 20.0], [0.0, 0.0, 10.0, 10.0], [20.0, 20.0, 30.0, 30.0]]]
+    for cal, negatives, by in ((with_fit, None, scorer), (Calibration(score).to_dict(), b"\0" * 8, scorer),
+                               (with_fit, b"\0" * 8, None)):
+        calls.clear()
+        got = judge(results, images, cal, negatives=negatives, by_negatives=by, **args)
+        assert [j.confidence for j in got] == pytest.approx([0.75, 0.75]) and calls == []
+
+
+IDENTITY = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0), None, 0.5, {},
+                       PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0), None,
+                       Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))).to_dict()
+"""A calibration whose confidence is sigmoid(the NCC feature given): ``logit(p)`` passed as ``ncc=`` answers ``p``
+(0.0 answers exactly 0.5)."""
+
+
+def logit(p: float) -> float:
+    return 0.0 if p == 0.5 else math.log(p / (1 - p))
+
+
+def verdict(confidences: list[float], *, template: bool = False, **kw):  # type: ignore[no-untyped-def]
+    """``judge`` on one answer (box 0) whose instances have boxes 1..K (the last a template window with
+    ``template``), with the confidences given: the answer's, then each instance's."""
+    from models.inference import Instance
+
+    k = len(confidences) - 1
+    boxes = [(10.0 * b, 0.0, 10.0 * b + 8.0, 8.0) for b in range(k + 1)]
+    instances = [Instance(boxes[b], 1.0, template=template and b == k) for b in range(1, k + 1)]
+    ncc = (torch.tensor([[logit(p) for p in confidences]], dtype=torch.float64), None)
+    args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None, ncc=ncc) | kw
+    [j] = judge([Localization(boxes[0], 1.0, instances=instances)], [Image.new("L", (S, S))], IDENTITY, **args)
+    return j, boxes
+
+
+def test_rerank_true_takes_the_likeliest_of_every_candidate_found_by_its_confidence():
+    """``rerank=true`` looks past the first ``RERANK_CANDIDATES`` (auto does not), with one instance too; its answer
+    is ``found`` by the threshold alone."""
+    j, boxes = verdict([0.1, 0.2, 0.3, 0.2, 0.3, 0.6], rerank="true")
+    assert j.box == boxes[5] and j.reranked and j.confidence == pytest.approx(0.6) and j.found
+    j, boxes = verdict([0.1, 0.2, 0.3, 0.2, 0.3, 0.6], rerank="auto")
+    assert j.box == boxes[0] and not j.reranked  # 0.3 of the first four: under LOOK_THRESHOLD
+    j, boxes = verdict([0.1, 0.7], rerank="true")
+    assert j.box == boxes[1] and j.found and [i.box for i in j.instances] == [boxes[1]]
+    j, boxes = verdict([0.1, 0.4], rerank="true", threshold=0.45)
+    assert j.box == boxes[1] and not j.found
+
+
+def test_the_second_looks_bars_include_their_bounds(monkeypatch):
+    """A candidate at exactly ``LOOK_THRESHOLD`` is taken; a taken candidate at exactly ``SECOND_LOOK_FOUND`` is
+    ``found``; a template window at exactly ``template_bar`` is a candidate; ``min_confidence`` keeps the instances
+    at exactly its value."""
+    j, boxes = verdict([0.1, 0.5], rerank="auto")
+    assert j.box == boxes[1] and j.reranked and not j.found  # 0.5 < SECOND_LOOK_FOUND
+    monkeypatch.setattr(appcal, "SECOND_LOOK_FOUND", 0.5)
+    j, _ = verdict([0.1, 0.5], rerank="auto")
+    assert j.reranked and j.found
+    j, boxes = verdict([0.1, 0.3, 0.5], rerank="auto", template=True, template_bar=0.5)
+    assert j.box == boxes[2] and j.reranked and [i.box for i in j.instances] == [boxes[1]]
+    j, boxes = verdict([0.1, 0.3, 0.5], rerank="auto", template=True, template_bar=math.nextafter(0.5, 1.0))
+    assert j.box == boxes[0] and not j.reranked
+    j, boxes = verdict([0.6, 0.5, 0.4, 0.7], min_confidence=0.5)
+    assert [i.box for i in j.instances] == [boxes[1], boxes[3]] and j.found
+    j, boxes = verdict([0.6, 0.5, 0.4, 0.7], min_confidence=math.nextafter(0.5, 1.0))
+    assert [i.box for i in j.instances] == [boxes[3]]
+
+
+def test_answers_of_different_instance_counts_are_judged_on_their_own_row():
+    """Rows are padded to the most instances of any image: each answer reads its own row's first 1 + K."""
+    from models.inference import Instance
+
+    results = [Localization((0.0, 0.0, 8.0, 8.0), 1.0, instances=[Instance((9.0, 0.0, 17.0, 8.0), 1.0)]),
+               Localization((0.0, 9.0, 8.0, 17.0), 1.0, instances=[Instance((9.0, 9.0, 17.0, 17.0), 1.0)] * 3),
+               Localization((0.0, 18.0, 8.0, 26.0), 1.0)]
+    rows = [[0.6, 0.7, 0.6, 0.6], [0.2, 0.3, 0.4, 0.9], [0.55, 0.55, 0.55, 0.55]]
+    ncc = (torch.tensor([[logit(p) for p in row] for row in rows], dtype=torch.float64), None)
+    out = judge(results, [Image.new("L", (S, S))] * 3, IDENTITY, threshold=0.5, min_confidence=None, loaded=None,
+                prototype=b"", negatives=None, ncc=ncc)
+    assert [j.confidence for j in out] == pytest.approx([0.6, 0.2, 0.55])
+    assert [[i.confidence for i in j.instances] for j in out[:2]] == [pytest.approx([0.7]),
+                                                                      pytest.approx([0.3, 0.4, 0.9])]
+    assert out[2].instances is None
+
+
+def test_a_calibration_is_decoded_once_per_key():
+    """``calibration_key`` names the row the calibration was read from (written once): a second verdict under the
+    same key uses the first decoding; without a key each is decoded."""
+    key = ("unit test", uuid.uuid4())
+    low = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], -2.0)).to_dict()
+    high = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 2.0)).to_dict()
+    args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None)
+    answer = [Localization((0.0, 0.0, 8.0, 8.0), 1.0)]
+    [first] = judge(answer, [Image.new("L", (S, S))], low, calibration_key=key, **args)
+    [cached] = judge(answer, [Image.new("L", (S, S))], high, calibration_key=key, **args)
+    [fresh] = judge(answer, [Image.new("L", (S, S))], high, **args)
+    assert first.confidence == pytest.approx(cached.confidence) and not cached.found
+    assert fresh.confidence == pytest.approx(1 / (1 + math.exp(-2.0))) and fresh.found
