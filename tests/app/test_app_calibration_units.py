@@ -240,13 +240,16 @@ def test_a_new_sets_calibration_is_fit_on_what_the_set_has(monkeypatch, loaded):
     labeled = [(Image.new("L", (2 * S, S), 90), (20.0, 10.0, 60.0, 40.0)),
                (Image.new("L", (S, 3 * S), 90), (3.0, 30.0, 9.0, 90.0))]
     proto = torch.ones(3)
-    out = appcal.calibrate_new_set(bundle, proto, [crop], labeled, [negative, negative], threshold=0.3, samples=7)
+    verifier = object()  # the bundle's known-kinds verifier, passed on as is
+    out = appcal.calibrate_new_set(bundle, proto, [crop], labeled, [negative, negative], threshold=0.3, samples=7,
+                                   verifier=verifier)
     half = 128 / 255  # the fill, as 8 bits
     assert [c.shape for c in captured["tensors"]] == [(1, 12, 10)] and bool((captured["tensors"][0] == half).all())
     assert [c.shape for c in captured["negative_crops"]] == [(1, 8, 8)] * 2
     assert all(bool((c == half).all()) for c in captured["negative_crops"])
     assert captured["prototype"] is proto and captured["localizer"] is localizer and captured["nearest"] is True
-    assert (captured["n"], captured["seed"], captured["threshold"], captured["verifier"]) == (7, 0, 0.3, None)
+    assert (captured["n"], captured["seed"], captured["threshold"]) == (7, 0, 0.3)
+    assert captured["verifier"] is verifier
     assert torch.equal(captured["negative_embeddings"], embedded)
     examples = captured["labeled"]
     assert examples.images.shape == (2, 1, S, S)
@@ -258,7 +261,7 @@ def test_a_new_sets_calibration_is_fit_on_what_the_set_has(monkeypatch, loaded):
     captured.clear()
     out = appcal.calibrate_new_set(bundle, proto, [crop], [], [], threshold=0.5, samples=3, seed=5)
     assert captured["labeled"] is None and captured["negative_crops"] is None
-    assert captured["negative_embeddings"] is None and captured["seed"] == 5
+    assert captured["negative_embeddings"] is None and captured["seed"] == 5 and captured["verifier"] is None
     assert (out.negatives, out.num_negatives) == (None, 0)
 
 
@@ -409,6 +412,8 @@ def test_the_second_looks_bars_include_their_bounds(monkeypatch):
     assert j.box == boxes[2] and j.reranked and [i.box for i in j.instances] == [boxes[1]]
     j, boxes = verdict([0.1, 0.3, 0.5], rerank="auto", template=True, template_bar=math.nextafter(0.5, 1.0))
     assert j.box == boxes[0] and not j.reranked
+    j, boxes = verdict([0.1, 0.3], rerank="auto", template=True, template_bar=0.5)  # a window alone, under its bar
+    assert j.box == boxes[0] and not j.reranked and j.instances == []
     j, boxes = verdict([0.6, 0.5, 0.4, 0.7], min_confidence=0.5)
     assert [i.box for i in j.instances] == [boxes[1], boxes[3]] and j.found
     j, boxes = verdict([0.6, 0.5, 0.4, 0.7], min_confidence=math.nextafter(0.5, 1.0))
