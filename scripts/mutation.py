@@ -117,6 +117,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             "test_the_engines_second_look_on_a_set_with_a_kind_check_needs_the_check_and_the_ncc_fit_to_doubt"))]),
     # the service's SQL by value, on SQLite and PostgreSQL (the routes' tests reach it through HTTP, minutes a mutant)
     "crud": ("app/crud.py", ["tests/app/test_crud_units.py", "tests/app/test_app_set_reads.py"]),
+    # workers mode, the API's side: the wire format, and each way a call to the localize queue ends (the queue's
+    # real-worker tests take seconds a mutant)
+    "remote": ("app/remote.py", ["tests/app/test_remote_units.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
