@@ -65,10 +65,10 @@ def base_of(db, set_id: uuid.UUID) -> uuid.UUID:  # type: ignore[no-untyped-def]
 
 
 def new_checkpoint(db, set_id: uuid.UUID, *, parent: uuid.UUID | None = None, iteration: int = 1,  # type: ignore[no-untyped-def]
-                   job: uuid.UUID | None = None, created=None) -> uuid.UUID:
+                   job: uuid.UUID | None = None, created=None, id_: uuid.UUID | None = None) -> uuid.UUID:
     with db.begin() as s:
-        c = Checkpoint(exemplar_set_id=set_id, parent_id=parent, job_id=job, kind="adapted", iteration=iteration,
-                       sha256="c" * 64, metrics={"i": iteration}, blob=f"ck/{uuid.uuid4().hex}",
+        c = Checkpoint(id=id_ or uuid.uuid4(), exemplar_set_id=set_id, parent_id=parent, job_id=job, kind="adapted",
+                       iteration=iteration, sha256="c" * 64, metrics={"i": iteration}, blob=f"ck/{uuid.uuid4().hex}",
                        **({} if created is None else {"created_at": created}))
         s.add(c)
         s.flush()
@@ -144,9 +144,10 @@ def test_a_set_without_an_active_checkpoint_comes_back_with_none(db):
 
 
 def test_parsed_json_parses_once_per_text():
-    text = '{"a": [1, 2], "b": "caf\\u00e9"}'
+    key = uuid.uuid4().hex  # a text no earlier test parsed (the cache lives as long as the process)
+    text = f'{{"a": [1, 2], "b": "caf\\u00e9", "k": "{key}"}}'
     first = crud.parsed_json(text)
-    assert first == {"a": [1, 2], "b": "caf\u00e9"}
+    assert first == {"a": [1, 2], "b": "caf\u00e9", "k": key}
     assert crud.parsed_json(str(text)) is first and crud.parsed_json(text + " ") == first
     assert crud.parsed_json(text + " ") is not first
     assert crud.parsed_json(None) is None
@@ -176,12 +177,14 @@ def test_unfinished_jobs_are_the_sets_queued_and_running_ones_oldest_first(db):
     t0 = utcnow() - timedelta(hours=1)
     running = new_job(db, set_id, status="running", created_at=t0 + timedelta(minutes=2), cancel_requested=True)
     queued = new_job(db, set_id, created_at=t0 + timedelta(minutes=1))
+    tied = sorted(new_job(db, set_id, created_at=t0 + timedelta(minutes=3)) for _ in range(3))  # then by id
     for status in ("succeeded", "failed", "canceled"):
         new_job(db, set_id, status=status, created_at=t0)
     new_job(db, other, created_at=t0)
     with db() as s:
         got = crud.unfinished_jobs(s, set_id=set_id)
-    assert got == [(queued, False), (running, True)] and all(type(c) is bool for _, c in got)
+    assert got == [(queued, False), (running, True), *((j, False) for j in tied)]
+    assert all(type(c) is bool for _, c in got)
 
 
 def _count(s, table, column, value) -> int:  # type: ignore[no-untyped-def]
@@ -237,19 +240,22 @@ def test_a_checkpoint_is_seen_through_its_sets_owner(db):
         assert crud.get_checkpoint(s, checkpoint_id=uuid.uuid4(), owner=None) is None
 
 
-def test_checkpoints_are_listed_oldest_first_then_by_iteration_in_pages(db):
+def test_checkpoints_are_listed_oldest_first_then_by_iteration_then_id_in_pages(db):
     set_id = new_set(db)
     t0 = utcnow() + timedelta(days=1)  # after the base checkpoint
+    low, high = sorted(uuid.uuid4() for _ in range(2))
     late = new_checkpoint(db, set_id, iteration=1, created=t0 + timedelta(minutes=5))
-    second = new_checkpoint(db, set_id, iteration=8, created=t0)
-    first = new_checkpoint(db, set_id, iteration=4, created=t0)
+    second = new_checkpoint(db, set_id, iteration=8, created=t0, id_=low)  # a lower id, a later iteration
+    first = new_checkpoint(db, set_id, iteration=4, created=t0, id_=high)
+    tied = sorted(new_checkpoint(db, set_id, iteration=9, created=t0) for _ in range(3))
     new_checkpoint(db, new_set(db), created=t0)
     base = base_of(db, set_id)
     with db() as s:
         page, count = crud.list_checkpoints(s, set_id=set_id, limit=10, offset=0)
-        assert count == 4 and [c.id for c in page] == [base, first, second, late]
+        assert count == 7 and [c.id for c in page] == [base, first, second, *tied, late]
         page, count = crud.list_checkpoints(s, set_id=set_id, limit=2, offset=1)
-        assert count == 4 and [c.id for c in page] == [first, second]
+        assert count == 7 and [c.id for c in page] == [first, second]
+        assert crud.list_checkpoints(s, set_id=uuid.uuid4(), limit=10, offset=0) == ([], 0)
 
 
 def test_activating_a_checkpoint_makes_it_its_sets_active_one_unless_it_was_deleted(db):
@@ -371,12 +377,14 @@ def test_jobs_are_listed_oldest_first_in_pages_with_their_count(db):
     set_id = new_set(db)
     t0 = utcnow() - timedelta(hours=1)
     ids = [new_job(db, set_id, created_at=t0 + timedelta(minutes=m)) for m in (3, 1, 2)]
+    tied = sorted(new_job(db, set_id, created_at=t0 + timedelta(minutes=4)) for _ in range(3))  # then by id
     new_job(db, new_set(db), created_at=t0)
     with db() as s:
         page, count = crud.list_jobs(s, set_id=set_id, limit=10, offset=0)
-        assert count == 3 and [j.id for j in page] == [ids[1], ids[2], ids[0]]
+        assert count == 6 and [j.id for j in page] == [ids[1], ids[2], ids[0], *tied]
         page, count = crud.list_jobs(s, set_id=set_id, limit=1, offset=1)
-        assert count == 3 and [j.id for j in page] == [ids[2]]
+        assert count == 6 and [j.id for j in page] == [ids[2]]
+        assert crud.list_jobs(s, set_id=uuid.uuid4(), limit=10, offset=0) == ([], 0)
 
 
 def test_mark_enqueued_dates_the_send_once_and_only_for_its_job(db):
@@ -399,11 +407,13 @@ def test_job_counts_and_durations_by_status(db):
     with db() as s:
         counts0, stats0 = crud.job_counts(s), crud.job_duration_stats(s)
     set_id = new_set(db)
-    t0 = utcnow() - timedelta(hours=2)
-    for status, seconds in (("succeeded", 30.0), ("succeeded", 90.0), ("failed", 12.0), ("canceled", 6.0)):
+    t0 = utcnow() - timedelta(days=3)
+    hour = 3600.0  # long runs: a day's length off by a second shows
+    for status, seconds in (("succeeded", 30 * hour), ("succeeded", 9 * hour), ("failed", 12.0), ("canceled", 6.0)):
         new_job(db, set_id, status=status, started_at=t0, finished_at=t0 + timedelta(seconds=seconds))
     new_job(db, set_id, status="canceled", finished_at=t0)  # canceled before it ran: no duration
-    new_job(db, set_id, status="running", started_at=t0)
+    new_job(db, set_id, status="failed", started_at=t0)  # no end recorded: no duration
+    new_job(db, set_id, status="running", started_at=t0, finished_at=t0 + timedelta(seconds=5))  # requeued, running
     new_job(db, set_id)
     with db() as s:
         counts, stats = crud.job_counts(s), crud.job_duration_stats(s)
@@ -412,9 +422,9 @@ def test_job_counts_and_durations_by_status(db):
         return now.get(status, 0) - then.get(status, 0)
 
     assert {st: grew(counts, counts0, st) for st in ("queued", "running", "succeeded", "failed", "canceled")} == {
-        "queued": 1, "running": 1, "succeeded": 2, "failed": 1, "canceled": 2}
+        "queued": 1, "running": 1, "succeeded": 2, "failed": 2, "canceled": 2}
     assert "running" not in stats and "queued" not in stats
-    for status, n, total in (("succeeded", 2, 120.0), ("failed", 1, 12.0), ("canceled", 1, 6.0)):
+    for status, n, total in (("succeeded", 2, 39 * hour), ("failed", 1, 12.0), ("canceled", 1, 6.0)):
         n0, total0 = stats0.get(status, (0, 0.0))
         got_n, got_total = stats[status]
         assert type(got_n) is int and type(got_total) is float
