@@ -84,8 +84,9 @@ def test_a_png_on_the_wire_is_read_as_png_only():
     Image.new("L", (3, 3)).save(buf, "GIF")
     with pytest.raises(UnidentifiedImageError):  # a GIF where a PNG must be: not read
         decode_image({"png": remote._b64(buf.getvalue())})
-    with pytest.raises(ValueError):  # noqa: PT011 -- base64 is validated, not skipped over
-        remote.unb64("not base64!")
+    assert remote.unb64("QUJD") == b"ABC"
+    with pytest.raises(ValueError):  # noqa: PT011 -- base64 is validated: junk is refused, not skipped over
+        remote.unb64("QUJD!")
 
 
 def full_call(**kw) -> LocalizeCall:  # type: ignore[no-untyped-def]
@@ -99,12 +100,15 @@ def full_call(**kw) -> LocalizeCall:  # type: ignore[no-untyped-def]
 def test_a_call_travels_whole():
     call = full_call()
     assert decode_call(wire(encode_call(call))) == call
+    assert decode_call(wire(encode_call(call))).extra_boxes == call.extra_boxes  # (not in the call's ==)
     bare = full_call(bundle_sha256=None, checkpoint=None, trajectory=False, samples=0, nearest=None, max_instances=1,
                      extra_boxes=None)
     assert decode_call(wire(encode_call(bare))) == bare
     got = decode_call(wire(encode_call(call)))
     assert type(got.prototype_dim) is int and type(got.samples) is int and type(got.max_instances) is int
     assert all(type(v) is float for b in got.extra_boxes if b is not None for v in b)
+    assert decode_call({**wire(encode_call(call)), "extra_boxes": [[1, 2, 3, 4], None]}).extra_boxes == [
+        (1.0, 2.0, 3.0, 4.0), None]
     # a call from an API of the version before (no max_instances, no extra_boxes)
     old = wire(encode_call(bare))
     del old["max_instances"], old["extra_boxes"]
@@ -179,12 +183,14 @@ class Watch:
     def __init__(self, absent: str | None = None, backend_error: str | None = None, recent=(), gone=None):  # type: ignore[no-untyped-def]
         self._absent, self.backend_error, self.recent = absent, backend_error, deque(recent)
         self._gone = gone or {}
+        self.asked: list[str] = []
 
     def absent(self) -> str | None:
         return self._absent
 
     def gone(self, worker: str) -> str | None:
-        return self._gone.get(worker)
+        self.asked.append(worker)
+        return self._gone(worker) if callable(self._gone) else self._gone.get(worker)
 
 
 class Celery:
@@ -282,8 +288,9 @@ def test_a_timeout_names_the_setting_that_bounds_the_wait(monkeypatch):
         with pytest.raises(InferenceRefused) as e:
             wi._ask(task, {}, timeout=timeout)
         assert e.value.status_code == 503 and e.value.headers == RETRY
-        assert e.value.detail.startswith(f"no localize worker answered within 0.05 s ({setting}): all busy, none "
-                                         "consuming queue 'q-test',")
+        assert e.value.detail == (f"no localize worker answered within 0.05 s ({setting}): all busy, none consuming "
+                                  "queue 'q-test', the one running it gone, or the workers answering to another "
+                                  "result backend than this API's QLOC_RESULT_BACKEND; retry later")
         assert res.forgotten == 1 and len(res.gets) >= 2
 
 
@@ -294,7 +301,8 @@ def test_an_answer_that_cannot_be_read_is_the_backends_fault():
 
 
 @pytest.mark.parametrize(("out", "ok", "name"), [(ValueError("boom"), False, "ValueError"),
-                                                 ([1, 2], True, "list"), (None, True, "NoneType")])
+                                                 ([1, 2], True, "list"), (None, True, "NoneType"),
+                                                 ({"a": 1}, False, "dict")])
 def test_a_task_that_failed_on_the_worker_is_a_503_naming_the_error(out, ok, name):
     e = refused(backend(Celery(Result(out, ok=ok))))
     assert (e.status_code, e.detail, e.headers) == (503, f"the localize worker failed ({name}); retry later", RETRY)
@@ -335,7 +343,8 @@ def test_a_call_is_given_up_as_soon_as_no_worker_consumes_the_queue_or_its_worke
                                (Watch(recent=[frozenset({"w1"})]), "STARTED", "not a dict"),
                                (Watch(recent=[frozenset({"w1"})]), "PENDING", None),
                                (Watch(recent=[frozenset({"w1"})]), "SUCCESS", None),
-                               (Watch(), "STARTED", {"hostname": "w1"})):
+                               (Watch(gone=lambda w: f"{w} gone"), "STARTED", {"hostname": "w1"}),  # no news
+                               (Watch(recent=[frozenset({"w1"})], gone=lambda w: f"{w} gone"), "STARTED", {})):
         res = Result(slices=3, out={"late": 1}, state=state, info=info)
         wi = backend(Celery(res), watch)
         wi.timeout = 5.0
@@ -414,8 +423,25 @@ def test_negatives_confidence_and_bundle_checks_on_a_worker():
     assert e.value.status_code == 409
 
 
-def test_workers_mode_needs_a_result_backend():
-    with pytest.raises(ValueError, match="QLOC_RESULT_BACKEND"):
-        WorkerInference(Settings(inference="workers", result_backend=None), Celery())  # type: ignore[arg-type]
+def test_workers_mode_needs_a_result_backend_and_watches_its_queue():
+    settings = Settings(inference="workers", result_backend="redis://unused", localize_queue="q-w",
+                        localize_worker_check_s=3.0)
+    with pytest.raises(ValueError) as e:  # (Settings refuses it too: a backend made from settings changed later)
+        WorkerInference(settings.model_copy(update={"result_backend": None}), Celery())  # type: ignore[arg-type]
+    assert str(e.value) == "WorkerInference needs a result backend (QLOC_RESULT_BACKEND)"
+    celery = Celery()
+    watch = WorkerInference(settings, celery).consumers  # type: ignore[arg-type]
+    assert (watch.celery, watch.queue, watch.interval_s) == (celery, "q-w", 3.0)
     err = remote.answer_refusal(InferenceRefused(503, "busy", RETRY))
     assert (err.status_code, err.detail, err.headers) == (503, "busy", RETRY)
+
+
+def test_the_apps_worker_backend_is_found_on_its_state():
+    import asyncio
+
+    wi = backend(Celery())
+    with_remote = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(remote=wi)))
+    local = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))
+    assert remote.get_remote(with_remote) is wi and remote.get_remote(local) is None  # type: ignore[arg-type]
+    assert asyncio.run(remote.remote_dep(with_remote)) is wi  # type: ignore[arg-type]
+    assert asyncio.run(remote.remote_dep(local)) is None  # type: ignore[arg-type]
