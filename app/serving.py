@@ -214,10 +214,6 @@ class LocalInference:
 
         return self._served.get((loaded.sha256, None if ckpt is None else ckpt.id), load)
 
-    def agent(self, loaded: LoadedBundle, ckpt: CheckpointRef | None) -> Agent:
-        """The agent of ``ckpt`` on ``loaded`` (``served``'s)."""
-        return self.served(loaded, ckpt).agent
-
     def prepare(self, call: LocalizeCall) -> tuple[Hashable, Prepared]:
         """Everything a call needs before the forward pass, checked (``InferenceRefused`` otherwise) and
         preprocessed, with the key of the calls it may share a forward pass with."""

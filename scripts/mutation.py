@@ -120,6 +120,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # workers mode, the API's side: the wire format, and each way a call to the localize queue ends (the queue's
     # real-worker tests take seconds a mutant)
     "remote": ("app/remote.py", ["tests/app/test_remote_units.py"]),
+    # the seam between the routes and the model: bundle and checkpoint checks, which calls share a forward pass
+    "serving": ("app/serving.py", ["tests/app/test_app_batching.py", "tests/app/test_app_bundle_identity.py",
+                                   "tests/app/test_app_instances.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

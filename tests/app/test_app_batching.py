@@ -448,8 +448,8 @@ def test_calls_that_differ_in_computation_do_not_share_a_forward(backends, setti
 def test_the_agent_is_built_once_per_bundle_file_and_checkpoint(backends, settings):
     bundles, local, _ = backends
     loaded = bundles.get(settings.default_bundle)
-    assert local.agent(loaded, None) is local.agent(loaded, None)
-    assert not local.agent(loaded, None).training
+    assert local.served(loaded, None) is local.served(loaded, None)
+    assert not local.served(loaded, None).agent.training
 
 
 # --- through HTTP

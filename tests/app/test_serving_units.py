@@ -1,0 +1,254 @@
+"""``app.serving`` by value: each way a set's bundle or checkpoint cannot be served, as the client reads it (status
+and whole message), and what ``LocalInference.prepare`` resolves for a call -- the ``nearest`` that applies, which
+calls may share a forward pass, and what the engine reads with the batch.
+
+The batching itself, through threads and HTTP, is ``test_app_batching.py``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from app import serving
+from app.inference import BundleMismatch, BundleRegistry, UnknownBundle, prototype_to_bytes
+from app.serving import CheckpointRef, InferenceRefused, LocalInference, LocalizeCall, policy_state, resolve_bundle
+from app.storage import BlobStore
+from models.bundle import PolicyMismatch
+from models.core.templates import Templates
+
+
+class Registry:
+    """``BundleRegistry``'s face for ``resolve_bundle`` / ``policy_state``: ``get`` raises ``error`` or answers a
+    bundle of ``dim``; ``cached_policy`` records its keys."""
+
+    def __init__(self, error: Exception | None = None, dim: int = 4):
+        self.error, self.dim = error, dim
+        self.asked: list[tuple[str, str | None]] = []
+        self.keys: list = []
+
+    def get(self, name: str, *, expect_sha256: str | None = None):  # type: ignore[no-untyped-def]
+        self.asked.append((name, expect_sha256))
+        if self.error is not None:
+            raise self.error
+        return SimpleNamespace(bundle=SimpleNamespace(prototype_dim=self.dim), sha256="0123456789abcdef" * 4)
+
+    def cached_policy(self, key, load):  # type: ignore[no-untyped-def]
+        self.keys.append(key)
+        return load()
+
+
+def test_a_refusal_reads_as_its_detail():
+    e = InferenceRefused(409, "replaced", {"Retry-After": "1"})
+    assert (str(e), e.status_code, e.detail, e.headers) == ("replaced", 409, "replaced", {"Retry-After": "1"})
+    assert InferenceRefused(503, "busy").headers is None
+
+
+def test_what_serves_a_checkpoint_is_built_once_per_bundle_file_and_checkpoint(local, monkeypatch):
+    built = []
+
+    def state(bundles, store, ckpt, loaded):  # type: ignore[no-untyped-def]
+        built.append(None if ckpt is None else ckpt.id)
+        return None, None
+
+    monkeypatch.setattr(serving, "policy_state", state)
+    backend = LocalInference(local.bundles, local.store)
+    loaded = local.bundles.get(make_call(local).bundle)
+    a, b = (CheckpointRef(uuid.uuid4(), f"ck/{i}", "c" * 64) for i in range(2))
+    assert backend.served(loaded, a) is backend.served(loaded, a)
+    assert backend.served(loaded, b) is not backend.served(loaded, a)
+    assert backend.served(loaded, None) is backend.served(loaded, None) is not backend.served(loaded, a)
+    assert built == [a.id, b.id, None]
+    base = backend.served(loaded, None)
+    assert base.localizer is loaded.localizer and base.prototype is None and not base.agent.training
+
+
+def refusal(fn, *args, **kw) -> InferenceRefused:  # type: ignore[no-untyped-def]
+    with pytest.raises(InferenceRefused) as e:
+        fn(*args, **kw)
+    return e.value
+
+
+def test_a_sets_bundle_is_checked_and_each_failure_is_a_clear_refusal():
+    reg = Registry()
+    loaded = resolve_bundle(reg, "digits", sha256="s" * 64, prototype_dim=4)  # type: ignore[arg-type]
+    assert loaded.bundle.prototype_dim == 4 and reg.asked == [("digits", "s" * 64)]
+    assert resolve_bundle(Registry(dim=9), "digits", sha256=None, prototype_dim=None)  # type: ignore[arg-type]
+
+    e = refusal(resolve_bundle, Registry(BundleMismatch("replaced: re-create the set")), "d", sha256="s",
+                prototype_dim=4)
+    assert (e.status_code, e.detail, e.headers) == (409, "replaced: re-create the set", None)
+    e = refusal(resolve_bundle, Registry(UnknownBundle("'d' is not installed")), "d", sha256=None, prototype_dim=4)
+    assert (e.status_code, e.detail) == (503, "the set's bundle unavailable: 'd' is not installed")
+    for error in (OSError("disk"), ValueError("not a bundle"), RuntimeError("torch")):
+        e = refusal(resolve_bundle, Registry(error), "d", sha256=None, prototype_dim=4)
+        assert (e.status_code, e.detail) == (503, "bundle 'd' cannot be loaded")
+    with pytest.raises(KeyError):  # anything else is a bug, not the client's: not dressed as a refusal
+        resolve_bundle(Registry(KeyError("x")), "d", sha256=None, prototype_dim=4)  # type: ignore[arg-type]
+
+    e = refusal(resolve_bundle, Registry(dim=8), "digits", sha256=None, prototype_dim=4)
+    assert (e.status_code, e.detail) == (409, (
+        "bundle 'digits' (sha256 0123456789ab) makes prototypes of dimension 8, but this exemplar set's prototype "
+        "has dimension 4: it was made by another bundle file of that name. Re-create the exemplar set from its "
+        "crops."))
+
+
+class Store:
+    def __init__(self, exists: bool):
+        self._exists = exists
+
+    def exists(self, key: str) -> bool:
+        return self._exists
+
+
+def test_a_checkpoints_policy_is_read_once_per_bundle_file_and_each_failure_is_a_clear_refusal(monkeypatch):
+    ckpt = CheckpointRef(uuid.uuid4(), "ck/a.pt", "c" * 64)
+    loaded = Registry().get("d")
+    reads = []
+
+    def read(store, *, blob, sha256, bundle, source):  # type: ignore[no-untyped-def]
+        reads.append((store, blob, sha256, bundle, source))
+        return {"w": torch.ones(1)}, "reward"
+
+    monkeypatch.setattr(serving, "read_served_checkpoint", read)
+    reg, store = Registry(), Store(True)
+    assert policy_state(reg, store, None, loaded) == (None, None) and reg.keys == [] and reads == []  # type: ignore[arg-type]
+    state, reward = policy_state(reg, store, ckpt, loaded)  # type: ignore[arg-type]
+    assert reward == "reward" and torch.equal(state["w"], torch.ones(1))
+    assert reg.keys == [(ckpt.id, loaded.sha256)]
+    assert reads == [(store, "ck/a.pt", "c" * 64, loaded.bundle, f"checkpoint {ckpt.id}")]
+
+    def failing(error):  # type: ignore[no-untyped-def]
+        def read_(*a, **k):  # type: ignore[no-untyped-def]
+            raise error
+        return read_
+
+    monkeypatch.setattr(serving, "read_served_checkpoint", failing(PolicyMismatch("written for bundle 'x'")))
+    e = refusal(policy_state, Registry(), store, ckpt, loaded)
+    assert (e.status_code, e.detail) == (409, "written for bundle 'x'; localize with checkpoint=base, or re-create "
+                                              "the exemplar set from its crops")
+    monkeypatch.setattr(serving, "read_served_checkpoint", failing(FileNotFoundError("ck/a.pt")))
+    e = refusal(policy_state, Registry(), Store(False), ckpt, loaded)
+    assert (e.status_code, e.detail) == (404, f"checkpoint {ckpt.id} not found: it was deleted")
+    e = refusal(policy_state, Registry(), Store(True), ckpt, loaded)  # the file is there, a part of it is not
+    assert (e.status_code, e.detail) == (503, f"checkpoint {ckpt.id} cannot be read")
+    for error in (OSError("io"), ValueError("digest")):
+        monkeypatch.setattr(serving, "read_served_checkpoint", failing(error))
+        e = refusal(policy_state, Registry(), store, ckpt, loaded)
+        assert (e.status_code, e.detail) == (503, f"checkpoint {ckpt.id} cannot be read")
+
+
+@pytest.fixture(scope="module")
+def local(bundle_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
+    bundles = BundleRegistry(bundle_dir, device="cpu")
+    return LocalInference(bundles, BlobStore(tmp_path_factory.mktemp("blobs")))
+
+
+def make_call(local: LocalInference, **kw) -> LocalizeCall:  # type: ignore[no-untyped-def]
+    from service_fixtures import TEST_BUNDLES
+
+    loaded = local.bundles.get(TEST_BUNDLES[0])
+    values = dict(bundle=TEST_BUNDLES[0], bundle_sha256=loaded.sha256, prototype_dim=loaded.bundle.prototype_dim,
+                  prototype=prototype_to_bytes(torch.ones(loaded.bundle.prototype_dim)), checkpoint=None,
+                  images=[Image.new("L", (168, 84), 30), Image.new("L", (84, 42), 200)])
+    return LocalizeCall(**(values | kw))
+
+
+def test_the_nearest_option_resolves_call_first_then_server_then_bundle(local):
+    spec_default = local.bundles.get(make_call(local).bundle).localizer.default_nearest
+    for call_nearest, server, expected in ((True, False, True), (False, True, False), (None, True, True),
+                                           (None, False, False), (None, None, spec_default)):
+        backend = LocalInference(local.bundles, local.store, default_nearest=server)
+        key, prepared = backend.prepare(make_call(local, nearest=call_nearest))
+        assert prepared.nearest is expected and key[2] is expected
+
+
+def test_calls_share_a_forward_only_with_the_same_bundle_file_checkpoint_options_and_no_search(local):
+    call = make_call(local)
+    key, prepared = local.prepare(call)
+    loaded = local.bundles.get(call.bundle)
+    assert key == (loaded.sha256, None, prepared.nearest, 0, 1)
+    assert local.prepare(dataclasses.replace(call, images=call.images[:1], prototype=prototype_to_bytes(
+        torch.zeros(loaded.bundle.prototype_dim))))[0] == key  # other images and prototype: the same forward
+    assert local.prepare(dataclasses.replace(call, max_instances=3))[0] != key
+    assert local.prepare(dataclasses.replace(call, nearest=not prepared.nearest))[0] != key
+    searching = dataclasses.replace(call, samples=4)
+    assert local.prepare(searching)[0] != local.prepare(searching)[0]  # a best-of-N search runs alone
+    # what is prepared: the images on the input, their scales, the set's prototype
+    assert prepared.batch.shape == (2, 1, 84, 84) and prepared.scales.tolist() == [[2.0, 1.0], [1.0, 0.5]]
+    assert torch.equal(prepared.prototype, torch.ones(loaded.bundle.prototype_dim))
+    assert (prepared.trajectory, prepared.samples, prepared.max_instances) == (False, 0, 1)
+    assert prepared.match_scales.tolist() == [[2.0, 1.0], [1.0, 0.5]]
+
+
+def test_the_engine_reads_templates_only_where_they_were_made_on_its_input(local):
+    call = make_call(local)
+    spec = local.bundles.get(call.bundle).localizer.spec
+    same = Templates(torch.zeros(1, 1, 16, 16, dtype=torch.uint8), None, spec.size, spec.channels, tuple(spec.fill))
+    look = serving.SecondLook(None, 0.25, 4)  # type: ignore[arg-type]
+    _, prepared = local.prepare(dataclasses.replace(call, templates=same, second_look=look))
+    assert prepared.templates is same and prepared.second_look is look
+    _, prepared = local.prepare(dataclasses.replace(call, templates=same, second_look=look, max_instances=2))
+    assert prepared.templates is same and prepared.second_look is None  # several instances: no second look
+    for other in (dataclasses.replace(same, size=spec.size + 1), dataclasses.replace(same, channels=3),
+                  dataclasses.replace(same, fill=(0.5,))):
+        _, prepared = local.prepare(dataclasses.replace(call, templates=other, second_look=look))
+        assert prepared.templates is None and prepared.second_look is None
+    _, prepared = local.prepare(dataclasses.replace(call, second_look=look))  # no templates: no look
+    assert prepared.second_look is None
+
+
+def test_extra_boxes_and_decoded_scales_reach_the_engine_in_input_pixels(local):
+    call = make_call(local, max_instances=2, extra_boxes=[(20.0, 10.0, 60.0, 50.0), None],
+                     decoded_scales=[(2.0, 2.0), (1.0, 3.0)])
+    _, prepared = local.prepare(call)
+    assert prepared.extra[0].tolist() == [10.0, 10.0, 30.0, 50.0]
+    assert bool(torch.isnan(prepared.extra[1]).all())
+    assert prepared.match_scales.tolist() == [[4.0, 2.0], [1.0, 1.5]]
+    _, prepared = local.prepare(dataclasses.replace(call, max_instances=1))
+    assert prepared.extra is None  # one answer per image: no candidates to add to
+    with pytest.raises(ValueError, match="extra_boxes: 1 for 2 images"):
+        local.prepare(dataclasses.replace(call, extra_boxes=[(0.0, 0.0, 1.0, 1.0)]))
+
+
+def test_a_kind_check_is_read_by_the_engine_only_with_the_verifier_it_was_made_with(local, monkeypatch):
+    call = make_call(local)
+    spec = local.bundles.get(call.bundle).localizer.spec
+    same = Templates(torch.zeros(1, 1, 16, 16, dtype=torch.uint8), None, spec.size, spec.channels, tuple(spec.fill))
+    verifier = object()
+    check = SimpleNamespace(made_with=lambda v: v is verifier)
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: verifier)
+    _, prepared = local.prepare(dataclasses.replace(call, templates=same, kind=check))
+    assert prepared.kind == (verifier, check)
+    other = SimpleNamespace(made_with=lambda v: False)
+    assert local.prepare(dataclasses.replace(call, templates=same, kind=other))[1].kind is None
+    assert local.prepare(dataclasses.replace(call, kind=check))[1].kind is None  # not on the templates' input
+
+
+def test_a_busy_or_closing_engine_refuses_with_retry_after(local):
+    from app.batching import BatcherClosed, QueueFull
+
+    backend = serving.BatchedInference(local.bundles, local.store, max_queue_images=3, retry_after_s=7)
+    try:
+        def full(*a, **k):  # type: ignore[no-untyped-def]
+            raise QueueFull()
+
+        backend.batcher.submit = full  # type: ignore[method-assign]
+        e = refusal(backend.localize, make_call(local))
+        assert (e.status_code, e.headers) == (503, {"Retry-After": "7"})
+        assert e.detail == ("localize is busy: 0 images are waiting for the model, at most 3 may "
+                            "(QLOC_INFERENCE_QUEUE_IMAGES); retry after 7 s")
+
+        def closed(*a, **k):  # type: ignore[no-untyped-def]
+            raise BatcherClosed()
+
+        backend.batcher.submit = closed  # type: ignore[method-assign]
+        e = refusal(backend.localize, make_call(local))
+        assert (e.status_code, e.detail, e.headers) == (503, "the server is shutting down; retry",
+                                                        {"Retry-After": "7"})
+    finally:
+        backend.close()
