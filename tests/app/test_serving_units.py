@@ -252,3 +252,35 @@ def test_a_busy_or_closing_engine_refuses_with_retry_after(local):
                                                         {"Retry-After": "7"})
     finally:
         backend.close()
+
+
+def test_a_backend_without_a_waiting_room_needs_no_notice_of_calls_on_their_way(local):
+    with serving.on_its_way(local) as expected:  # LocalInference: nothing to hold back
+        assert expected is None
+    held = []
+
+    class Expecting:
+        def expect(self):  # type: ignore[no-untyped-def]
+            from contextlib import contextmanager
+
+            @contextmanager
+            def cm():  # type: ignore[no-untyped-def]
+                held.append("in")
+                yield "token"
+                held.append("out")
+            return cm()
+
+    with serving.on_its_way(Expecting()) as expected:  # type: ignore[arg-type]
+        assert expected == "token" and held == ["in"]
+    assert held == ["in", "out"]
+
+
+def test_a_best_of_n_search_never_shares_a_forward(local):
+    _, searching = local.prepare(make_call(local, samples=1))
+    _, greedy = local.prepare(make_call(local))
+    for calls in ([searching, greedy], [greedy, searching]):
+        with pytest.raises(ValueError) as e:
+            serving.run_prepared(calls)
+        assert str(e.value) == "a best-of-N search (samples > 0) runs alone"
+    [answer] = serving.run_prepared([searching])  # alone: answered
+    assert len(answer.results) == 2
