@@ -284,3 +284,52 @@ def test_a_best_of_n_search_never_shares_a_forward(local):
         assert str(e.value) == "a best-of-N search (samples > 0) runs alone"
     [answer] = serving.run_prepared([searching])  # alone: answered
     assert len(answer.results) == 2
+
+
+def test_the_engines_template_windows_are_the_routes_and_extra_boxes_are_scored_as_candidates(local):
+    """``rerank=templates`` in the engine (one answer per image, a second look with a window bar): each doubtful
+    image gets template matching's window as a candidate (``Instance.template``), the one the route finds for itself
+    (``app.calibration.matched_windows``), crops sized by the image's full / decoded scale -- in calls batched
+    together, each with its own scales. With several instances asked for, the route's windows travel as
+    ``extra_boxes`` and come back as each image's last, template candidate."""
+    from app.calibration import matched_windows
+    from models.calibration import Calibration
+    from models.core.platt import PlattFit
+    from models.core.templates import make_templates, match_crops
+
+    spec = local.bundles.get(make_call(local).bundle).localizer.spec
+    g = torch.Generator().manual_seed(4)
+    pattern = torch.rand(1, 20, 24, generator=g)
+
+    def image(x: int, y: int, scale: float = 1.0) -> Image.Image:
+        """The object at (x, y) of an image decoded at ``1 / scale`` of its full size (the crop was cut full-size)."""
+        t = torch.rand(1, 84, 84, generator=g) * 0.3
+        p = torch.nn.functional.interpolate(pattern[None], scale_factor=1 / scale, mode="bilinear")[0]
+        t[:, y:y + p.shape[1], x:x + p.shape[2]] = p
+        return Image.fromarray((t[0] * 255).round().byte().numpy())
+
+    kept, sizes = match_crops([pattern * 1.0])
+    t = Templates(make_templates([pattern]), None, spec.size, spec.channels, tuple(spec.fill), crops=kept,
+                  crop_sizes=sizes)
+    unsure = Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {},
+                         PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0], -10.0), None, t)
+    look = serving.SecondLook(unsure, 0.25, 4, 0.8)
+    calls = [make_call(local, images=[image(50, 10), image(5, 40)], templates=t, second_look=look),
+             make_call(local, images=[image(30, 60, 2.0)], templates=t, second_look=look, decoded_scales=[(2.0, 2.0)])]
+    answers = serving.run_prepared([local.prepare(c)[1] for c in calls])
+    half = [i.box for i in answers[1].results[0].instances if i.template]
+    assert half and half[0][2] - half[0][0] == pytest.approx(12, abs=1.5)  # the crop at its decoded size
+    for call, answer in zip(calls, answers, strict=True):
+        assert answer.looked
+        expected = matched_windows(t, call.images, call.decoded_scales or [(1.0, 1.0)] * len(call.images))
+        windows = [[i.box for i in r.instances if i.template] for r in answer.results]
+        assert [len(w) for w in windows] == [1] * len(call.images)
+        for [got], want in zip(windows, expected, strict=True):
+            assert list(got) == pytest.approx(list(want), abs=1e-3)
+    # several instances: the route's windows as extra boxes, scored last
+    extra = matched_windows(t, calls[0].images, [(1.0, 1.0)] * 2)
+    [answer] = serving.run_prepared([local.prepare(make_call(local, images=calls[0].images, max_instances=3,
+                                                             extra_boxes=[extra[0], None]))[1]])
+    first, second = answer.results
+    assert first.instances[-1].template and list(first.instances[-1].box) == pytest.approx(list(extra[0]), abs=1e-3)
+    assert not any(i.template for i in second.instances)
