@@ -333,3 +333,36 @@ def test_the_engines_template_windows_are_the_routes_and_extra_boxes_are_scored_
     first, second = answer.results
     assert first.instances[-1].template and list(first.instances[-1].box) == pytest.approx(list(extra[0]), abs=1e-3)
     assert not any(i.template for i in second.instances)
+
+
+def test_a_prepared_call_is_answered_as_the_localizer_answers_it_with_its_options(local):
+    """``run_prepared`` on one call answers what ``Localizer.localize_batch`` answers for its batch with the call's
+    options: ``nearest`` against the bundle's default, a best-of-N search (the same random stream), several
+    instances, trajectories kept or dropped."""
+    g = torch.Generator().manual_seed(2)
+    images = [Image.fromarray((torch.rand(84, 84, generator=g) * 255).byte().numpy()) for _ in range(3)]
+    loaded = local.bundles.get(make_call(local).bundle)
+    default = loaded.localizer.default_nearest
+    for options in (dict(nearest=not default), dict(nearest=default), dict(samples=8), dict(max_instances=3),
+                    dict(trajectory=True)):
+        _, prepared = local.prepare(make_call(local, images=images, **options))
+        torch.manual_seed(11)
+        [answer] = serving.run_prepared([prepared])
+        torch.manual_seed(11)
+        direct = prepared.localizer.localize_batch(
+            prepared.batch, prepared.scales, prepared.prototype, prepared.agent, samples=prepared.samples,
+            nearest=prepared.nearest, max_instances=prepared.max_instances, trajectory=True)
+        assert answer.nearest is prepared.nearest
+        for got, want in zip(answer.results, direct, strict=True):
+            assert list(got.box) == pytest.approx(list(want.box), abs=1e-4), options
+            assert (got.trajectory is not None) == bool(options.get("trajectory"))
+            if got.trajectory is not None:
+                assert len(got.trajectory) == len(want.trajectory)
+            assert (got.instances is None) == (want.instances is None)
+            if got.instances is not None:
+                assert [list(i.box) for i in got.instances] == [pytest.approx(list(i.box), abs=1e-4)
+                                                               for i in want.instances]
+    # the two nearest settings answer differently somewhere (else the first case shows nothing)
+    boxes = {n: [r.box for r in serving.run_prepared([local.prepare(make_call(local, images=images, nearest=n))[1]])[0]
+                 .results] for n in (True, False)}
+    assert boxes[True] != boxes[False]
