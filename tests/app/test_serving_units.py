@@ -366,3 +366,17 @@ def test_a_prepared_call_is_answered_as_the_localizer_answers_it_with_its_option
     boxes = {n: [r.box for r in serving.run_prepared([local.prepare(make_call(local, images=images, nearest=n))[1]])[0]
                  .results] for n in (True, False)}
     assert boxes[True] != boxes[False]
+
+
+def test_calls_batched_together_each_get_their_own_images_answers_and_trajectories_only_if_asked(local):
+    g = torch.Generator().manual_seed(6)
+    images = [Image.fromarray((torch.rand(84, 84, generator=g) * 255).byte().numpy()) for _ in range(3)]
+    with_path = make_call(local, images=images[:2], trajectory=True)
+    without = make_call(local, images=images[2:])
+    (k1, p1), (k2, p2) = local.prepare(with_path), local.prepare(without)
+    assert k1 == k2  # trajectories are read off the same episodes: one forward
+    a1, a2 = serving.run_prepared([p1, p2])
+    assert len(a1.results) == 2 and len(a2.results) == 1
+    assert all(r.trajectory for r in a1.results) and a2.results[0].trajectory is None
+    [alone] = serving.run_prepared([p2])[0].results
+    assert list(a2.results[0].box) == pytest.approx(list(alone.box), abs=1e-4)
