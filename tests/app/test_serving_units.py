@@ -100,8 +100,10 @@ def test_a_sets_bundle_is_checked_and_each_failure_is_a_clear_refusal():
 class Store:
     def __init__(self, exists: bool):
         self._exists = exists
+        self.asked: list[str] = []
 
     def exists(self, key: str) -> bool:
+        self.asked.append(key)
         return self._exists
 
 
@@ -132,8 +134,10 @@ def test_a_checkpoints_policy_is_read_once_per_bundle_file_and_each_failure_is_a
     assert (e.status_code, e.detail) == (409, "written for bundle 'x'; localize with checkpoint=base, or re-create "
                                               "the exemplar set from its crops")
     monkeypatch.setattr(serving, "read_served_checkpoint", failing(FileNotFoundError("ck/a.pt")))
-    e = refusal(policy_state, Registry(), Store(False), ckpt, loaded)
+    gone = Store(False)
+    e = refusal(policy_state, Registry(), gone, ckpt, loaded)
     assert (e.status_code, e.detail) == (404, f"checkpoint {ckpt.id} not found: it was deleted")
+    assert gone.asked == ["ck/a.pt"]
     e = refusal(policy_state, Registry(), Store(True), ckpt, loaded)  # the file is there, a part of it is not
     assert (e.status_code, e.detail) == (503, f"checkpoint {ckpt.id} cannot be read")
     for error in (OSError("io"), ValueError("digest")):
@@ -221,9 +225,10 @@ def test_a_kind_check_is_read_by_the_engine_only_with_the_verifier_it_was_made_w
     same = Templates(torch.zeros(1, 1, 16, 16, dtype=torch.uint8), None, spec.size, spec.channels, tuple(spec.fill))
     verifier = object()
     check = SimpleNamespace(made_with=lambda v: v is verifier)
-    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: verifier)
+    names = []
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: names.append(name) or verifier)
     _, prepared = local.prepare(dataclasses.replace(call, templates=same, kind=check))
-    assert prepared.kind == (verifier, check)
+    assert prepared.kind == (verifier, check) and names == [call.bundle]
     other = SimpleNamespace(made_with=lambda v: False)
     assert local.prepare(dataclasses.replace(call, templates=same, kind=other))[1].kind is None
     assert local.prepare(dataclasses.replace(call, kind=check))[1].kind is None  # not on the templates' input
@@ -380,3 +385,68 @@ def test_calls_batched_together_each_get_their_own_images_answers_and_trajectori
     assert all(r.trajectory for r in a1.results) and a2.results[0].trajectory is None
     [alone] = serving.run_prepared([p2])[0].results
     assert list(a2.results[0].box) == pytest.approx(list(alone.box), abs=1e-4)
+
+
+def test_a_checkpoint_carrying_a_repaired_reward_is_served_with_its_head_and_prototype(local, monkeypatch):
+    """``served``: a checkpoint's agent state on the bundle's agent, and where the checkpoint carries a repaired
+    reward (``models.bundle.Reward``), the localizer of that head and the reward's prototype, which ``prepare``
+    uses in place of the set's; calls of two checkpoints never share a forward."""
+    from models.bundle import Reward
+
+    loaded = local.bundles.get(make_call(local).bundle)
+    head = {k: v.clone() + 0.5 for k, v in loaded.bundle.embedder.head.state_dict().items()}
+    dim = loaded.bundle.prototype_dim
+    reward = Reward(head, torch.full((dim,), 2.0, dtype=torch.float64))
+    state = {k: v.clone() * 0 for k, v in loaded.localizer.agent(None).state_dict().items()}
+    asked = []
+
+    def policy(bundles, store, ckpt, loaded_):  # type: ignore[no-untyped-def]
+        asked.append((bundles, store, ckpt, loaded_))
+        return (state, reward) if ckpt.blob == "repaired" else (state, None)
+
+    monkeypatch.setattr(serving, "policy_state", policy)
+    backend = LocalInference(local.bundles, local.store)
+    repaired = CheckpointRef(uuid.uuid4(), "repaired", "c" * 64)
+    plain = CheckpointRef(uuid.uuid4(), "plain", "c" * 64)
+    served = backend.served(loaded, repaired)
+    assert asked == [(local.bundles, local.store, repaired, loaded)]
+    assert served.localizer is not loaded.localizer
+    for k, v in served.localizer.bundle.embedder.head.state_dict().items():
+        assert torch.equal(v, head[k])
+    assert served.prototype.dtype == torch.float32 and torch.equal(served.prototype, torch.full((dim,), 2.0))
+    assert all(bool((p == 0).all()) for p in served.agent.state_dict().values())
+    other = backend.served(loaded, plain)
+    assert other.localizer is loaded.localizer and other.prototype is None
+    assert all(bool((p == 0).all()) for p in other.agent.state_dict().values())
+
+    call = make_call(local, checkpoint=repaired)
+    key, prepared = backend.prepare(call)
+    assert torch.equal(prepared.prototype, torch.full((dim,), 2.0)) and prepared.localizer is served.localizer
+    plain_key, plain_prepared = backend.prepare(dataclasses.replace(call, checkpoint=plain))
+    assert torch.equal(plain_prepared.prototype, torch.ones(dim))  # the set's own
+    assert key[1] == repaired.id and plain_key[1] == plain.id and key != plain_key
+
+
+def test_prepare_checks_the_sets_bundle_file_and_prototype_and_a_one_sample_search_runs_alone(local):
+    call = make_call(local)
+    e = refusal(local.prepare, dataclasses.replace(call, bundle_sha256="f" * 64))
+    assert e.status_code == 409
+    e = refusal(local.prepare, dataclasses.replace(call, prototype_dim=call.prototype_dim + 1))
+    assert e.status_code == 409 and "has dimension" in e.detail
+    one = dataclasses.replace(call, samples=1)
+    assert local.prepare(one)[0] != local.prepare(one)[0]
+
+
+def test_the_batched_backend_runs_on_its_settings(local):
+    observed = []
+    backend = serving.BatchedInference(local.bundles, local.store, default_nearest=True, window_s=0.002,
+                                       max_batch_images=5, max_queue_images=9, retry_after_s=3,
+                                       observe=lambda n, waits: observed.append(n), gather_s=0.004)
+    try:
+        b = backend.batcher
+        assert (b.window_s, b.max_batch, b.max_queue, b.gather_s, b.name) == (0.002, 5, 9, 0.004, "qloc-localize")
+        assert backend.store is local.store and backend.default_nearest is True and backend.retry_after_s == 3
+        answer = backend.localize(make_call(local))
+        assert answer.nearest is True and len(answer.results) == 2 and observed == [2]
+    finally:
+        backend.close()
