@@ -376,8 +376,8 @@ def test_a_prepared_call_is_answered_as_the_localizer_answers_it_with_its_option
 def test_calls_batched_together_each_get_their_own_images_answers_and_trajectories_only_if_asked(local):
     g = torch.Generator().manual_seed(6)
     images = [Image.fromarray((torch.rand(84, 84, generator=g) * 255).byte().numpy()) for _ in range(3)]
-    with_path = make_call(local, images=images[:2], trajectory=True)
-    without = make_call(local, images=images[2:])
+    with_path = make_call(local, images=images[:2], trajectory=True, max_instances=2)
+    without = make_call(local, images=images[2:], max_instances=2)
     (k1, p1), (k2, p2) = local.prepare(with_path), local.prepare(without)
     assert k1 == k2  # trajectories are read off the same episodes: one forward
     a1, a2 = serving.run_prepared([p1, p2])
@@ -385,6 +385,15 @@ def test_calls_batched_together_each_get_their_own_images_answers_and_trajectori
     assert all(r.trajectory for r in a1.results) and a2.results[0].trajectory is None
     [alone] = serving.run_prepared([p2])[0].results
     assert list(a2.results[0].box) == pytest.approx(list(alone.box), abs=1e-4)
+    assert [list(i.box) for i in a2.results[0].instances] == [pytest.approx(list(i.box), abs=1e-4)
+                                                             for i in alone.instances]  # kept with the path dropped
+    # a call's extra boxes (rerank=templates' windows) are its own: the other call of the batch gets none
+    window = (10.0, 10.0, 40.0, 40.0)
+    _, p3 = local.prepare(dataclasses.replace(without, extra_boxes=[window]))
+    b1, b3 = serving.run_prepared([p1, p3])
+    assert not any(i.template for r in b1.results for i in r.instances)
+    assert b3.results[0].instances[-1].template
+    assert list(b3.results[0].instances[-1].box) == pytest.approx(list(window), abs=1e-3)
 
 
 def test_a_checkpoint_carrying_a_repaired_reward_is_served_with_its_head_and_prototype(local, monkeypatch):
@@ -396,7 +405,7 @@ def test_a_checkpoint_carrying_a_repaired_reward_is_served_with_its_head_and_pro
     loaded = local.bundles.get(make_call(local).bundle)
     head = {k: v.clone() + 0.5 for k, v in loaded.bundle.embedder.head.state_dict().items()}
     dim = loaded.bundle.prototype_dim
-    reward = Reward(head, torch.full((dim,), 2.0, dtype=torch.float64))
+    reward = Reward(head, torch.full((dim,), 2.0, dtype=torch.float64), refine=True)
     state = {k: v.clone() * 0 for k, v in loaded.localizer.agent(None).state_dict().items()}
     asked = []
 
@@ -425,6 +434,8 @@ def test_a_checkpoint_carrying_a_repaired_reward_is_served_with_its_head_and_pro
     plain_key, plain_prepared = backend.prepare(dataclasses.replace(call, checkpoint=plain))
     assert torch.equal(plain_prepared.prototype, torch.ones(dim))  # the set's own
     assert key[1] == repaired.id and plain_key[1] == plain.id and key != plain_key
+    # answers on a reward that refines say so
+    assert serving.run_prepared([prepared])[0].refined and not serving.run_prepared([plain_prepared])[0].refined
 
 
 def test_prepare_checks_the_sets_bundle_file_and_prototype_and_a_one_sample_search_runs_alone(local):
@@ -435,6 +446,17 @@ def test_prepare_checks_the_sets_bundle_file_and_prototype_and_a_one_sample_sear
     assert e.status_code == 409 and "has dimension" in e.detail
     one = dataclasses.replace(call, samples=1)
     assert local.prepare(one)[0] != local.prepare(one)[0]
+
+
+def test_the_batched_backends_defaults_hold_no_call_back(local):
+    """The localize worker leaves the gather and the window at their defaults: a call runs at once."""
+    backend = serving.BatchedInference(local.bundles, local.store)
+    try:
+        b = backend.batcher
+        assert (b.window_s, b.gather_s, b.max_batch, b.max_queue, backend.retry_after_s) == (0.0, 0.0, 64, 256, 1)
+        assert backend.default_nearest is None and backend._served.size == 32
+    finally:
+        backend.close()
 
 
 def test_the_batched_backend_runs_on_its_settings(local):
