@@ -55,6 +55,8 @@ LIFECYCLE_TESTS = ["tests/app/test_app_jobstates.py", "tests/worker/test_worker_
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
 EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstates": ["-m", "not slow"],
               "pool": ["-m", "not slow"],
+              # the engine's tests (not the process and script settings of the API's run script)
+              "serving": ["-k", "not run_script and not one_process_per_core"],
               # the Batcher's own tests (a held engine, threads; no model, no HTTP)
               "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
@@ -121,8 +123,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # real-worker tests take seconds a mutant)
     "remote": ("app/remote.py", ["tests/app/test_remote_units.py"]),
     # the seam between the routes and the model: bundle and checkpoint checks, which calls share a forward pass
-    "serving": ("app/serving.py", ["tests/app/test_app_batching.py", "tests/app/test_app_bundle_identity.py",
-                                   "tests/app/test_app_instances.py"]),
+    "serving": ("app/serving.py", ["tests/app/test_serving_units.py", "tests/app/test_app_batching.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
