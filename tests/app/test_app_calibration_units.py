@@ -7,6 +7,7 @@ a box read in the wrong frame (multiplied by the image's scale instead of divide
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from types import SimpleNamespace
@@ -29,13 +30,31 @@ from app.calibration import (
     second_look,
 )
 from app.inference import BundleRegistry, prototype_to_bytes
-from models.calibration import Calibration
+from models.calibration import Calibration, box_distances, features
 from models.core.boxes import paired_iou
 from models.core.platt import PlattFit
 from models.core.templates import Templates, make_templates, match_crops
-from models.inference import Localization, pil_to_tensor, preprocess
+from models.inference import Instance, Localization, pil_to_tensor, preprocess
+from models.verifier import KindCheck
 
 S = 84  # the templates' input side in these tests
+BLANK = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
+"""Templates for calibrations whose NCC features the tests pass in (``ncc=``): never read."""
+
+
+def score_fit(weight: float = 0.0, bias: float = 0.0) -> PlattFit:
+    """The score's fit: sigmoid(weight log(score) + bias)."""
+    return PlattFit(["log_score"], [0.0], [1.0], [weight], bias)
+
+
+IDENTITY = Calibration(score_fit(), None, 0.5, {},
+                       PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0), None, BLANK).to_dict()
+"""A calibration whose confidence is sigmoid(the NCC feature given): ``logit(p)`` passed as ``ncc=`` answers ``p``
+(0.0 answers exactly 0.5)."""
+
+
+def logit(p: float) -> float:
+    return 0.0 if p == 0.5 else math.log(p / (1 - p))
 
 
 def gray(t: torch.Tensor) -> Image.Image:
@@ -58,8 +77,7 @@ def ncc_calibration(templates: Templates, *, negatives_weight: float | None = No
     ncc = PlattFit(["log_score", "ncc"], [0.0, 0.5], [1.0, 1.0], [0.0, 20.0], 0.0)
     with_negatives = None if negatives_weight is None else PlattFit(
         ["log_score", "ncc", "ncc_negatives"], [0.0, 0.5, 0.0], [1.0, 1.0, 1.0], [0.0, 20.0, -negatives_weight], 0.0)
-    return Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0), None, 0.5, {}, ncc, with_negatives,
-                       templates)
+    return Calibration(score_fit(), None, 0.5, {}, ncc, with_negatives, templates)
 
 
 def test_an_answer_is_doubtful_strictly_below_the_second_looks_bar():
@@ -70,7 +88,7 @@ def test_an_answer_is_doubtful_strictly_below_the_second_looks_bar():
 
 
 def test_the_engines_second_look_carries_the_bar_the_candidates_and_the_windows_bar_only_with_templates():
-    fit = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0))
+    fit = Calibration(score_fit())
     plain, windows = second_look(fit, 4), second_look(fit, 6, templates=True)
     assert (plain.calibration, plain.below, plain.candidates, plain.template_bar) == (fit, 0.25, 4, None)
     assert (windows.calibration, windows.below, windows.candidates, windows.template_bar) == (
@@ -200,17 +218,14 @@ def test_negatives_confidence_reads_boxes_in_the_images_pixels(loaded):
     crops = [pil_to_tensor(gray(digitish), 1, spec.fill)]
     proto = loaded.localizer.embed_crops(crops).mean(0)
     negatives = loaded.localizer.embed_crops([pil_to_tensor(gray(1 - digitish), 1, spec.fill)])
-    score = PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0)
     batch, _ = preprocess([gray(image)], spec)
-    from models.calibration import box_distances, features
-
     boxes = torch.tensor([[[40.0, 20.0, 68.0, 48.0], [0.0, 50.0, 30.0, 84.0], [30.0, 10.0, 80.0, 60.0]]])
     d = box_distances(loaded.localizer, batch, boxes, torch.cat([proto[None], negatives]))
     x = features(d[..., 0].flatten(), d[..., 1:].min(-1).values.flatten())
     # a fit centred on these boxes' features, steep enough that their confidences spread over (0, 1)
     mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
     fit = PlattFit(["log_score", "log_ratio"][:x.shape[1]], mean.tolist(), std.tolist(), [2.0] * x.shape[1], 0.0)
-    cal = Calibration(score, fit)
+    cal = Calibration(score_fit(), fit)
     args = (prototype_to_bytes(proto), negatives_to_bytes(negatives), cal)
     small = negatives_confidence(loaded, *args, [gray(image)], boxes)
     large = negatives_confidence(loaded, *args, [gray(big)], boxes * 2)
@@ -227,7 +242,7 @@ def test_a_new_sets_calibration_is_fit_on_what_the_set_has(monkeypatch, loaded):
 
     def fake(localizer, prototype, tensors, **kw):  # type: ignore[no-untyped-def]
         captured.update(localizer=localizer, prototype=prototype, tensors=tensors, **kw)
-        return Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.25))
+        return Calibration(score_fit(bias=0.25))
 
     monkeypatch.setattr(appcal, "calibrate_policy", fake)
     fill = (0.5,)
@@ -255,7 +270,7 @@ def test_a_new_sets_calibration_is_fit_on_what_the_set_has(monkeypatch, loaded):
     assert examples.images.shape == (2, 1, S, S)
     assert examples.boxes.flatten().tolist() == pytest.approx([10.0, 10.0, 30.0, 40.0, 3.0, 10.0, 9.0, 30.0])
     assert out.num_negatives == 2 and out.negatives == negatives_to_bytes(embedded)
-    assert out.calibration == Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.25)).to_dict()
+    assert out.calibration == Calibration(score_fit(bias=0.25)).to_dict()
 
     # no labeled examples, no negatives: none passed on; a seed given is used
     captured.clear()
@@ -266,8 +281,6 @@ def test_a_new_sets_calibration_is_fit_on_what_the_set_has(monkeypatch, loaded):
 
 
 def _instances(n: int = 2) -> Localization:
-    from models.inference import Instance
-
     boxes = [(0.0, 0.0, 10.0, 10.0), (20.0, 20.0, 30.0, 30.0), (40.0, 40.0, 50.0, 50.0)][:n + 1]
     return Localization(boxes[0], 0.5, instances=[Instance(b, 0.5 + k) for k, b in enumerate(boxes)])
 
@@ -286,12 +299,9 @@ def test_without_a_calibration_every_answer_and_instance_is_found_with_no_confid
 
 def test_judge_leaves_the_answer_where_no_rerank_is_asked_for():
     """``rerank`` defaults to ``false``: a likelier candidate does not replace the answer."""
-    logit = [math.log(p / (1 - p)) for p in (0.1, 0.1, 0.9, 0.3)]  # the answer, then its 3 instances
-    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
-    cal = ncc_calibration(templates)
-    cal.ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0)  # the identity on ncc=
-    [j] = judge([_instances(2)], [Image.new("L", (S, S))], cal.to_dict(), threshold=0.5, min_confidence=None,
-                loaded=None, prototype=b"", negatives=None, ncc=(torch.tensor([logit], dtype=torch.float64), None))
+    logits = [logit(p) for p in (0.1, 0.1, 0.9, 0.3)]  # the answer, then its 3 instances
+    [j] = judge([_instances(2)], [Image.new("L", (S, S))], IDENTITY, threshold=0.5, min_confidence=None,
+                loaded=None, prototype=b"", negatives=None, ncc=(torch.tensor([logits], dtype=torch.float64), None))
     assert j.box == (0.0, 0.0, 10.0, 10.0) and not j.reranked and j.confidence == pytest.approx(0.1)
     assert [i.confidence for i in j.instances] == pytest.approx([0.1, 0.9, 0.3])
 
@@ -299,20 +309,15 @@ def test_judge_leaves_the_answer_where_no_rerank_is_asked_for():
 def test_a_kind_read_by_the_engine_is_the_confidence_only_for_a_calibration_with_a_kind_check():
     """``kind`` (the engine's reading of a set's check) answers only where the calibration has a check (its rows
     cut to the answer's); a calibration without one answers by its fit, whatever ``kind`` carries."""
-    from models.verifier import KindCheck
-
-    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
-    plain = ncc_calibration(templates)
-    plain.ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0)
-    checked = Calibration(plain.score, None, 0.5, {}, plain.ncc, None, templates,
-                          KindCheck([1.0, 0.0], [[0.0, 1.0]], "a", 0.99, "sha"))
+    checked = dataclasses.replace(Calibration.from_dict(IDENTITY),
+                                  kind=KindCheck([1.0, 0.0], [[0.0, 1.0]], "a", 0.99, "sha"))
     kind = torch.tensor([[0.7, 0.2, 0.1, 0.0, 0.0]], dtype=torch.float64)  # padded past the 3 boxes
     ncc = (torch.tensor([[0.0, 2.0, -2.0]], dtype=torch.float64), None)
     args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None, ncc=ncc, kind=kind)
     answer = [_instances(1)]  # the answer and 2 instances
     [by_kind] = judge(answer, [Image.new("L", (S, S))], checked.to_dict(), **args)
     assert [by_kind.confidence] + [i.confidence for i in by_kind.instances] == pytest.approx([0.7, 0.2, 0.1])
-    [by_fit] = judge(answer, [Image.new("L", (S, S))], plain.to_dict(), **args)
+    [by_fit] = judge(answer, [Image.new("L", (S, S))], IDENTITY, **args)
     assert [by_fit.confidence] + [i.confidence for i in by_fit.instances] == pytest.approx(
         [0.5, 1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(2.0))])
 
@@ -320,12 +325,11 @@ def test_a_kind_read_by_the_engine_is_the_confidence_only_for_a_calibration_with
 def test_an_ncc_fit_without_templates_answers_by_the_scores_fit():
     """A calibration holding an NCC fit but no templates (nothing to read NCC features with) answers by the score's
     fit, and one with templates but no NCC fit does too."""
-    score = PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0)  # sigmoid(log score) = score / (1 + score)
+    score = score_fit(weight=1.0)  # sigmoid(log score) = score / (1 + score)
     ncc = PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 5.0)
-    templates = Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))
     args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None)
     for cal in (Calibration(score, None, 0.5, {}, ncc, None, None), Calibration(score, None, 0.5, {}, None, None,
-                                                                               templates)):
+                                                                               BLANK)):
         [j] = judge([Localization((0.0, 0.0, 10.0, 10.0), 3.0)], [Image.new("L", (S, S))], cal.to_dict(), **args)
         assert j.confidence == pytest.approx(0.75)
 
@@ -334,7 +338,7 @@ def test_the_negatives_fit_is_read_where_the_set_the_calibration_and_a_way_to_em
     """A set with negatives and a calibration with their fit: the boxes are scored by ``by_negatives`` (a localize
     worker: the images and every row of boxes in their pixels) where there is no local bundle; without negatives,
     without the fit, or with no way to embed the boxes, the score's fit answers."""
-    score = PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0)
+    score = score_fit(weight=1.0)
     neg_fit = PlattFit(["log_score", "log_ratio"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0)
     images = [Image.new("L", (2 * S, S)), Image.new("L", (S, S))]
     results = [Localization((0.0, 0.0, 10.0, 10.0), 3.0, instances=_instances(1).instances),
@@ -361,22 +365,9 @@ def test_the_negatives_fit_is_read_where_the_set_the_calibration_and_a_way_to_em
         assert [j.confidence for j in got] == pytest.approx([0.75, 0.75]) and calls == []
 
 
-IDENTITY = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 0.0), None, 0.5, {},
-                       PlattFit(["log_score", "ncc"], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], 0.0), None,
-                       Templates(torch.zeros(1, 16, 16, dtype=torch.uint8), None, S, 1, (0.0,))).to_dict()
-"""A calibration whose confidence is sigmoid(the NCC feature given): ``logit(p)`` passed as ``ncc=`` answers ``p``
-(0.0 answers exactly 0.5)."""
-
-
-def logit(p: float) -> float:
-    return 0.0 if p == 0.5 else math.log(p / (1 - p))
-
-
 def verdict(confidences: list[float], *, template: bool = False, **kw):  # type: ignore[no-untyped-def]
     """``judge`` on one answer (box 0) whose instances have boxes 1..K (the last a template window with
     ``template``), with the confidences given: the answer's, then each instance's."""
-    from models.inference import Instance
-
     k = len(confidences) - 1
     boxes = [(10.0 * b, 0.0, 10.0 * b + 8.0, 8.0) for b in range(k + 1)]
     instances = [Instance(boxes[b], 1.0, template=template and b == k) for b in range(1, k + 1)]
@@ -422,8 +413,6 @@ def test_the_second_looks_bars_include_their_bounds(monkeypatch):
 
 def test_answers_of_different_instance_counts_are_judged_on_their_own_row():
     """Rows are padded to the most instances of any image: each answer reads its own row's first 1 + K."""
-    from models.inference import Instance
-
     results = [Localization((0.0, 0.0, 8.0, 8.0), 1.0, instances=[Instance((9.0, 0.0, 17.0, 8.0), 1.0)]),
                Localization((0.0, 9.0, 8.0, 17.0), 1.0, instances=[Instance((9.0, 9.0, 17.0, 17.0), 1.0)] * 3),
                Localization((0.0, 18.0, 8.0, 26.0), 1.0)]
@@ -441,8 +430,7 @@ def test_a_calibration_is_decoded_once_per_key():
     """``calibration_key`` names the row the calibration was read from (written once): a second verdict under the
     same key uses the first decoding; without a key each is decoded."""
     key = ("unit test", uuid.uuid4())
-    low = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], -2.0)).to_dict()
-    high = Calibration(PlattFit(["log_score"], [0.0], [1.0], [0.0], 2.0)).to_dict()
+    low, high = Calibration(score_fit(bias=-2.0)).to_dict(), Calibration(score_fit(bias=2.0)).to_dict()
     args = dict(threshold=0.5, min_confidence=None, loaded=None, prototype=b"", negatives=None)
     answer = [Localization((0.0, 0.0, 8.0, 8.0), 1.0)]
     [first] = judge(answer, [Image.new("L", (S, S))], low, calibration_key=key, **args)

@@ -29,8 +29,6 @@ from app.tables import (
     utcnow,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def db(request, tmp_path_factory):  # type: ignore[no-untyped-def]
@@ -65,9 +63,9 @@ def base_of(db, set_id: uuid.UUID) -> uuid.UUID:  # type: ignore[no-untyped-def]
 
 
 def new_checkpoint(db, set_id: uuid.UUID, *, parent: uuid.UUID | None = None, iteration: int = 1,  # type: ignore[no-untyped-def]
-                   job: uuid.UUID | None = None, created=None, id_: uuid.UUID | None = None) -> uuid.UUID:
+                   created=None, id_: uuid.UUID | None = None) -> uuid.UUID:
     with db.begin() as s:
-        c = Checkpoint(id=id_ or uuid.uuid4(), exemplar_set_id=set_id, parent_id=parent, job_id=job, kind="adapted",
+        c = Checkpoint(id=id_ or uuid.uuid4(), exemplar_set_id=set_id, parent_id=parent, kind="adapted",
                        iteration=iteration, sha256="c" * 64, metrics={"i": iteration}, blob=f"ck/{uuid.uuid4().hex}",
                        **({} if created is None else {"created_at": created}))
         s.add(c)
@@ -426,6 +424,12 @@ def test_job_counts_and_durations_by_status(db):
         assert got_n - n0 == n and got_total - total0 == pytest.approx(total, abs=0.01)
 
 
+def setup_of(s, set_id: uuid.UUID, project: str) -> tuple:  # type: ignore[no-untyped-def]
+    """(url, token, max_instances) of the set's recorded Label Studio setup for ``project``."""
+    r = crud.labelstudio_setup(s, set_id=set_id, project=project)
+    return r.url, r.token, r.max_instances
+
+
 def test_a_label_studio_setup_is_recorded_and_updated_in_place(db):
     set_id, other = new_set(db), new_set(db)
     with db() as s:
@@ -434,23 +438,18 @@ def test_a_label_studio_setup_is_recorded_and_updated_in_place(db):
         crud.put_labelstudio_setup(s, set_id=set_id, project="7", url="http://ls:8080", token="t1", max_instances=3)
         crud.put_labelstudio_setup(s, set_id=other, project="7", url="http://other", token="t9", max_instances=9)
     with db() as s:
-        first = crud.labelstudio_setup(s, set_id=set_id, project="7")
-        assert (first.url, first.token, first.max_instances) == ("http://ls:8080", "t1", 3)
-        stamp = first.updated_at
+        assert setup_of(s, set_id, "7") == ("http://ls:8080", "t1", 3)
+        stamp = crud.labelstudio_setup(s, set_id=set_id, project="7").updated_at
     with db.begin() as s:  # a later /setup without url or token keeps them; max_instances replaces the last
         crud.put_labelstudio_setup(s, set_id=set_id, project="7", url=None, token=None, max_instances=1)
     with db() as s:
-        again = crud.labelstudio_setup(s, set_id=set_id, project="7")
-        assert (again.url, again.token, again.max_instances) == ("http://ls:8080", "t1", 1)
-        assert again.updated_at >= stamp
+        assert setup_of(s, set_id, "7") == ("http://ls:8080", "t1", 1)
+        assert crud.labelstudio_setup(s, set_id=set_id, project="7").updated_at >= stamp
     with db.begin() as s:  # given ones replace them
         crud.put_labelstudio_setup(s, set_id=set_id, project="7", url="http://new", token="t2", max_instances=2)
         crud.put_labelstudio_setup(s, set_id=set_id, project="8", url=None, token=None, max_instances=4)
     with db() as s:
-        assert (lambda r: (r.url, r.token, r.max_instances))(crud.labelstudio_setup(s, set_id=set_id, project="7")) \
-            == ("http://new", "t2", 2)
-        eight = crud.labelstudio_setup(s, set_id=set_id, project="8")
-        assert (eight.url, eight.token, eight.max_instances) == (None, None, 4)
-        kept = crud.labelstudio_setup(s, set_id=other, project="7")
-        assert (kept.url, kept.token, kept.max_instances) == ("http://other", "t9", 9)
+        assert setup_of(s, set_id, "7") == ("http://new", "t2", 2)
+        assert setup_of(s, set_id, "8") == (None, None, 4)
+        assert setup_of(s, other, "7") == ("http://other", "t9", 9)
         assert _count(s, LabelStudioSetup, LabelStudioSetup.exemplar_set_id, set_id) == 2

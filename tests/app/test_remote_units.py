@@ -99,12 +99,12 @@ def full_call(**kw) -> LocalizeCall:  # type: ignore[no-untyped-def]
 
 def test_a_call_travels_whole():
     call = full_call()
-    assert decode_call(wire(encode_call(call))) == call
-    assert decode_call(wire(encode_call(call))).extra_boxes == call.extra_boxes  # (not in the call's ==)
+    got = decode_call(wire(encode_call(call)))
+    assert got == call
+    assert got.extra_boxes == call.extra_boxes  # (not in the call's ==)
     bare = full_call(bundle_sha256=None, checkpoint=None, trajectory=False, samples=0, nearest=None, max_instances=1,
                      extra_boxes=None)
     assert decode_call(wire(encode_call(bare))) == bare
-    got = decode_call(wire(encode_call(call)))
     assert type(got.prototype_dim) is int and type(got.samples) is int and type(got.max_instances) is int
     assert all(type(v) is float for b in got.extra_boxes if b is not None for v in b)
     assert decode_call({**wire(encode_call(call)), "extra_boxes": [[1, 2, 3, 4], None]}).extra_boxes == [
@@ -183,13 +183,11 @@ class Watch:
     def __init__(self, absent: str | None = None, backend_error: str | None = None, recent=(), gone=None):  # type: ignore[no-untyped-def]
         self._absent, self.backend_error, self.recent = absent, backend_error, deque(recent)
         self._gone = gone or {}
-        self.asked: list[str] = []
 
     def absent(self) -> str | None:
         return self._absent
 
     def gone(self, worker: str) -> str | None:
-        self.asked.append(worker)
         return self._gone(worker) if callable(self._gone) else self._gone.get(worker)
 
 
@@ -283,8 +281,7 @@ def test_a_timeout_names_the_setting_that_bounds_the_wait(monkeypatch):
     for task, timeout, setting in ((LOCALIZE_TASK, None, "QLOC_LOCALIZE_TIMEOUT"),
                                    (PROTOTYPE_TASK, 0.05, "QLOC_SET_TIMEOUT")):
         res = Result(slices=10_000)
-        wi = backend(Celery(res))
-        wi.timeout = 0.05
+        wi = backend(Celery(res), localize_timeout=0.05)
         with pytest.raises(InferenceRefused) as e:
             wi._ask(task, {}, timeout=timeout)
         assert e.value.status_code == 503 and e.value.headers == RETRY
@@ -320,9 +317,8 @@ def test_a_workers_refusal_is_the_apis():
 def test_a_call_is_given_up_as_soon_as_no_worker_consumes_the_queue_or_its_worker_is_gone(monkeypatch):
     monkeypatch.setattr(remote, "WAIT_SLICE_S", 0.01)
     # still queued, and nobody consumes the queue any more (there was one when it was sent)
-    wi = backend(Celery(res := Result(slices=3, out={"late": 1})))
-    wi.timeout = 5.0
-    wi.consumers = Watch(recent=[frozenset({"w1"})])
+    wi = backend(Celery(res := Result(slices=3, out={"late": 1})), Watch(recent=[frozenset({"w1"})]),
+                 localize_timeout=5.0)
     states = iter([None, "no localize worker consumes queue 'q-test' any more"])
     wi.consumers.absent = lambda: next(states)  # type: ignore[method-assign]
     e = refused(wi)
@@ -331,8 +327,7 @@ def test_a_call_is_given_up_as_soon_as_no_worker_consumes_the_queue_or_its_worke
     assert len(res.gets) == 1 and res.forgotten == 1
     # started by a worker that is gone
     res = Result(slices=3, out={"late": 1}, state="STARTED", info={"hostname": "w1"})
-    wi = backend(Celery(res), Watch(recent=[frozenset({"w2"})], gone={"w1": "worker w1 is gone"}))
-    wi.timeout = 5.0
+    wi = backend(Celery(res), Watch(recent=[frozenset({"w2"})], gone={"w1": "worker w1 is gone"}), localize_timeout=5.0)
     e = refused(wi)
     assert (e.status_code, e.detail) == (503, "worker w1 is gone") and len(res.gets) == 1
     # started by a worker still there, or with nothing to tell: waited for
@@ -343,8 +338,7 @@ def test_a_call_is_given_up_as_soon_as_no_worker_consumes_the_queue_or_its_worke
                                (Watch(gone=lambda w: f"{w} gone"), "STARTED", {"hostname": "w1"}),  # no news
                                (Watch(recent=[frozenset({"w1"})], gone=lambda w: f"{w} gone"), "STARTED", {})):
         res = Result(slices=3, out={"late": 1}, state=state, info=info)
-        wi = backend(Celery(res), watch)
-        wi.timeout = 5.0
+        wi = backend(Celery(res), watch, localize_timeout=5.0)
         assert wi._ask("t", {}) == {"late": 1} and len(res.gets) == 4
 
 

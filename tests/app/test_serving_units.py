@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -15,11 +16,15 @@ import torch
 from PIL import Image
 
 from app import serving
+from app.batching import BatcherClosed, QueueFull
+from app.calibration import matched_windows
 from app.inference import BundleMismatch, BundleRegistry, UnknownBundle, prototype_to_bytes
 from app.serving import CheckpointRef, InferenceRefused, LocalInference, LocalizeCall, policy_state, resolve_bundle
 from app.storage import BlobStore
-from models.bundle import PolicyMismatch
-from models.core.templates import Templates
+from models.bundle import PolicyMismatch, Reward
+from models.calibration import Calibration
+from models.core.platt import PlattFit
+from models.core.templates import Templates, make_templates, match_crops
 
 
 class Registry:
@@ -46,25 +51,6 @@ def test_a_refusal_reads_as_its_detail():
     e = InferenceRefused(409, "replaced", {"Retry-After": "1"})
     assert (str(e), e.status_code, e.detail, e.headers) == ("replaced", 409, "replaced", {"Retry-After": "1"})
     assert InferenceRefused(503, "busy").headers is None
-
-
-def test_what_serves_a_checkpoint_is_built_once_per_bundle_file_and_checkpoint(local, monkeypatch):
-    built = []
-
-    def state(bundles, store, ckpt, loaded):  # type: ignore[no-untyped-def]
-        built.append(None if ckpt is None else ckpt.id)
-        return None, None
-
-    monkeypatch.setattr(serving, "policy_state", state)
-    backend = LocalInference(local.bundles, local.store)
-    loaded = local.bundles.get(make_call(local).bundle)
-    a, b = (CheckpointRef(uuid.uuid4(), f"ck/{i}", "c" * 64) for i in range(2))
-    assert backend.served(loaded, a) is backend.served(loaded, a)
-    assert backend.served(loaded, b) is not backend.served(loaded, a)
-    assert backend.served(loaded, None) is backend.served(loaded, None) is not backend.served(loaded, a)
-    assert built == [a.id, b.id, None]
-    base = backend.served(loaded, None)
-    assert base.localizer is loaded.localizer and base.prototype is None and not base.agent.training
 
 
 def refusal(fn, *args, **kw) -> InferenceRefused:  # type: ignore[no-untyped-def]
@@ -162,6 +148,36 @@ def make_call(local: LocalInference, **kw) -> LocalizeCall:  # type: ignore[no-u
     return LocalizeCall(**(values | kw))
 
 
+def test_what_serves_a_checkpoint_is_built_once_per_bundle_file_and_checkpoint(local, monkeypatch):
+    built = []
+
+    def state(bundles, store, ckpt, loaded):  # type: ignore[no-untyped-def]
+        built.append(None if ckpt is None else ckpt.id)
+        return None, None
+
+    monkeypatch.setattr(serving, "policy_state", state)
+    backend = LocalInference(local.bundles, local.store)
+    loaded = local.bundles.get(make_call(local).bundle)
+    a, b = (CheckpointRef(uuid.uuid4(), f"ck/{i}", "c" * 64) for i in range(2))
+    assert backend.served(loaded, a) is backend.served(loaded, a)
+    assert backend.served(loaded, b) is not backend.served(loaded, a)
+    assert backend.served(loaded, None) is backend.served(loaded, None) is not backend.served(loaded, a)
+    assert built == [a.id, b.id, None]
+    base = backend.served(loaded, None)
+    assert base.localizer is loaded.localizer and base.prototype is None and not base.agent.training
+
+
+def input_templates(local: LocalInference) -> Templates:
+    """Blank templates made on the test bundle's input (size, channels, fill): what the engine reads with the batch."""
+    spec = local.bundles.get(make_call(local).bundle).localizer.spec
+    return Templates(torch.zeros(1, 1, 16, 16, dtype=torch.uint8), None, spec.size, spec.channels, tuple(spec.fill))
+
+
+def noise_images(seed: int, n: int) -> list[Image.Image]:
+    g = torch.Generator().manual_seed(seed)
+    return [Image.fromarray((torch.rand(84, 84, generator=g) * 255).byte().numpy()) for _ in range(n)]
+
+
 def test_the_nearest_option_resolves_call_first_then_server_then_bundle(local):
     spec_default = local.bundles.get(make_call(local).bundle).localizer.default_nearest
     for call_nearest, server, expected in ((True, False, True), (False, True, False), (None, True, True),
@@ -192,7 +208,7 @@ def test_calls_share_a_forward_only_with_the_same_bundle_file_checkpoint_options
 def test_the_engine_reads_templates_only_where_they_were_made_on_its_input(local):
     call = make_call(local)
     spec = local.bundles.get(call.bundle).localizer.spec
-    same = Templates(torch.zeros(1, 1, 16, 16, dtype=torch.uint8), None, spec.size, spec.channels, tuple(spec.fill))
+    same = input_templates(local)
     look = serving.SecondLook(None, 0.25, 4)  # type: ignore[arg-type]
     _, prepared = local.prepare(dataclasses.replace(call, templates=same, second_look=look))
     assert prepared.templates is same and prepared.second_look is look
@@ -221,8 +237,7 @@ def test_extra_boxes_and_decoded_scales_reach_the_engine_in_input_pixels(local):
 
 def test_a_kind_check_is_read_by_the_engine_only_with_the_verifier_it_was_made_with(local, monkeypatch):
     call = make_call(local)
-    spec = local.bundles.get(call.bundle).localizer.spec
-    same = Templates(torch.zeros(1, 1, 16, 16, dtype=torch.uint8), None, spec.size, spec.channels, tuple(spec.fill))
+    same = input_templates(local)
     verifier = object()
     check = SimpleNamespace(made_with=lambda v: v is verifier)
     names = []
@@ -235,8 +250,6 @@ def test_a_kind_check_is_read_by_the_engine_only_with_the_verifier_it_was_made_w
 
 
 def test_a_busy_or_closing_engine_refuses_with_retry_after(local):
-    from app.batching import BatcherClosed, QueueFull
-
     backend = serving.BatchedInference(local.bundles, local.store, max_queue_images=3, retry_after_s=7)
     try:
         def full(*a, **k):  # type: ignore[no-untyped-def]
@@ -266,8 +279,6 @@ def test_a_backend_without_a_waiting_room_needs_no_notice_of_calls_on_their_way(
 
     class Expecting:
         def expect(self):  # type: ignore[no-untyped-def]
-            from contextlib import contextmanager
-
             @contextmanager
             def cm():  # type: ignore[no-untyped-def]
                 held.append("in")
@@ -297,11 +308,6 @@ def test_the_engines_template_windows_are_the_routes_and_extra_boxes_are_scored_
     (``app.calibration.matched_windows``), crops sized by the image's full / decoded scale -- in calls batched
     together, each with its own scales. With several instances asked for, the route's windows travel as
     ``extra_boxes`` and come back as each image's last, template candidate."""
-    from app.calibration import matched_windows
-    from models.calibration import Calibration
-    from models.core.platt import PlattFit
-    from models.core.templates import make_templates, match_crops
-
     spec = local.bundles.get(make_call(local).bundle).localizer.spec
     g = torch.Generator().manual_seed(4)
     pattern = torch.rand(1, 20, 24, generator=g)
@@ -313,7 +319,7 @@ def test_the_engines_template_windows_are_the_routes_and_extra_boxes_are_scored_
         t[:, y:y + p.shape[1], x:x + p.shape[2]] = p
         return Image.fromarray((t[0] * 255).round().byte().numpy())
 
-    kept, sizes = match_crops([pattern * 1.0])
+    kept, sizes = match_crops([pattern])
     t = Templates(make_templates([pattern]), None, spec.size, spec.channels, tuple(spec.fill), crops=kept,
                   crop_sizes=sizes)
     unsure = Calibration(PlattFit(["log_score"], [0.0], [1.0], [1.0], 0.0), None, 0.5, {},
@@ -344,8 +350,7 @@ def test_a_prepared_call_is_answered_as_the_localizer_answers_it_with_its_option
     """``run_prepared`` on one call answers what ``Localizer.localize_batch`` answers for its batch with the call's
     options: ``nearest`` against the bundle's default, a best-of-N search (the same random stream), several
     instances, trajectories kept or dropped."""
-    g = torch.Generator().manual_seed(2)
-    images = [Image.fromarray((torch.rand(84, 84, generator=g) * 255).byte().numpy()) for _ in range(3)]
+    images = noise_images(2, 3)
     loaded = local.bundles.get(make_call(local).bundle)
     default = loaded.localizer.default_nearest
     for options in (dict(nearest=not default), dict(nearest=default), dict(samples=8), dict(max_instances=3),
@@ -374,8 +379,7 @@ def test_a_prepared_call_is_answered_as_the_localizer_answers_it_with_its_option
 
 
 def test_calls_batched_together_each_get_their_own_images_answers_and_trajectories_only_if_asked(local):
-    g = torch.Generator().manual_seed(6)
-    images = [Image.fromarray((torch.rand(84, 84, generator=g) * 255).byte().numpy()) for _ in range(3)]
+    images = noise_images(6, 3)
     with_path = make_call(local, images=images[:2], trajectory=True, max_instances=2)
     without = make_call(local, images=images[2:], max_instances=2)
     (k1, p1), (k2, p2) = local.prepare(with_path), local.prepare(without)
@@ -400,8 +404,6 @@ def test_a_checkpoint_carrying_a_repaired_reward_is_served_with_its_head_and_pro
     """``served``: a checkpoint's agent state on the bundle's agent, and where the checkpoint carries a repaired
     reward (``models.bundle.Reward``), the localizer of that head and the reward's prototype, which ``prepare``
     uses in place of the set's; calls of two checkpoints never share a forward."""
-    from models.bundle import Reward
-
     loaded = local.bundles.get(make_call(local).bundle)
     head = {k: v.clone() + 0.5 for k, v in loaded.bundle.embedder.head.state_dict().items()}
     dim = loaded.bundle.prototype_dim
