@@ -57,6 +57,7 @@ EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstat
               "pool": ["-m", "not slow"],
               # the engine's tests (not the process and script settings of the API's run script)
               "serving": ["-k", "not run_script and not one_process_per_core"],
+              "engine_ncc": ["-k", "not run_script and not one_process_per_core"],
               # the Batcher's own tests (a held engine, threads; no model, no HTTP)
               "batching": ["-k", "arrive_while or stops_at_max or waiting_room or failing_batch or one_result_per_item "
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
@@ -124,6 +125,14 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "remote": ("app/remote.py", ["tests/app/test_remote_units.py"]),
     # the seam between the routes and the model: bundle and checkpoint checks, which calls share a forward pass
     "serving": ("app/serving.py", ["tests/app/test_serving_units.py", "tests/app/test_app_batching.py"]),
+    # what the local engine reads beside the model on the batch it ran: NCC features, kind checks, the second look
+    "engine_ncc": ("app/engine_ncc.py", ["tests/app/test_serving_units.py", "tests/app/test_app_batching.py"]),
+    # workers mode, the worker's side: its tasks in-process behind the API's WorkerInference (a loopback Celery), and
+    # the localize task's batching of concurrent calls (the real-worker tests take seconds a mutant)
+    "worker_localize": ("worker/localize.py", [
+        "tests/worker/test_worker_localize_units.py",
+        "tests/worker/test_worker_remote_inference.py::"
+        "test_the_localize_task_batches_concurrent_calls_with_the_same_answers"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
