@@ -107,11 +107,18 @@ def bundles_here(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def worker_ctx(bundles_here, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A worker's context, with its own batched backend: this process's (``on_worker.inference``) is left for the
+    other tests as it was."""
     settings = make_test_settings(tmp_path_factory.mktemp("worker"), bundles_here, calibration_samples=SAMPLES)
     ctx = WorkerContext.create(settings)
-    yield ctx
-    on_worker.inference(ctx).close()
-    ctx.engine.dispose()
+    kept, on_worker._backends = on_worker._backends, {}
+    try:
+        yield ctx
+    finally:
+        for backend in on_worker._backends.values():
+            backend.close()
+        on_worker._backends = kept
+        ctx.engine.dispose()
 
 
 @pytest.fixture(scope="module")
