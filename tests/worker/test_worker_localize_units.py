@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 from service_fixtures import make_test_settings, png_bytes
 
+from app import warmup
 from app.calibration import calibrate_new_set
 from app.calibration import negatives_confidence as local_negatives_confidence
 from app.config import Settings
@@ -33,6 +34,7 @@ from app.remote import (
     WorkerInference,
     decode_answer,
     encode_call,
+    encode_image,
 )
 from app.serving import InferenceRefused, LocalInference, LocalizeCall
 from app.storage import BlobStore
@@ -70,11 +72,11 @@ class Loopback:
              NEGATIVES_TASK: on_worker.negatives_confidence, BUNDLE_CHECK_TASK: on_worker.check_bundle}
 
     def __init__(self, ctx: WorkerContext):
-        self.ctx, self.sent = ctx, []
+        self.ctx, self.sent, self.last_payload = ctx, [], {}
 
     def send_task(self, name, args, **kw):  # type: ignore[no-untyped-def]
         self.sent.append(name)
-        payload = json.loads(json.dumps(args[0]))
+        payload = self.last_payload = json.loads(json.dumps(args[0]))
         return Done(json.loads(json.dumps(self.TASKS[name](self.ctx, payload))))
 
 
@@ -199,6 +201,18 @@ def test_a_new_sets_calibration_and_negatives_are_fit_on_the_worker_as_local_mod
         assert json.loads(json.dumps(other.calibration)) != made.calibration
 
 
+def test_a_new_set_asked_for_with_a_threshold_only_is_fit_on_its_crops(api, local, worker_ctx):
+    """An API of an earlier version sends a threshold without examples or negatives: the fit on the crops alone."""
+    payload = {"bundle": "test-digits", "explicit": True, "threshold": 0.6,
+               "crops": [encode_image(c) for c in crops()]}
+    out = on_worker.prototype(worker_ctx, json.loads(json.dumps(payload)))
+    loaded = local.bundles.get("test-digits")
+    want = calibrate_new_set(loaded, loaded.localizer.prototype(crops()), crops(), [], [], threshold=0.6,
+                             samples=SAMPLES, verifier=local.bundles.verifier("test-digits"))
+    assert out["calibration"] == json.loads(json.dumps(want.calibration))
+    assert (out["negatives"], out["num_negatives"]) == (None, 0)
+
+
 def test_a_new_sets_bundle_is_refused_as_local_mode_refuses_it(api):
     with pytest.raises(InferenceRefused) as e:
         api.prototype("nope", crops(), explicit=True)
@@ -248,6 +262,11 @@ def test_negatives_confidence_on_the_worker_is_local_modes(api, local):
         want = local_negatives_confidence(loaded, call.prototype, raw, ratio, call.images, boxes)
     assert got.shape == (3, 2) and torch.allclose(got, want.float(), atol=1e-6)
     assert len(set(got.flatten().tolist())) == 6
+    # boxes of whole pixels as JSON integers (a client of the task's own): read as the same boxes
+    payload = json.loads(json.dumps(api.celery.last_payload))
+    payload["boxes"] = boxes.int().tolist()
+    assert torch.allclose(torch.tensor(on_worker.negatives_confidence(api.celery.ctx, payload)["confidence"]), got,
+                          atol=1e-6)
     for bad, detail in ((replace(call, bundle_sha256="0" * 64), "was replaced"),
                         (replace(call, prototype_dim=7), "dimension 7")):
         with pytest.raises(InferenceRefused) as e:
@@ -262,6 +281,8 @@ def test_a_bundle_check_passes_for_the_installed_file_only(api, local):
     sha = local.bundles.get("test-digits").sha256
     dim = local.bundles.get("test-digits").bundle.prototype_dim
     assert api.check_bundle("test-digits", sha256=sha, prototype_dim=dim) is None
+    assert on_worker.check_bundle(api.celery.ctx, {"bundle": "test-digits", "bundle_sha256": sha,
+                                                   "prototype_dim": dim}) == {"ok": True}
     assert api.check_bundle("test-digits", sha256=None, prototype_dim=dim) is None
     for name, s, d, status, part in (("test-digits", "0" * 64, dim, 409, "was replaced"),
                                      ("test-digits", sha, dim + 1, 409, f"dimension {dim + 1}"),
@@ -289,13 +310,18 @@ def test_a_localize_call_on_the_worker_is_answered_as_local_mode_answers_it(api,
 
 
 def test_the_worker_runs_calls_on_one_batched_backend_per_process_on_its_settings(bundles_here, tmp_path, monkeypatch):
+    """On the worker's settings, episodes compiled as the API compiles them (``app.warmup``: every bundle loaded from
+    now on; none is loaded yet here, so nothing compiles)."""
     settings = make_test_settings(tmp_path, bundles_here, batch_window_ms=250, batch_max_images=5,
-                                  inference_queue_images=11, localize_nearest=True)
+                                  inference_queue_images=11, localize_nearest=True, compile_episode=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # the deployment's: left as set
     ctx = WorkerContext.create(settings)
     backends: list = []
     monkeypatch.setattr(on_worker, "_backends", {})  # (this process's, of the module's context, left as it is)
     try:
+        assert ctx.bundles.on_load is None
         backend = on_worker.inference(ctx)
+        assert isinstance(ctx.bundles.on_load, warmup.EpisodeWarmup)
         backends.append(backend)
         b = backend.batcher
         assert (b.window_s, b.max_batch, b.max_queue) == (0.25, 5, 11)

@@ -555,12 +555,13 @@ def _call(proto: bytes, dim: int, images, **kw) -> LocalizeCall:
                         checkpoint=None, images=images, **kw)
 
 
-def test_the_localize_task_batches_concurrent_calls_with_the_same_answers(bundle_dir, tmp_path):
+def test_the_localize_task_batches_concurrent_calls_with_the_same_answers(bundle_dir, tmp_path, monkeypatch):
     """``qloc.localize`` as the worker runs it (wire format in and out), called from threads at once (as the
     thread pool does): the greedy calls run as one forward pass, each sampled call alone, a refused call
     refused alone; every answer is the call's own, as if run by itself in the API."""
     settings = make_test_settings(tmp_path, bundle_dir, batch_window_ms=1000)
     ctx = WorkerContext.create(settings)
+    monkeypatch.setattr(on_worker, "_backends", {})  # this process's backend, new: its counts are this test's
     local = LocalInference(BundleRegistry(bundle_dir, "cpu"), BlobStore(tmp_path))
     loaded = ctx.bundles.get("test-digits")
     protos = [loaded.localizer.prototype([Image.open(io.BytesIO(png_bytes(28, 28, seed=s)))]) for s in (1, 2)]
@@ -587,6 +588,8 @@ def test_the_localize_task_batches_concurrent_calls_with_the_same_answers(bundle
         stats = on_worker.inference(ctx).batcher.stats
         assert (stats.items, stats.batches) == (6, 3), stats  # 4 greedy calls at once; 2 alone; 1 refused first
     finally:
+        for backend in on_worker._backends.values():
+            backend.close()
         ctx.engine.dispose()
     for call, answer in zip(calls[:-1], got, strict=False):
         answer, want = decode_answer(answer), local.localize(call)
