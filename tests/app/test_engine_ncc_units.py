@@ -160,6 +160,16 @@ def test_read_ncc_reads_each_call_as_its_verdict_would_one_read_per_set_of_templ
     for i in (0, 1, 2, 6):
         for a, b in zip(again[i], got[i], strict=True):
             assert (a is None and b is None) or torch.allclose(a, b, atol=1e-6)
+    # known, the most instances of a set one (rows of width 2): those read too
+    one = results_for(n, {0: 1, 4: 1, 6: 1})
+    first = read_ncc(calls, starts, counts, batch, scales, one)  # type: ignore[arg-type]
+    known_one = {i: (first[i][0][:, :1], first[i][1][:, :1]) for i in (0, 2)}
+    reads = t1.calls
+    second = read_ncc(calls, starts, counts, batch, scales, one, known_one)  # type: ignore[arg-type]
+    assert t1.calls == reads + 1 and t1.rows[-1] == (2, 1) and first[0][0].shape[1] == 2
+    for i in (0, 2):
+        assert torch.allclose(second[i][0], first[i][0], atol=1e-6)
+        assert torch.allclose(second[i][1], first[i][1], atol=1e-6)
     # every call of a set known, none with instances: nothing read
     plain = results_for(n, {})
     before = read_ncc(calls, starts, counts, batch, scales, plain)  # type: ignore[arg-type]
@@ -251,9 +261,8 @@ def test_the_second_look_doubts_each_answer_by_its_own_calls_rule_and_keeps_what
     c = {r: float(plan[owner[r]][1].confidence(
         distances[r:r + 1].double(), ncc=alone[r][0][:, 0], ncc_negatives=None if alone[r][1] is None
         else alone[r][1][:, 0])[0]) for r in range(n) if plan[owner[r]][1] is not None}
-    with torch.no_grad():
-        kind_p = [float(K1.probability(V1.embed_boxes(batch[r:r + 1], boxes[r][None, None]))[0, 0])
-                  for r in range(n)]
+    with torch.no_grad():  # the kind call's rows (10-12) as the engine reads them: one pass, so a bar is exact
+        kind_p = [0.0] * 10 + K1.probability(V1.embed_boxes(batch[10:13], boxes[10:13][:, None]))[:, 0].tolist()
     looks = [SecondLook(CAL_A, sorted(c[r] for r in range(3))[1], 2),  # one row at the bar exactly: not doubtful
              SecondLook(CAL_A, max(c[3], c[4]) + 1e-9, 2),  # both doubtful
              SecondLook(CAL_A, min(c[r] for r in (5, 6, 7)) - 1e-9, 2, template_bar=0.3),  # none
@@ -283,7 +292,7 @@ def test_the_second_look_doubts_each_answer_by_its_own_calls_rule_and_keeps_what
         pos = torch.cat([alone[r][0] for r in rows])
         assert torch.allclose(answer_ncc[i][0], pos, atol=1e-6)
         assert (answer_ncc[i][1] is None) == (calls[i].templates is t2)
-    assert torch.allclose(answer_kind[4][:, 0], torch.tensor(kind_p[10:13], dtype=torch.float64), atol=1e-9)
+    assert answer_kind[4][:, 0].tolist() == kind_p[10:13]
     # a kind call's NCC is read only where the check doubts: 1 row of its 3 (the kind bar at the middle one)
     assert sorted(r[0] for r in t1.rows) == [2, 3 + 3 + 2 + 1]
 
