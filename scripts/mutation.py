@@ -126,7 +126,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the seam between the routes and the model: bundle and checkpoint checks, which calls share a forward pass
     "serving": ("app/serving.py", ["tests/app/test_serving_units.py", "tests/app/test_app_batching.py"]),
     # what the local engine reads beside the model on the batch it ran: NCC features, kind checks, the second look
-    "engine_ncc": ("app/engine_ncc.py", ["tests/app/test_serving_units.py", "tests/app/test_app_batching.py"]),
+    "engine_ncc": ("app/engine_ncc.py", ["tests/app/test_engine_ncc_units.py", "tests/app/test_serving_units.py",
+                                         "tests/app/test_app_batching.py"]),
     # workers mode, the worker's side: its tasks in-process behind the API's WorkerInference (a loopback Celery), and
     # the localize task's batching of concurrent calls (the real-worker tests take seconds a mutant)
     "worker_localize": ("worker/localize.py", [
