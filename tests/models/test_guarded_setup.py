@@ -237,3 +237,65 @@ def test_the_reward_choice_decides_on_repairs_draw_and_erases_where_the_chosen_c
     tiny = guarded_setup(bundle, proto, crops, images, None, synthetic=1, generator_seed=6, choice=True,
                          labeled=job[2])
     assert tiny.choice is None  # fewer than two probes to decide on: no choice
+    assert len(tiny.guard.probes) == 4 and tiny.guard.counts == {"labeled": 3, "synthetic": 1}
+
+
+def test_the_choice_is_made_from_two_probes_on_the_jobs_probe_style(bundle, job, monkeypatch):
+    crops, images, _, proto = job
+    seen = []
+    real_choose = repair_module.choose_reward
+
+    def choose(b, scorers, probes, **kw):  # type: ignore[no-untyped-def]
+        seen.append(probes)
+        return real_choose(b, scorers, probes, **kw)
+
+    monkeypatch.setattr(repair_module, "choose_reward", choose)
+    for synthetic in (2, 4):
+        g = guarded_setup(bundle, proto, crops, images, None, synthetic=synthetic, generator_seed=1, choice=True,
+                          probe_style="soft")
+        assert g.choice is not None and g.choice.probes == 2
+        assert same(seen[-1], synthetic_probes(bundle, proto, crops, images, None, 2, gen(1, 2), style="soft"))
+
+
+def test_a_chosen_ncc_reward_is_judged_on_the_probes_images(bundle, job, monkeypatch):
+    """The NCC candidate reads the probes' pixels: the guard's faithfulness is the chosen candidate's on them."""
+    crops, images, _, proto = job
+    real = repair_module.candidate_scorers
+    monkeypatch.setattr(repair_module, "candidate_scorers",
+                        lambda b, p, c: real(b, p, c, ("embedding", "ncc")))  # here the NCC beats the embedding
+    g = guarded_setup(bundle, proto, crops, images, None, synthetic=16, generator_seed=6, choice=True,
+                      choice_margin=-10.0)
+    assert g.choice.chosen == "ncc"
+    assert g.guard.faithfulness == repair_module.scorer_faithfulness(
+        bundle, g.choice.scorer, LabeledImages(g.guard.probes.images, g.guard.probes.boxes))
+
+
+def test_every_draw_starts_from_the_starting_policy(bundle, job, monkeypatch):
+    """A job that starts from a checkpoint: repair's draws, the choice's and the guard's are erased where that policy
+    answers, and the guard's base is that policy's score."""
+    crops, images, _, proto = job
+    agent = {k: v * 0.5 if v.is_floating_point() else v for k, v in bundle.agent_state.items()}
+    spy = Spy(Repair(False, bundle, proto, {"kept": False}))
+    monkeypatch.setattr(repair_module, "repair_reward", spy)
+    g = guarded_setup(bundle, proto, crops, images, agent, synthetic=16, generator_seed=2, repair=RepairConfig())
+    (c,) = spy.calls
+    assert same(c["train"], synthetic_probes(bundle, proto, crops, images, agent, 16, gen(2, 1)))
+    assert same(c["val"], synthetic_probes(bundle, proto, crops, images, agent, 8, gen(2, 2)))
+    assert not same(c["val"], synthetic_probes(bundle, proto, crops, images, None, 8, gen(2, 2)))
+    from models.guard import Guard
+
+    ref = Guard(bundle, proto, g.guard.probes, gen(2, 4), counts=dict(g.guard.counts))
+    ref.start(agent)
+    assert g.guard.base == ref.base
+    ref.start(None)
+    assert g.guard.base != ref.base  # (the bundle's policy scores otherwise here)
+    seen = []
+    real_choose = repair_module.choose_reward
+
+    def choose(b, scorers, probes, **kw):  # type: ignore[no-untyped-def]
+        seen.append(probes)
+        return real_choose(b, scorers, probes, **kw)
+
+    monkeypatch.setattr(repair_module, "choose_reward", choose)
+    guarded_setup(bundle, proto, crops, images, agent, synthetic=16, generator_seed=2, choice=True)
+    assert same(seen[0], synthetic_probes(bundle, proto, crops, images, agent, 8, gen(2, 2)))
