@@ -18,7 +18,7 @@ from models.bundle import Start, load_bundle
 from models.data.types import LabeledImages, exemplar_crops
 from models.evaluate import ranking
 from models.experiments.datasets import GlyphKind
-from models.guard import GuardConfig, synthetic_probes
+from models.guard import Guard, GuardConfig, synthetic_probes
 from models.inference import Localizer
 from models.repair import MIN_TRAIN_PROBES, Repair, RepairConfig, guarded_setup
 from models.train.embedding import Interrupted
@@ -65,6 +65,20 @@ class Spy:
         self.calls.append({"bundle": bundle, "crops": crops, "train": train, "val": val, "cfg": cfg,
                            "should_stop": should_stop})
         return self.out
+
+
+@pytest.fixture
+def choices(monkeypatch):  # type: ignore[no-untyped-def]
+    """The arguments of every ``choose_reward`` call (it still chooses)."""
+    seen: list[dict] = []
+    real = repair_module.choose_reward
+
+    def choose(b, scorers, probes, **kw):  # type: ignore[no-untyped-def]
+        seen.append({"bundle": b, "scorers": scorers, "probes": probes, **kw})
+        return real(b, scorers, probes, **kw)
+
+    monkeypatch.setattr(repair_module, "choose_reward", choose)
+    return seen
 
 
 def same(a: LabeledImages, b: LabeledImages) -> bool:
@@ -114,8 +128,6 @@ def test_the_guard_judges_the_start_with_the_bundles_own_head_and_its_draw_is_se
     plain = guarded_setup(bundle, proto, crops, images, None, synthetic=16, generator_seed=2)
     assert plain.repair is None and plain.reward == "bundle head"
     # the start's score is the bundle head's on the guard's probes
-    from models.guard import Guard
-
     ref = Guard(bundle, proto, g.guard.probes, gen(2, 4), counts=dict(g.guard.counts))
     ref.start(None)
     assert g.guard.base == ref.base
@@ -194,23 +206,14 @@ def test_the_guards_probes_are_the_labeled_examples_first_then_the_synthetic_dra
 
 
 def test_the_reward_choice_decides_on_repairs_draw_and_erases_where_the_chosen_candidate_finds_the_object(
-        bundle, job, monkeypatch):
+        bundle, job, monkeypatch, choices):
     crops, images, _, proto = job
     rep = kept_repair(bundle, crops)
     spy = Spy(rep)
     monkeypatch.setattr(repair_module, "repair_reward", spy)
-    chose = []
-    real_choose = repair_module.choose_reward
-
-    def choose(b, scorers, probes, **kw):  # type: ignore[no-untyped-def]
-        out = real_choose(b, scorers, probes, **kw)
-        chose.append({"bundle": b, "scorers": scorers, "probes": probes, **kw})
-        return out
-
-    monkeypatch.setattr(repair_module, "choose_reward", choose)
     g = guarded_setup(bundle, proto, crops, images, None, synthetic=16, generator_seed=6, repair=RepairConfig(),
                       choice=True, choice_margin=-10.0)
-    (c,) = chose
+    (c,) = choices
     assert c["bundle"] is rep.bundle and c["margin"] == -10.0 and c["seed"] == 6
     assert c["probes"] is spy.calls[0]["val"]  # the probes repair decided on
     assert torch.equal(c["scorers"]["embedding"].prototype, rep.prototype)  # the kept head's
@@ -221,12 +224,12 @@ def test_the_reward_choice_decides_on_repairs_draw_and_erases_where_the_chosen_c
     assert g.guard.faithfulness == repair_module.scorer_faithfulness(
         rep.bundle, g.choice.scorer, LabeledImages(g.guard.probes.images, g.guard.probes.boxes, g.guard.feats))
     # without repair: the same draw is made for the choice; a choice of the embedding keeps the kept erasure
-    chose.clear()
+    choices.clear()
     plain = guarded_setup(bundle, proto, crops, images, None, synthetic=16, generator_seed=6, choice=True,
                           choice_margin=10.0)
     assert plain.choice.chosen == "embedding" and plain.scorer is None
-    assert same(chose[0]["probes"], synthetic_probes(bundle, proto, crops, images, None, 8, gen(6, 2)))
-    assert chose[0]["bundle"] is bundle and chose[0]["margin"] == 10.0
+    assert same(choices[0]["probes"], synthetic_probes(bundle, proto, crops, images, None, 8, gen(6, 2)))
+    assert choices[0]["bundle"] is bundle and choices[0]["margin"] == 10.0
     assert same(plain.guard.probes, synthetic_probes(bundle, proto, crops, images, None, 16, gen(6, 3)))
     kept_embedding = guarded_setup(bundle, proto, crops, images, None, synthetic=16, generator_seed=6,
                                    repair=RepairConfig(), choice=True, choice_margin=10.0)
@@ -240,21 +243,14 @@ def test_the_reward_choice_decides_on_repairs_draw_and_erases_where_the_chosen_c
     assert len(tiny.guard.probes) == 4 and tiny.guard.counts == {"labeled": 3, "synthetic": 1}
 
 
-def test_the_choice_is_made_from_two_probes_on_the_jobs_probe_style(bundle, job, monkeypatch):
+def test_the_choice_is_made_from_two_probes_on_the_jobs_probe_style(bundle, job, choices):
     crops, images, _, proto = job
-    seen = []
-    real_choose = repair_module.choose_reward
-
-    def choose(b, scorers, probes, **kw):  # type: ignore[no-untyped-def]
-        seen.append(probes)
-        return real_choose(b, scorers, probes, **kw)
-
-    monkeypatch.setattr(repair_module, "choose_reward", choose)
     for synthetic in (2, 4):
         g = guarded_setup(bundle, proto, crops, images, None, synthetic=synthetic, generator_seed=1, choice=True,
                           probe_style="soft")
         assert g.choice is not None and g.choice.probes == 2
-        assert same(seen[-1], synthetic_probes(bundle, proto, crops, images, None, 2, gen(1, 2), style="soft"))
+        want = synthetic_probes(bundle, proto, crops, images, None, 2, gen(1, 2), style="soft")
+        assert same(choices[-1]["probes"], want)
 
 
 def test_a_chosen_ncc_reward_is_judged_on_the_probes_images(bundle, job, monkeypatch):
@@ -270,7 +266,7 @@ def test_a_chosen_ncc_reward_is_judged_on_the_probes_images(bundle, job, monkeyp
         bundle, g.choice.scorer, LabeledImages(g.guard.probes.images, g.guard.probes.boxes))
 
 
-def test_every_draw_starts_from_the_starting_policy(bundle, job, monkeypatch):
+def test_every_draw_starts_from_the_starting_policy(bundle, job, monkeypatch, choices):
     """A job that starts from a checkpoint: repair's draws, the choice's and the guard's are erased where that policy
     answers, and the guard's base is that policy's score."""
     crops, images, _, proto = job
@@ -282,20 +278,10 @@ def test_every_draw_starts_from_the_starting_policy(bundle, job, monkeypatch):
     assert same(c["train"], synthetic_probes(bundle, proto, crops, images, agent, 16, gen(2, 1)))
     assert same(c["val"], synthetic_probes(bundle, proto, crops, images, agent, 8, gen(2, 2)))
     assert not same(c["val"], synthetic_probes(bundle, proto, crops, images, None, 8, gen(2, 2)))
-    from models.guard import Guard
-
     ref = Guard(bundle, proto, g.guard.probes, gen(2, 4), counts=dict(g.guard.counts))
     ref.start(agent)
     assert g.guard.base == ref.base
     ref.start(None)
     assert g.guard.base != ref.base  # (the bundle's policy scores otherwise here)
-    seen = []
-    real_choose = repair_module.choose_reward
-
-    def choose(b, scorers, probes, **kw):  # type: ignore[no-untyped-def]
-        seen.append(probes)
-        return real_choose(b, scorers, probes, **kw)
-
-    monkeypatch.setattr(repair_module, "choose_reward", choose)
     guarded_setup(bundle, proto, crops, images, agent, synthetic=16, generator_seed=2, choice=True)
-    assert same(seen[0], synthetic_probes(bundle, proto, crops, images, agent, 8, gen(2, 2)))
+    assert same(choices[0]["probes"], synthetic_probes(bundle, proto, crops, images, agent, 8, gen(2, 2)))
