@@ -134,9 +134,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/worker/test_worker_localize_units.py",
         "tests/worker/test_worker_remote_inference.py::"
         "test_the_localize_task_batches_concurrent_calls_with_the_same_answers"]),
-    # the calibration refresh at the end of a job: real jobs in-process (seconds each), the refreshed checkpoints served
+    # the calibration refresh at the end of a job: real jobs in-process (seconds each), what each fit is given, the
+    # refreshed checkpoints served
     "calibrations": ("worker/calibrations.py", [
-        "tests/worker/test_worker_calibration.py",
+        "tests/worker/test_worker_calibration_refresh.py", "tests/worker/test_worker_calibration.py",
         "tests/worker/test_worker_jobs.py::test_a_set_made_without_a_calibration_gets_its_kind_check_in_its_jobs_calibrations"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),

@@ -32,9 +32,10 @@ from worker.probes import set_examples
 @pytest.fixture
 def settings(settings):
     """A job's guard on 16 probes (``FAST_JOB``'s), the calibration on 12 samples of its own, no reward repair (the
-    set's negatives then apply; a kept repair's case is ``test_a_repaired_head_...``)."""
+    set's negatives then apply; a kept repair's case is ``test_a_repaired_head_...``), images decoded at most 32 px
+    on a side (the set's second crop, 48 px, is read downscaled)."""
     return settings.model_copy(update={"synthetic_probes": FAST_JOB["synthetic_probes"], "calibration_samples": 12,
-                                       "reward_repair": False})
+                                       "reward_repair": False, "decode_max_side": 32})
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def finished(client, settings, monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(jobs, "refreshed_calibrations", keep)
     ctx = WorkerContext.create(settings)
     es = client.post("/v1/exemplar-sets", data={"threshold": "0.7"},
-                     files=files(png_bytes(28, 28, seed=9), png_bytes(30, 26, seed=10))
+                     files=files(png_bytes(28, 28, seed=9), png_bytes(48, 40, seed=10))
                      + files(png_bytes(28, 28, seed=4), png_bytes(24, 30, seed=5), field="negative_files")).json()
     r = client.post(f"/v1/exemplar-sets/{es['id']}/adaptations", data={"iterations": "4", "seed": "5"},
                     files=files(*[png_bytes(84, 84, seed=i) for i in range(4)]))
@@ -82,6 +83,10 @@ def test_each_checkpoint_is_fit_on_its_own_answers_erased_and_the_jobs_probes(fi
         assert cal["iteration"] == by_id[cid] and cal["threshold"] == 0.7
     spy = Spy()
     monkeypatch.setattr(calibrations, "calibrate_policy", spy)
+    policies = []
+    real_answers = calibrations.answers
+    monkeypatch.setattr(calibrations, "answers", lambda loc, agent, *a, **kw: policies.append(agent) or real_answers(
+        loc, agent, *a, **kw))
     cid = run.last_checkpoint_id
     again = calibrations.refreshed_calibrations(run, {cid, uuid.uuid4(), None})
     assert set(again) == {cid} and again[cid] == out[cid]  # the same fit, for the asked ones it wrote
@@ -97,6 +102,11 @@ def test_each_checkpoint_is_fit_on_its_own_answers_erased_and_the_jobs_probes(fi
     assert c["agent_state"].keys() == agent.keys()
     assert all(torch.equal(c["agent_state"][k], v) for k, v in agent.items())  # the checkpoint's own policy
     assert len(c["crops"]) == 2 and all(torch.equal(a, b) for a, b in zip(c["crops"], crops, strict=True))
+    assert max(c["crops"][1].shape[1:]) == 32  # decoded as the service decodes: downscaled
+    # the checkpoint's answers are erased: read with its policy (the job moved it from the bundle's)
+    (policy,) = policies
+    assert all(torch.equal(v, agent[k]) for k, v in policy.state_dict().items())
+    assert any(not torch.equal(v, agent[k]) for k, v in setup.bundle.agent_state.items() if k in agent)
     loc = c["loc"]
     assert loc.bundle is setup.bundle and c["nearest"] == loc.default_nearest
     boxes, _ = answers(loc, loc.agent(agent), setup.prototype, run.images01, nearest=loc.default_nearest)
@@ -168,10 +178,15 @@ def test_the_refresh_gives_up_without_failing_the_job(finished, monkeypatch, cap
     run, _, _, _ = finished
     cid = run.last_checkpoint_id
     assert calibrations.refreshed_calibrations(run, {uuid.uuid4()}) == {}  # none of its checkpoints asked
-    for attr in ("setup", "images01"):
+    with caplog.at_level(logging.ERROR, logger="worker.calibrations"):
+        for attr in ("setup", "images01"):  # a job that failed before its setup or its images: nothing to refresh
+            with monkeypatch.context() as m:
+                m.setattr(run, attr, None)
+                assert calibrations.refreshed_calibrations(run, {cid}) == {}
         with monkeypatch.context() as m:
-            m.setattr(run, attr, None)
+            m.delattr(run, "images01")  # failed before it decoded them
             assert calibrations.refreshed_calibrations(run, {cid}) == {}
+    assert caplog.text == ""  # not a failure of the refresh
 
     def broken(*a, **kw):  # type: ignore[no-untyped-def]
         raise RuntimeError("fit failed")
