@@ -19,7 +19,7 @@ from service_fixtures import FAST_JOB, files, png_bytes
 
 from app.inference import prototype_from_bytes, read_checkpoint
 from app.tables import Checkpoint
-from models.calibration import answers, stored_kind, stored_negative_templates
+from models.calibration import answers, stored_negative_templates
 from models.data.probes import erase_boxes
 from models.inference import Localizer
 from models.verifier import KindCheck
@@ -162,7 +162,6 @@ def test_a_set_without_a_calibration_gets_its_kind_check_made_and_a_stored_one_i
     cid = run.last_checkpoint_id
     out = calibrations.refreshed_calibrations(run, {cid})
     assert spy.calls[-1]["verifier"] is None and out[cid]["kind"] == check.to_dict()  # the stored check, kept
-    assert stored_kind(stored) == check
     monkeypatch.setattr(run, "exemplar_set", replace_row(row, calibration=None))
     calibrations.refreshed_calibrations(run, {cid})
     assert spy.calls[-1]["verifier"] is verifier and spy.calls[-1]["negative_templates"] is None
