@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from service_fixtures import make_test_settings, png_bytes
+from service_fixtures import TEST_BUNDLES, install_bundle, make_test_settings, png_bytes
 
 from app import warmup
 from app.calibration import calibrate_new_set
@@ -87,15 +87,13 @@ class Watch:
 
 
 @pytest.fixture(scope="module")
-def bundles_here(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """The test bundles, a verifier beside ``test-digits`` (random weights; its first kind is the test crops', so that
-    a set of them gets a kind check), and a file of bundle ``broken`` that does not load."""
-    from models.bundle import new_bundle, save_bundle
-    from models.presets import mnist_config
-
+def bundles_here(bundle_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The test bundles (copies of ``bundle_dir``'s), a verifier beside ``test-digits`` (random weights; its first
+    kind is the test crops', so that a set of them gets a kind check), and a file of bundle ``broken`` that does not
+    load."""
     d = tmp_path_factory.mktemp("bundles")
-    for seed, name in enumerate(("test-digits", "test-other")):
-        save_bundle(d / f"{name}.pt", new_bundle(name, mnist_config(), seed=seed))
+    for name in TEST_BUNDLES:
+        install_bundle(d, bundle_dir / f"{name}.pt", name)
     torch.manual_seed(3)
     verifier = KindVerifier(1, ["0", "1", "background"]).eval()
     with torch.no_grad():
