@@ -139,6 +139,16 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "calibrations": ("worker/calibrations.py", [
         "tests/worker/test_worker_calibration_refresh.py", "tests/worker/test_worker_calibration.py",
         "tests/worker/test_worker_jobs.py::test_a_set_made_without_a_calibration_gets_its_kind_check_in_its_jobs_calibrations"]),
+    # the bundle registry: bundles by name and by content, a replaced file, verifiers, the policy cache; checkpoint and
+    # head blobs
+    "registry": ("app/inference.py", [
+        "tests/app/test_app_bundle_identity.py", "tests/app/test_app_verifier.py",
+        "tests/worker/test_worker_bundle_identity.py"]),
+    # workers mode: the API's watch on the localize queue's consumers
+    "localize_watch": ("app/localize_watch.py", ["tests/app/test_localize_watch_units.py",
+                                                 "tests/app/test_remote_units.py"]),
+    # the cMNIST generator every cMNIST number is measured on
+    "cmnist": ("models/data/cmnist.py", ["tests/models/test_cmnist.py", "tests/models/test_cmnist_generate.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
