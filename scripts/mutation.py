@@ -142,7 +142,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the bundle registry: bundles by name and by content, a replaced file, verifiers, the policy cache; checkpoint and
     # head blobs
     "registry": ("app/inference.py", [
-        "tests/app/test_app_bundle_identity.py", "tests/app/test_app_verifier.py",
+        "tests/app/test_registry_units.py", "tests/app/test_app_bundle_identity.py", "tests/app/test_app_verifier.py",
         "tests/worker/test_worker_bundle_identity.py"]),
     # workers mode: the API's watch on the localize queue's consumers
     "localize_watch": ("app/localize_watch.py", ["tests/app/test_localize_watch_units.py",

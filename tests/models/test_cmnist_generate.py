@@ -5,6 +5,9 @@ benchmarks and the shipped bundles are measured on, so a split that leaks or a b
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -130,3 +133,64 @@ def test_two_digit_images_hold_both_digits_of_their_split_apart_and_three_patche
         out[b[1]:b[3], b[0]:b[2]] = 0
         assert 1 <= len(np.unique(out[out > 0])) <= 3
     assert not torch.equal(first.boxes, generate_pair((3, 8), "val", n=8, seed=1)[0].boxes)
+
+
+def digest(*arrays) -> str:  # type: ignore[no-untyped-def]
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a.numpy()).tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_the_generated_images_are_the_ones_every_cmnist_number_was_measured_on():
+    """Every cMNIST figure in BENCHMARKS.md and every shipped grayscale bundle's training came from these generators
+    (unchanged since 2026-11-26): a change to what they draw (a range, a seed's parts, a constant, numpy's streams)
+    changes the benchmarks' data, so it shows here. A deliberate change re-runs the benchmarks and updates these."""
+    cases = {
+        "patch": CMnistSpec(4, "train", 6, "patch", seed=0), "clutter": CMnistSpec(4, "train", 6, "clutter", seed=1),
+        "impulse": CMnistSpec(3, "val", 6, "impulse", seed=2), "gaussian": CMnistSpec(2, "test", 6, "gaussian", seed=3),
+        "none": CMnistSpec(7, "test", 6, "none", seed=4, offset=10)}
+    got = {name: digest(b.images, b.boxes) for name, b in ((k, generate(s)) for k, s in cases.items())}
+    first, second = generate_pair((4, 9), "test", n=6, seed=0)
+    got["pair"] = digest(first.images, first.boxes, second.boxes)
+    assert got == {"patch": "cbdd18ddd81d37c5", "clutter": "f71c4386f665fbd9", "impulse": "035e320290393ef7",
+                   "gaussian": "c41d353bb3368637", "none": "6dfe670790cd88c6", "pair": "3dfcffb8c6579c9f"}
+
+
+def test_two_digit_images_default_to_fifty_of_seed_0_as_float32_in_0_1():
+    first, second = generate_pair((1, 7))
+    again, _ = generate_pair((1, 7), "train", n=50, seed=0)
+    assert len(first) == 50 and torch.equal(first.images, again.images)
+    for batch, d in ((first, 1), (second, 7)):
+        assert batch.images.dtype == torch.float32 and batch.boxes.dtype == torch.float32
+        assert batch.labels.dtype == torch.long and batch.labels.tolist() == [d] * 50
+        assert batch.images.shape == (50, 1, 84, 84)
+    assert float(first.images.min()) >= 0 and float(first.images.max()) == 1.0  # MNIST's ink reaches 255
+
+
+def test_two_digit_images_draw_each_digit_from_the_splits_part_and_place_them_over_the_whole_canvas():
+    x, y = TRAIN
+    first, second = generate_pair((0, 6), "val", n=300, seed=2)
+    for batch, d in ((first, 0), (second, 6)):
+        allowed = _source_indices(y, d, "val", 0.2)
+        sources = [source_of(c, x, allowed) for c in digit_crops(batch)[:20]]
+        assert None not in sources and len(set(sources)) == 20
+        corners = batch.boxes[:, :2]
+        assert float(corners.min()) == 0 and float(corners.max()) == 84 - 28  # every position, both edges
+    a, b = first.boxes, second.boxes
+    dx, dy = (a[:, 0] - b[:, 0]).abs(), (a[:, 1] - b[:, 1]).abs()
+    assert bool(((dx >= 28) | (dy >= 28)).all())  # apart: no overlap
+    assert bool(((dx < 28) | (dy < 28)).any())  # ... on one axis only is enough: side by side, or one above the other
+    assert not torch.equal(first.images, generate_pair((0, 6), "train", n=300, seed=2)[0].images)
+    assert not torch.equal(first.images, generate_pair((6, 0), "val", n=300, seed=2)[1].images)
+
+
+def test_the_data_directory_given_is_read_before_the_environments(tmp_path, monkeypatch):
+    from models.data import DATA_DIR_ENV
+
+    repo = Path(__file__).resolve().parents[2] / "data" / "mnist"
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))  # holds no MNIST
+    assert len(generate(CMnistSpec(2, "test", 3, "none"), data_dir=str(repo))) == 3
+    assert len(generate_pair((2, 5), "test", n=3, data_dir=str(repo))[0]) == 3
+    with pytest.raises(FileNotFoundError):
+        generate_pair((2, 5), "test", n=3)
