@@ -63,6 +63,10 @@ EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstat
                                  "or close_answers or window_holds or idle_engine or on_their_way_hold "
                                  "or each_batch_is_observed or settings_are_checked or batcher_"]}
 
+# mutmut's per-mutant limit, (constant, multiplier): 2 x (the tests' time + constant) x multiplier seconds of CPU. A
+# generator's `while` loop that a mutant never ends would hold a child 10 minutes at the default.
+TIMEOUTS = {"cmnist": (5.0, 2.0)}
+
 MODULES: dict[str, tuple[str, list[str]]] = {
     "boxes": ("models/core/boxes.py", CORE_TESTS),
     "actions": ("models/core/actions.py", CORE_TESTS),
@@ -149,6 +153,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                                  "tests/app/test_remote_units.py"]),
     # the cMNIST generator every cMNIST number is measured on
     "cmnist": ("models/data/cmnist.py", ["tests/models/test_cmnist.py", "tests/models/test_cmnist_generate.py"]),
+    # the several-instances benchmark's images (cMNIST; the photo generator's tests need no photo files)
+    "multi": ("models/data/multi.py", ["tests/models/test_multi.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
@@ -176,7 +182,8 @@ only_mutate = ["{source}"]
 also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini"])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-q", "-x", *EXTRA_ARGS.get(name, [])])}
-timeout_constant = 20.0
+timeout_constant = {TIMEOUTS.get(name, (20.0, 15.0))[0]}
+timeout_multiplier = {TIMEOUTS.get(name, (20.0, 15.0))[1]}
 do_not_mutate_patterns = ['^\\s*log\\.(debug|info|warning|error|exception)\\(']
 """
     with open(workdir / "pyproject.toml", "a", encoding="utf-8") as f:

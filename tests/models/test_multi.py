@@ -111,6 +111,23 @@ def test_place_follows_the_overlap_rule_and_refuses_what_cannot_fit():
         place([(28, 28)] * 10, 84, 0, rng)  # at most 9 disjoint frames
 
 
+def test_cmnist_multi_draws_the_images_every_several_instances_number_was_measured_on():
+    """BENCHMARKS.md's several-instances figures on cMNIST were measured on these images (the generator unchanged
+    since 2026-11-26): a change to what it draws (counts, kinds, placement, patches, seeds, numpy's streams) shows
+    here. A deliberate change re-runs the benchmark and updates these."""
+    import hashlib
+
+    def digest(b) -> str:  # type: ignore[no-untyped-def]
+        h = hashlib.sha256(np.ascontiguousarray(b.images.numpy()).tobytes())
+        for t in (*b.boxes, *b.distractor_boxes, *b.distractor_labels):
+            h.update(np.ascontiguousarray(t.numpy()).tobytes() + b"|")
+        return h.hexdigest()[:16]
+
+    assert digest(cmnist_multi(4, "test", n=32, seed=0)) == "aaaf3d27e1dfff20"
+    assert digest(cmnist_multi(7, "val", n=8, seed=1, background="clutter", min_instances=2, max_instances=3,
+                               distractors=(1, 2))) == "6c3f4966156018f8"
+
+
 def test_photos_multi_boxes_are_the_pasted_cutouts(tmp_path):
     """Red discs (the query) and blue discs (a distractor class) on green, no jitter, no overlap: the red
     channel's tight box inside each instance box is that box."""
