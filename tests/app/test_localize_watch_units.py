@@ -87,8 +87,8 @@ def test_an_absence_takes_two_misses_in_a_row_and_a_reply_ends_it(celery, caplog
         w.check()
         assert (w.workers, w.misses) == (0, 2)
         why = w.absent()
-        assert why is not None and why.startswith(f"no worker consumes queue {QUEUE!r} (none answered the last 2 "
-                                                  "checks, 0 s ago): start a localize worker")
+        assert why == (f"no worker consumes queue {QUEUE!r} (none answered the last 2 checks, 0 s ago): start a "
+                       "localize worker (README, workers mode); retry later")
         w.check()  # a broadcast that returns nothing at all: one more miss
         assert (w.workers, w.misses) == (0, 3)
         assert w.absent().startswith(f"no worker consumes queue {QUEUE!r} (none answered the last 3 checks")
@@ -111,15 +111,17 @@ def test_the_wait_named_in_an_absence_is_the_time_since_the_last_check(celery):
     assert "(none answered the last 2 checks, 3 s ago)" in w.absent()
 
 
-def test_a_watch_that_stopped_tells_nothing(celery):
+@pytest.mark.parametrize("reply_s", [1.0, 0.25])
+def test_a_watch_that_stopped_tells_nothing(celery, monkeypatch, reply_s):
     """Its last answers are older than an interval, two replies' waits and the absent recheck: not evidence."""
+    monkeypatch.setattr(ConsumerWatch, "REPLY_S", reply_s)
     w = watch_on(celery, [])
     w.check()
     w.check()
     limit = w.interval_s + 2 * ConsumerWatch.REPLY_S + ConsumerWatch.ABSENT_EVERY_S
-    w.checked_at = time.monotonic() - limit + 0.5
+    w.checked_at = time.monotonic() - limit + 0.1
     assert w.absent() is not None and w.readiness().startswith("error: no worker consumes")
-    w.checked_at = time.monotonic() - limit - 0.5
+    w.checked_at = time.monotonic() - limit - 0.1
     assert w.absent() is None and w.gone("loc@a") is None
     assert w.readiness() == "unknown: no worker answered the last check; checking again"
 
@@ -272,6 +274,16 @@ def test_the_watch_rechecks_soon_while_a_worker_is_missing_and_at_its_interval_o
         assert len(celery.control.broadcast.calls) == 2
     finally:
         w.stop()
+
+
+def test_a_short_interval_is_kept_between_checks(celery):
+    w = watch_on(celery, [reply("loc@a", QUEUE)], interval_s=0.1)
+    w.start()
+    try:
+        time.sleep(0.55)
+    finally:
+        w.stop()
+    assert 3 <= len(celery.control.broadcast.calls) <= 7  # one at start, then one every 0.1 s
 
 
 def test_a_watch_turned_off_starts_no_thread(celery):
