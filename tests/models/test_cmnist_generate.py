@@ -195,3 +195,28 @@ def test_the_data_directory_given_is_read_before_the_environments(tmp_path, monk
     assert len(generate_pair((2, 5), "test", n=3, data_dir=str(repo))[0]) == 3
     with pytest.raises(FileNotFoundError):
         generate_pair((2, 5), "test", n=3)
+
+
+class CountingRng:
+    """A numpy ``Generator`` that counts its ``integers`` draws."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.draws = np.random.default_rng(seed), 0
+
+    def integers(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.draws += 1
+        return self.rng.integers(*args, **kwargs)
+
+
+def test_clutter_gives_up_on_a_canvas_with_no_room_after_2000_tries():
+    """Every 6x6 spot holds ink: no piece fits, and the search ends after its budget (two position draws a try)."""
+    from models.data.cmnist import _clutter
+
+    canvas = np.ones((84, 84))
+    rng = CountingRng(0)
+    _clutter(canvas, TRAIN[0][:10], rng)  # type: ignore[arg-type]
+    assert rng.draws == 2 * 2000 and float(canvas.min()) == 1.0
+    half = np.ones((84, 84))
+    half[:, :6] = 0  # room for pieces in one column only: they fill it, then the tries run out
+    _clutter(half, TRAIN[0][:10], CountingRng(1))  # type: ignore[arg-type]
+    assert 0 < int((half[:, :6] > 0).sum()) <= 14 * 36
