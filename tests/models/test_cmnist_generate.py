@@ -74,6 +74,11 @@ def test_splits_seeds_and_backgrounds_draw_apart():
         assert not torch.equal(base.boxes, generate(other).boxes)
 
 
+def test_mnist_has_two_files_and_other_splits_are_refused_by_name():
+    with pytest.raises(ValueError, match="^split must be 'train' or 'test', got 'val'$"):
+        load_mnist("val")  # val is a part of the train file: generate's split, not a file
+
+
 def test_an_offset_past_the_split_is_refused_by_name():
     n = int((TRAIN[1] == 9).sum() * 0.2)
     generate(CMnistSpec(9, "val", 1, "none", offset=n - 1))  # the last one is still there

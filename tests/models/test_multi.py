@@ -111,6 +111,49 @@ def test_place_follows_the_overlap_rule_and_refuses_what_cannot_fit():
         place([(28, 28)] * 10, 84, 0, rng)  # at most 9 disjoint frames
 
 
+def test_cmnist_multi_defaults_to_fifty_test_images_of_seed_0_and_names_its_query():
+    b = cmnist_multi(4)
+    assert len(b) == 50 and b.query == 4 and b.images.shape == (50, 1, CANVAS, CANVAS)
+    assert torch.equal(b.images, cmnist_multi(4, "test", 50, seed=0).images)
+    assert all(lab.dtype == torch.long for lab in b.distractor_labels)
+
+
+def test_cmnist_multi_splits_draw_apart_and_the_data_directory_given_is_read(tmp_path, monkeypatch):
+    from models.data import DATA_DIR_ENV
+
+    train, val = (cmnist_multi(4, s, 32, seed=0) for s in ("train", "val"))
+    assert train.counts.tolist() != val.counts.tolist()  # each split's own stream, from the first draw on
+    repo = Path(__file__).resolve().parents[2] / "data" / "mnist"
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))  # holds no MNIST
+    assert len(cmnist_multi(4, n=2, data_dir=str(repo))) == 2
+    with pytest.raises(FileNotFoundError):
+        cmnist_multi(4, n=2)
+
+
+def test_cmnist_multi_refuses_what_it_cannot_draw_by_name():
+    with pytest.raises(ValueError, match=r"^background must be one of \('patch', 'clutter', 'impulse', 'gaussian', "
+                                         r"'none'\), got 'fog'$"):
+        cmnist_multi(4, n=1, background="fog")
+    with pytest.raises(ValueError, match="^need 1 <= min_instances <= max_instances, got 3, 2$"):
+        cmnist_multi(4, n=1, min_instances=3, max_instances=2)
+    with pytest.raises(ValueError, match="^need 1 <= min_instances"):
+        cmnist_multi(4, n=1, min_instances=0)
+    with pytest.raises(ValueError, match=r"^distractors must be \(min, max\) with 0 <= min <= max, got \(2, 1\)$"):
+        cmnist_multi(4, n=1, distractors=(2, 1))
+    with pytest.raises(ValueError, match="^distractors must be"):
+        cmnist_multi(4, n=1, distractors=(-1, 1))
+    assert len(cmnist_multi(4, n=1, background="none", distractors=(0, 0))) == 1
+
+
+def test_place_takes_an_object_as_large_as_the_canvas_and_refuses_a_larger_one_on_either_side():
+    rng = np.random.default_rng(0)
+    assert place([(84, 84)], 84, 0, rng) == [(0, 0, 84, 84)]
+    assert place([(84, 10)], 84, 0, rng)[0][::2] == (0, 84)
+    for w, h in ((85, 10), (10, 85)):
+        with pytest.raises(ValueError, match=f"^an object of {w}x{h} px does not fit on a 84x84 canvas$"):
+            place([(w, h)], 84, 0, rng)
+
+
 def test_cmnist_multi_draws_the_images_every_several_instances_number_was_measured_on():
     """BENCHMARKS.md's several-instances figures on cMNIST were measured on these images (the generator unchanged
     since 2026-11-26): a change to what it draws (counts, kinds, placement, patches, seeds, numpy's streams) shows
@@ -128,14 +171,18 @@ def test_cmnist_multi_draws_the_images_every_several_instances_number_was_measur
                                distractors=(1, 2))) == "6c3f4966156018f8"
 
 
-def test_photos_multi_boxes_are_the_pasted_cutouts(tmp_path):
-    """Red discs (the query) and blue discs (a distractor class) on green, no jitter, no overlap: the red
-    channel's tight box inside each instance box is that box."""
+def disc_manifest(root: Path) -> dict:
+    """Red discs (a query class) and blue discs (a distractor class), two files each, on a green background. Each
+    disc has a 1-px antenna out to its file's left and top edges, which scaling down often thins below the alpha
+    threshold: a cut-out's box then starts inside the pasted square, not at its corner."""
     rng = np.random.default_rng(0)
 
     def disc(side: int, color: tuple[int, int, int]) -> Image.Image:
         yy, xx = np.mgrid[:side, :side] / side - 0.5
         alpha = (np.hypot(xx, yy) < 0.45).astype(np.float64)
+        alpha[:, :4], alpha[:3, :] = 0, 0
+        alpha[side // 2, :side // 4] = 1.0
+        alpha[0, side // 3:side // 2] = 1.0
         rgb = np.broadcast_to(np.array(color, float), (side, side, 3))
         return Image.fromarray(np.dstack([rgb, alpha * 255]).round().astype(np.uint8), "RGBA")
 
@@ -143,10 +190,16 @@ def test_photos_multi_boxes_are_the_pasted_cutouts(tmp_path):
     for name, color in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
         objects[name] = []
         for i in range(2):
-            disc(30 + 10 * i + int(rng.integers(5)), color).save(tmp_path / f"{name}{i}.png")
+            disc(30 + 10 * i + int(rng.integers(5)), color).save(root / f"{name}{i}.png")
             objects[name].append({"path": f"{name}{i}.png", "split": "test"})
-    Image.new("RGB", (120, 100), (0, 255, 0)).save(tmp_path / "bg.png")
-    manifest = {"root": str(tmp_path), "objects": objects, "backgrounds": [{"path": "bg.png", "split": "test"}]}
+    Image.new("RGB", (120, 100), (0, 255, 0)).save(root / "bg.png")
+    return {"root": str(root), "objects": objects, "backgrounds": [{"path": "bg.png", "split": "test"}]}
+
+
+def test_photos_multi_boxes_are_the_pasted_cutouts(tmp_path):
+    """No jitter, no overlap: the red channel's tight box inside each instance box is that box (the blue one for a
+    distractor), and a disc's colour replaces the background under it."""
+    manifest = disc_manifest(tmp_path)
     params = PasteParams(object_side=(0.2, 0.3), brightness=0.0, contrast=0.0, saturation=0.0)
     b = photos_multi(manifest, "red", "test", 6, seed=0, size=96, max_overlap=0, params=params)
     assert b.images.shape == (6, 3, 96, 96)
@@ -156,8 +209,32 @@ def test_photos_multi_boxes_are_the_pasted_cutouts(tmp_path):
             x1, y1, x2, y2 = (int(v) for v in box)
             ys, xs = torch.nonzero(img[channel, y1:y2, x1:x2] >= 0.5, as_tuple=True)
             assert (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1) == (0, 0, x2 - x1, y2 - y1)
+        opaque = (img[0] > 0.99) | (img[2] > 0.99)  # inside a disc: its colour over the green, not added to it
+        assert bool(opaque.any()) and float(img[1][opaque].max()) < 0.01
+        assert float(img[1][(img[0] == 0) & (img[2] == 0)].min()) == 1.0  # the background, untouched
     again = photos_multi(manifest, "red", "test", 6, seed=0, size=96, max_overlap=0, params=params)
     assert torch.equal(again.images, b.images)
+
+
+def test_photos_multi_defaults_and_its_manifest_read_from_its_folder(tmp_path):
+    """Fifty 224-px test images of seed 0, 1-4 instances and 0-3 distractors, at most 2 % of the side (4 px) of
+    overlap; the manifest read from its folder as given in memory."""
+    import json
+
+    manifest = disc_manifest(tmp_path)
+    b = photos_multi(manifest, "red")
+    assert len(b) == 50 and b.images.shape[1:] == (3, 224, 224) and b.query == "red"
+    assert float(b.images.min()) >= 0.0 and float(b.images.max()) <= 1.0
+    assert set(b.counts.tolist()) == {1, 2, 3, 4} and {len(d) for d in b.distractor_boxes} == {0, 1, 2, 3}
+    from models.data.photos import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+                                                 "objects": manifest["objects"],
+                                                 "backgrounds": manifest["backgrounds"]}))
+    same = photos_multi(tmp_path, "red", "test", 50, seed=0, size=224, min_instances=1,
+                        max_instances=4, distractors=(0, 3), max_overlap=4)
+    assert torch.equal(same.images, b.images)
+    assert not torch.equal(photos_multi(manifest, "red", max_overlap=0).images, b.images)
 
 
 # ---------------------------------------------------------------- metrics
