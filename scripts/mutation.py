@@ -65,7 +65,7 @@ EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstat
 
 # mutmut's per-mutant limit, (constant, multiplier): 2 x (the tests' time + constant) x multiplier seconds of CPU. A
 # generator's `while` loop that a mutant never ends would hold a child 10 minutes at the default.
-TIMEOUTS = {"cmnist": (5.0, 2.0)}
+TIMEOUTS = {"cmnist": (5.0, 2.0), "glyphs": (5.0, 2.0), "photos": (5.0, 2.0)}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
     "boxes": ("models/core/boxes.py", CORE_TESTS),
@@ -155,6 +155,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "cmnist": ("models/data/cmnist.py", ["tests/models/test_cmnist.py", "tests/models/test_cmnist_generate.py"]),
     # the several-instances benchmark's images (cMNIST; the photo generator's tests need no photo files)
     "multi": ("models/data/multi.py", ["tests/models/test_multi.py"]),
+    # the new-kinds benchmark's glyphs, and the photo benchmark's cut-and-paste generator
+    "glyphs": ("models/data/glyphs.py", ["tests/models/test_glyphs.py"]),
+    "photos": ("models/data/photos.py", ["tests/models/test_photos.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

@@ -172,25 +172,26 @@ def test_cmnist_multi_draws_the_images_every_several_instances_number_was_measur
 
 
 def disc_manifest(root: Path) -> dict:
-    """Red discs (a query class) and blue discs (a distractor class), two files each, on a green background. Each
-    disc has a 1-px antenna out to its file's left and top edges, which scaling down often thins below the alpha
-    threshold: a cut-out's box then starts inside the pasted square, not at its corner."""
+    """Red discs (a query class) and blue discs (a distractor class), two files each (a disc and an ellipse twice as
+    tall as wide), on a green background. Each has a 1-px antenna out to its file's left and top edges, which scaling
+    down often thins below the alpha threshold: a cut-out's box then starts inside the pasted square, not at its
+    corner."""
     rng = np.random.default_rng(0)
 
-    def disc(side: int, color: tuple[int, int, int]) -> Image.Image:
-        yy, xx = np.mgrid[:side, :side] / side - 0.5
+    def disc(side: int, color: tuple[int, int, int], tall: int) -> Image.Image:
+        yy, xx = np.mgrid[:side * tall, :side] / np.array([side * tall, side])[:, None, None] - 0.5
         alpha = (np.hypot(xx, yy) < 0.45).astype(np.float64)
         alpha[:, :4], alpha[:3, :] = 0, 0
-        alpha[side // 2, :side // 4] = 1.0
+        alpha[side * tall // 2, :side // 4] = 1.0
         alpha[0, side // 3:side // 2] = 1.0
-        rgb = np.broadcast_to(np.array(color, float), (side, side, 3))
+        rgb = np.broadcast_to(np.array(color, float), (side * tall, side, 3))
         return Image.fromarray(np.dstack([rgb, alpha * 255]).round().astype(np.uint8), "RGBA")
 
     objects = {}
     for name, color in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
         objects[name] = []
-        for i in range(2):
-            disc(30 + 10 * i + int(rng.integers(5)), color).save(root / f"{name}{i}.png")
+        for i in range(2):  # a disc, and an ellipse twice as tall as wide
+            disc(30 + 10 * i + int(rng.integers(5)), color, 1 + i).save(root / f"{name}{i}.png")
             objects[name].append({"path": f"{name}{i}.png", "split": "test"})
     Image.new("RGB", (120, 100), (0, 255, 0)).save(root / "bg.png")
     return {"root": str(root), "objects": objects, "backgrounds": [{"path": "bg.png", "split": "test"}]}
@@ -202,7 +203,12 @@ def test_photos_multi_boxes_are_the_pasted_cutouts(tmp_path):
     manifest = disc_manifest(tmp_path)
     params = PasteParams(object_side=(0.2, 0.3), brightness=0.0, contrast=0.0, saturation=0.0)
     b = photos_multi(manifest, "red", "test", 6, seed=0, size=96, max_overlap=0, params=params)
-    assert b.images.shape == (6, 3, 96, 96)
+    assert b.images.shape == (6, 3, 96, 96) and b.images.dtype == torch.float32
+    assert all(x.dtype == torch.float32 for x in (*b.boxes, *b.distractor_boxes))
+    assert all(x.dtype == torch.long for x in b.distractor_labels)
+    assert any(len(d) == 0 for d in b.distractor_boxes)  # an image without distractors still has long labels
+    tall = torch.cat([*b.boxes, *b.distractor_boxes])
+    assert bool(((tall[:, 3] - tall[:, 1]) > 1.5 * (tall[:, 2] - tall[:, 0])).any())  # the ellipses, placed whole
     for img, inst, dist, lab in zip(b.images, b.boxes, b.distractor_boxes, b.distractor_labels, strict=True):
         assert 1 <= len(inst) <= 4 and 0 <= len(dist) <= 3 and set(lab.tolist()) <= {1}
         for box, channel in [(x, 0) for x in inst] + [(x, 2) for x in dist]:
