@@ -153,3 +153,84 @@ def test_cli_evaluates_the_shipped_bundle_on_glyphs(capsys):
                  "--device", "cpu"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["glyph"] == "W" and out["n_test"] == 10 and 0 <= out["corloc"] <= 100
+
+
+# The fonts every glyph figure in BENCHMARKS.md was rendered with (Debian's fonts-dejavu-core and -extra: their
+# files' names and sizes) and the FreeType that rendered them (Pillow's).
+BENCHMARK_FONTS = "216801570fb24de7"
+BENCHMARK_FREETYPE = "2.14.3"
+
+
+def fonts_fingerprint() -> str:
+    import hashlib
+    import os
+
+    listing = "".join(f"{os.path.basename(f)}:{os.path.getsize(f)};" for f in font_files())
+    return hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+
+def test_the_generated_glyphs_are_the_ones_every_glyph_number_was_measured_on():
+    """With the benchmarks' fonts and FreeType, the generator draws the images the glyph figures of BENCHMARKS.md
+    were measured on (unchanged since 2026-11-26): a change to what it draws (fonts chosen, sizes, strokes,
+    rotations, positions, the resize, the ink threshold, the streams' keys) shows here. A deliberate change re-runs
+    the benchmarks and updates these. Elsewhere (other fonts, another FreeType) the images differ by design: skipped."""
+    import hashlib
+
+    from PIL import features
+
+    if (fonts_fingerprint(), features.version("freetype2")) != (BENCHMARK_FONTS, BENCHMARK_FREETYPE):
+        pytest.skip(f"fonts {fonts_fingerprint()} / FreeType {features.version('freetype2')}: not the benchmarks' "
+                    f"({BENCHMARK_FONTS} / {BENCHMARK_FREETYPE})")
+
+    def digest(b) -> str:  # type: ignore[no-untyped-def]
+        h = hashlib.sha256(np.ascontiguousarray(b.images.numpy()).tobytes())
+        h.update(np.ascontiguousarray(b.boxes.numpy()).tobytes())
+        return h.hexdigest()[:16]
+
+    cases = {"patch": GlyphSpec("A", "train", 8, "patch", seed=0),
+             "clutter": GlyphSpec("&", "test", 6, "clutter", seed=1),
+             "impulse": GlyphSpec("?", "val", 6, "impulse", seed=2, offset=3),
+             "gaussian": GlyphSpec("W", "test", 6, "gaussian", seed=3),
+             "none": GlyphSpec("g", "train", 6, "none", seed=4)}
+    assert {k: digest(generate(s)) for k, s in cases.items()} == {
+        "patch": "80d9990bc501dbf9", "clutter": "7ac49b35c0ade0b5", "impulse": "2ae7884778de062a",
+        "gaussian": "31104e1b9ec67d3f", "none": "3f6daa4528d86e43"}
+    assert digest(glyphs("A", "train", 8)) == "80d9990bc501dbf9"  # patch, seed 0, from the first image
+
+
+@pytest.mark.parametrize(("n", "n_test"), [(1, 1), (2, 1), (3, 1), (8, 2), (22, 6)])
+def test_a_quarter_of_the_fonts_and_at_least_one_are_held_out_for_test(monkeypatch, n, n_test):
+    files = tuple(f"/fonts/f{i:02d}.ttf" for i in range(n))
+    monkeypatch.setattr(glyph_module, "font_files", lambda: files)
+    test, train, val = (split_fonts(s) for s in ("test", "train", "val"))
+    if n == 1:  # one font serves every split
+        assert test == train == val == files
+        return
+    assert len(test) == n_test and train == val and len(train) == n - n_test
+    assert set(test) | set(train) == set(files) and not set(test) & set(train)
+    assert list(test) == sorted(test) and list(train) == sorted(train)
+    with pytest.raises(ValueError, match=r"^split must be one of \('train', 'val', 'test'\), got 'holdout'$"):
+        split_fonts("holdout")
+
+
+def test_the_test_fonts_are_a_fixed_draw():
+    """The partition is drawn once, from its own seed (not a job's): of the benchmarks' 22 DejaVu files, the
+    condensed sans, the three mono variants but the regular, and two bold-italic serifs."""
+    files = tuple(f"/fonts/f{i:02d}.ttf" for i in range(22))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(glyph_module, "font_files", lambda: files)
+        held = split_fonts("test")
+    assert held == tuple(files[i] for i in (9, 10, 11, 12, 15, 19))
+
+
+def test_a_glyph_is_drawn_upright_without_extra_stroke_by_default_and_to_its_size():
+    font = font_files()[0] if font_files() else None
+    plain = render_glyph("K", font, 30)
+    assert np.array_equal(plain, render_glyph("K", font, 30, 0, 0.0))
+    assert not np.array_equal(plain, render_glyph("K", font, 30, 2, 0.0))
+    assert not np.array_equal(plain, render_glyph("K", font, 30, 0, 8.0))
+    for size in (20, 28, 36):
+        tile = render_glyph("K", font, size, 1, 5.0)
+        assert max(tile.shape) == size and tile.dtype == np.float32
+        assert float(tile.max()) <= 1.0 and float(tile[tile > 0].min()) >= INK_THRESHOLD
+        assert tile[0].any() and tile[-1].any() and tile[:, 0].any() and tile[:, -1].any()  # tight
