@@ -158,6 +158,11 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the new-kinds benchmark's glyphs, and the photo benchmark's cut-and-paste generator
     "glyphs": ("models/data/glyphs.py", ["tests/models/test_glyphs.py"]),
     "photos": ("models/data/photos.py", ["tests/models/test_photos.py"]),
+    # the baselines the benchmarks compare with: the fine-tune baseline, ranking + NMS and the sliding window at a
+    # budget, template matching
+    "baselines": ("models/experiments/baselines.py", [
+        "tests/models/test_multi.py", "tests/models/test_template_matching.py",
+        "tests/models/test_photo_experiments.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
