@@ -299,3 +299,122 @@ def test_download_runs_apt_get_update_when_the_package_is_unknown(tmp_path, monk
     assert calls == [["apt-get", "download", "scratch"], ["apt-get", "update"], ["apt-get", "download", "scratch"]]
     calls.clear()
     assert debian.download("scratch", tmp_path / "debs", log=lambda *_: None) == deb and not calls
+
+
+# ---------------------------------------------------------------- what the generator draws, pinned
+
+def photo_manifest(root: Path) -> dict:
+    """Two classes of noisy discs and an ellipse (PNG: lossless, so only numpy and Pillow decide the pixels) on two
+    noisy PNG backgrounds of other sizes, every file in the train split."""
+    rng = np.random.default_rng(7)
+    objects: dict[str, list[dict]] = {}
+    for name, color in (("red", (230, 30, 30)), ("blue", (30, 30, 230))):
+        objects[name] = []
+        for i, side in enumerate((48, 64)):
+            img = _disc(rng, side=side, color=color)
+            if i:  # an ellipse twice as wide as tall: a long side along x
+                img = img.resize((side, side // 2))
+            img.save(root / f"{name}{i}.png")
+            objects[name].append({"path": f"{name}{i}.png", "split": "train"})
+    backgrounds = []
+    for i, wh in enumerate(((160, 120), (120, 200))):
+        arr = np.clip(np.array((60, 160, 90)) + rng.normal(0, 40, (wh[1], wh[0], 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(arr).save(root / f"bg{i}.png")
+        backgrounds.append({"path": f"bg{i}.png", "split": "train"})
+    return {"format": photos.MANIFEST_FORMAT, "version": photos.MANIFEST_VERSION, "root": str(root),
+            "objects": objects, "backgrounds": backgrounds}
+
+
+def photo_digest(b) -> str:  # type: ignore[no-untyped-def]
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (b.images, b.boxes, b.masks):
+        h.update(np.ascontiguousarray(t.numpy()).tobytes())
+    h.update(repr((b.objects, b.backgrounds)).encode())
+    return h.hexdigest()[:16]
+
+
+def test_the_paste_generator_draws_what_the_photo_numbers_were_measured_with(tmp_path):
+    """The photo figures of BENCHMARKS.md were measured on this generator's images (unchanged since 2026-11-26): a
+    change to what it draws (the crops, scales, flips, colour jitter, positions, the blend, the streams' keys)
+    shows here, on lossless files. A deliberate change re-runs the photo benchmarks and updates these; so does a
+    numpy or Pillow whose resampling draws other pixels (then the real photo data changes too)."""
+    manifest = photo_manifest(tmp_path)
+    jittered = generate(manifest, "red", "train", 8, seed=0, size=96)
+    strong = PasteParams(object_side=(0.3, 0.5), background_crop=(0.3, 0.6), brightness=0.5, contrast=0.5,
+                         saturation=0.5, flip=1.0)
+    assert {"jittered": photo_digest(jittered),
+            "strong": photo_digest(generate(manifest, "blue", "train", 6, seed=3, size=80, params=strong))} == {
+        "jittered": "d87a9b92c4b1f2d9", "strong": "b8ca31520ff91313"}
+
+
+def test_the_paste_generators_defaults(tmp_path):
+    manifest = photo_manifest(tmp_path)
+    b = generate(manifest, "red")
+    assert len(b) == 50 and b.images.shape == (50, 3, 224, 224) and b.images.dtype == torch.float32
+    assert b.boxes.dtype == torch.float32 and b.masks.dtype == torch.bool
+    assert photo_digest(b) == photo_digest(generate(manifest, "red", "train", 50, seed=0, size=224,
+                                                    params=PasteParams()))
+    side = (b.boxes[:, 2:] - b.boxes[:, :2]).amax(dim=1)
+    assert float(side.min()) >= 0.25 * 224 - 2 and float(side.max()) <= 0.6 * 224 + 2  # object_side, 56..134 px
+    assert float(b.images.min()) >= 0.0 and float(b.images.max()) <= 1.0
+
+
+def test_flips_colour_jitter_and_scales_follow_their_parameters(tmp_path):
+    """Without jitter and flips an object's pixels are its file's; a flip of 1.0 mirrors every cut-out; brightness
+    alone scales the object's colour within its range; each long side is the drawn fraction of the image."""
+    manifest = photo_manifest(tmp_path)
+    plain = PasteParams(object_side=(0.5, 0.5), background_crop=(1.0, 1.0), brightness=0.0, contrast=0.0,
+                        saturation=0.0, flip=0.0)
+    a = generate(manifest, "red", "train", 6, seed=1, size=96, params=plain)
+    sides = (a.boxes[:, 2:] - a.boxes[:, :2]).amax(dim=1)
+    assert bool(((sides - 48).abs() <= 2).all())  # half of 96
+    mirrored = generate(manifest, "red", "train", 6, seed=1, size=96,
+                        params=PasteParams(object_side=(0.5, 0.5), background_crop=(1.0, 1.0), brightness=0.0,
+                                           contrast=0.0, saturation=0.0, flip=1.0))
+    for m0, m1, b0, b1 in zip(a.masks, mirrored.masks, a.boxes.long(), mirrored.boxes.long(), strict=True):
+        c0 = m0[b0[1]:b0[3], b0[0]:b0[2]]
+        c1 = m1[b1[1]:b1[3], b1[0]:b1[2]]
+        assert torch.equal(c0.flip(1), c1)  # the object's own mask, mirrored
+    bright = generate(manifest, "red", "train", 6, seed=1, size=96,
+                      params=PasteParams(object_side=(0.5, 0.5), background_crop=(1.0, 1.0), brightness=0.5,
+                                         contrast=0.0, saturation=0.0, flip=0.0))
+    ratios = []
+    for img0, img1, m in zip(a.images, bright.images, a.masks, strict=True):
+        inner = m & torch.roll(m, 2, 0) & torch.roll(m, -2, 0) & torch.roll(m, 2, 1) & torch.roll(m, -2, 1)
+        r0, r1 = img0[1][inner], img1[1][inner]  # the red objects' green: far from 0 and 1 either way
+        keep = r1 < 0.99  # not clipped at 1
+        if int(keep.sum()) >= 20:
+            ratios.append(float((r1[keep] / r0[keep]).median()))
+    assert len(ratios) >= 3
+    assert all(0.5 - 0.02 <= r <= 1.5 + 0.02 for r in ratios) and max(ratios) - min(ratios) > 0.1, ratios
+
+
+def test_refusals_name_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="^empty object mask: the cut-out has no pixel with alpha >= ALPHA_THRESHOLD$"):
+        mask_box(np.zeros((4, 4), dtype=bool))
+    assert mask_box(np.eye(4, dtype=bool)[:, ::-1]) == (0, 0, 4, 4)
+    manifest = photo_manifest(tmp_path)
+    manifest["backgrounds"] = []
+    with pytest.raises(ValueError, match="^class 'red' split 'train' has 2 object photos and 0 backgrounds; both "
+                                         "must be non-empty$"):
+        generate(manifest, "red", n=1)
+    manifest = photo_manifest(tmp_path)
+    manifest["objects"]["red"] = [dict(it, split="val") for it in manifest["objects"]["red"]]
+    with pytest.raises(ValueError, match="^class 'red' split 'train' has 0 object photos and 2 backgrounds"):
+        generate(manifest, "red", n=1)
+
+
+@pytest.mark.parametrize(("change", "why"), [({"format": "other"}, "format"), ({"version": 2}, "newer"),
+                                             ({"format": None}, "no format")])
+def test_a_manifest_of_another_format_or_a_newer_version_is_refused(tmp_path, change, why):
+    import json
+
+    data = {k: v for k, v in photo_manifest(tmp_path).items() if k != "root"}
+    (tmp_path / photos.MANIFEST).write_text(json.dumps({k: v for k, v in (data | change).items() if v is not None}))
+    with pytest.raises(ValueError, match="is not a qloc photo manifest this version reads$"):
+        load_manifest(tmp_path)
+    data.pop("version")  # a manifest without a version is version 0: read
+    (tmp_path / photos.MANIFEST).write_text(json.dumps(data))
+    assert load_manifest(tmp_path / photos.MANIFEST)["root"] == str(tmp_path)
