@@ -417,3 +417,59 @@ def test_baselines_return_at_most_k_boxes_best_first():
     assert torch.allclose(dist, per_image, atol=1e-4)
     best = nms_detections(cands, dist, 1)
     assert torch.equal(best.boxes[:, 0], cands[dist.argmin(dim=1)])  # K = 1: the ranking baseline's answer
+
+
+def test_nms_detections_count_every_candidate_as_an_evaluation_and_leave_no_distance_on_a_missing_detection():
+    boxes = torch.tensor([[0.0, 0, 10, 10], [1, 1, 11, 11], [40, 40, 50, 50], [60, 0, 70, 10], [0, 60, 10, 70]])
+    distances = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5], [9.0, torch.inf, torch.inf, torch.inf, torch.inf]])
+    det = nms_detections(boxes, distances, k=3)
+    assert det.evaluations == 5  # the compute measure: every candidate embedded, not the k kept
+    assert det.valid.tolist() == [[True, True, True], [True, False, False]]
+    assert torch.equal(det.boxes[0], boxes[[0, 2, 3]])  # box 1 overlaps box 0 (IoU 0.68 > 0.5): suppressed
+    assert det.distances[0].tolist() == pytest.approx([0.1, 0.3, 0.4]) and det.distances[1, 0] == 9.0
+    assert bool(torch.isinf(det.distances[1, 1:]).all())
+    idx, valid = topk_nms(boxes, distances, 3)
+    assert idx.tolist() == [[0, 2, 3], [0, 0, 0]]  # a missing detection's index is 0
+
+
+def test_topk_nms_suppresses_above_iou_one_half_by_default_and_answers_nothing_without_a_candidate():
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 13], [0, 0, 10, 18]])  # IoU with the first: 0.77, 0.56
+    near = torch.tensor([[0.1, 0.2, 0.3]])
+    assert topk_nms(boxes, near, 3)[0].tolist() == [[0, 0, 0]] and topk_nms(boxes, near, 3)[1].tolist() == [
+        [True, False, False]]
+    assert topk_nms(boxes, near, 3, iou_threshold=0.6)[0].tolist() == [[0, 2, 0]]
+    none = torch.full((2, 3), torch.inf)
+    idx, valid = topk_nms(boxes, none, 4)
+    assert idx.shape == valid.shape == (2, 4) and idx.dtype == torch.long and valid.dtype == torch.bool
+    assert not bool(valid.any()) and not bool(idx.any())
+
+
+def test_sliding_windows_grid_the_budget_and_centre_a_single_window():
+    assert sliding_windows(84, (28, 20), 1).tolist() == [[28.0, 32.0, 56.0, 52.0]]  # centred
+    assert len(sliding_windows(84, (28, 28), 6)) == 6  # 3 x 2 fits 6
+    assert len(sliding_windows(84, (28, 28), 5)) == 4  # 3 x 2 does not fit 5: 2 x 2
+    assert len(sliding_windows(84, (28, 28), 11)) == 9  # 4 x 3 = 12 does not fit 11: 3 x 3
+    wins = sliding_windows(84, (28, 28), 12)
+    assert len(wins) == 12 and sorted({float(x) for x in wins[:, 0]}) == [0.0, 19.0, 37.0, 56.0]
+    assert sorted({float(y) for y in wins[:, 1]}) == [0.0, 28.0, 56.0]  # edge to edge, 4 across and 3 down
+    with pytest.raises(ValueError, match="^a budget of 0 boxes per image is too small: need at least 1$"):
+        sliding_windows(84, (28, 28), 0)
+
+
+def test_the_finetune_baseline_defaults_to_100_iterations_of_the_iou_reward_from_seed_0():
+    """The paper's fine-tune baseline: the base policy tuned with the IoU reward on the exemplar images."""
+    from models.bundle import new_bundle
+    from models.data.cmnist import CMnistSpec, generate
+    from models.data.types import LabeledImages
+    from models.experiments.baselines import finetune
+    from models.policy import PolicyConfig
+    from models.presets import mnist_config
+
+    bundle = new_bundle("ft", mnist_config(), seed=0)
+    ex = generate(CMnistSpec(3, "train", 1, "patch", seed=0))
+    exemplars = LabeledImages(ex.images, ex.boxes)
+    proto = torch.randn(bundle.prototype_dim)
+    default = finetune(bundle, exemplars, proto)
+    explicit = finetune(bundle, exemplars, proto, 100, PolicyConfig(reward="iou"), seed=0)
+    assert all(torch.equal(default[k], explicit[k]) for k in default)
+    assert any(not torch.equal(default[k], bundle.agent_state[k]) for k in default)  # it did learn
