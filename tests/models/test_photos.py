@@ -418,3 +418,21 @@ def test_a_manifest_of_another_format_or_a_newer_version_is_refused(tmp_path, ch
     data.pop("version")  # a manifest without a version is version 0: read
     (tmp_path / photos.MANIFEST).write_text(json.dumps(data))
     assert load_manifest(tmp_path / photos.MANIFEST)["root"] == str(tmp_path)
+
+
+def test_a_cut_out_scaled_to_nothing_keeps_its_strongest_pixel(tmp_path):
+    """Four opaque dots at a 40-px cut-out's corners, pasted at 1 % of a 96-px image: scaling leaves no pixel at the
+    alpha threshold, so the strongest one is kept opaque: a 1-px object in its own colour, and its box."""
+    alpha = np.zeros((40, 40))
+    alpha[0, 0] = alpha[0, -1] = alpha[-1, 0] = alpha[-1, -1] = 1.0
+    rgb = np.broadcast_to(np.array((200.0, 40, 90)), (40, 40, 3))
+    Image.fromarray(np.dstack([rgb, alpha * 255]).round().astype(np.uint8), "RGBA").save(tmp_path / "dots.png")
+    Image.new("RGB", (100, 100), (0, 255, 0)).save(tmp_path / "bg.png")
+    manifest = {"root": str(tmp_path), "objects": {"dots": [{"path": "dots.png", "split": "train"}]},
+                "backgrounds": [{"path": "bg.png", "split": "train"}]}
+    tiny = PasteParams(object_side=(0.01, 0.01), brightness=0.0, contrast=0.0, saturation=0.0, flip=0.0)
+    b = generate(manifest, "dots", "train", 3, seed=0, size=96, params=tiny)
+    for img, box, mask in zip(b.images, b.boxes.long(), b.masks, strict=True):
+        assert int(mask.sum()) == 1 and (box[2:] - box[:2]).tolist() == [1, 1]
+        x, y = int(box[0]), int(box[1])
+        assert img[:, y, x].tolist() == pytest.approx([200 / 255, 40 / 255, 90 / 255], abs=1e-6)
