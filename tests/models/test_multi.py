@@ -445,7 +445,8 @@ def test_topk_nms_suppresses_above_iou_one_half_by_default_and_answers_nothing_w
 
 
 def test_sliding_windows_grid_the_budget_and_centre_a_single_window():
-    assert sliding_windows(84, (28, 20), 1).tolist() == [[28.0, 32.0, 56.0, 52.0]]  # centred
+    one = sliding_windows(84, (28, 20), 1)
+    assert one.tolist() == [[28.0, 32.0, 56.0, 52.0]] and one.dtype == torch.float32  # centred
     assert len(sliding_windows(84, (28, 28), 6)) == 6  # 3 x 2 fits 6
     assert len(sliding_windows(84, (28, 28), 5)) == 4  # 3 x 2 does not fit 5: 2 x 2
     assert len(sliding_windows(84, (28, 28), 11)) == 9  # 4 x 3 = 12 does not fit 11: 3 x 3

@@ -436,3 +436,18 @@ def test_a_cut_out_scaled_to_nothing_keeps_its_strongest_pixel(tmp_path):
         assert int(mask.sum()) == 1 and (box[2:] - box[:2]).tolist() == [1, 1]
         x, y = int(box[0]), int(box[1])
         assert img[:, y, x].tolist() == pytest.approx([200 / 255, 40 / 255, 90 / 255], abs=1e-6)
+
+
+def test_the_generator_reads_its_manifest_from_a_folder_and_by_default_from_the_data_directory(tmp_path, monkeypatch):
+    import json
+
+    from models.data import DATA_DIR_ENV
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    manifest = photo_manifest(folder)
+    (folder / photos.MANIFEST).write_text(json.dumps({k: v for k, v in manifest.items() if k != "root"}))
+    given = generate(manifest, "blue", "train", 2, seed=0, size=64)
+    assert photo_digest(generate(folder, "blue", "train", 2, seed=0, size=64)) == photo_digest(given)
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
+    assert load_manifest()["root"] == str(folder)  # <QLOC_DATA_DIR>/photos
