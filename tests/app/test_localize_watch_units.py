@@ -243,13 +243,21 @@ def test_readiness_of_a_watch_that_never_ran_is_unknown_after_a_miss(celery):
     assert w.readiness() == "unknown: no worker answered the last check; checking again"
 
 
+def calls_within(celery: Celery, n: int, timeout: float = 10.0) -> float:
+    """Seconds until the watch has broadcast ``n`` times (polled: a loaded machine may start its thread late)."""
+    t0 = time.monotonic()
+    while len(celery.control.broadcast.calls) < n:
+        assert time.monotonic() - t0 < timeout, f"{len(celery.control.broadcast.calls)} checks, {n} expected"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
 def test_the_watch_rechecks_soon_while_a_worker_is_missing_and_at_its_interval_otherwise(celery, monkeypatch):
     monkeypatch.setattr(ConsumerWatch, "ABSENT_EVERY_S", 0.05)
     w = watch_on(celery, [], interval_s=30.0)
     w.start()
     try:
-        time.sleep(0.6)
-        assert len(celery.control.broadcast.calls) >= 4  # misses: every ABSENT_EVERY_S
+        calls_within(celery, 4)  # misses: every ABSENT_EVERY_S, not every 30 s
     finally:
         w.stop()
     assert w._thread is None
@@ -259,6 +267,7 @@ def test_the_watch_rechecks_soon_while_a_worker_is_missing_and_at_its_interval_o
     w.start()  # started once
     try:
         assert w._thread is first and first.daemon and first.name == "qloc-localize-watch"
+        calls_within(celery, 1)
         time.sleep(0.4)
         assert len(celery.control.broadcast.calls) == 1  # seen: the next check comes after the interval
     finally:
@@ -269,9 +278,9 @@ def test_the_watch_rechecks_soon_while_a_worker_is_missing_and_at_its_interval_o
     w.recent.append(frozenset({"loc@a", "loc@b"}))  # both seen at the check before
     w.start()
     try:
-        time.sleep(0.6)
-        # loc@b missing: checked again soon, not after 30 s; seen as it was then: back to the interval
-        assert len(celery.control.broadcast.calls) == 2
+        calls_within(celery, 2)  # loc@b missing: checked again soon, not after 30 s
+        time.sleep(0.4)
+        assert len(celery.control.broadcast.calls) == 2  # seen as it was then: back to the interval
     finally:
         w.stop()
 
@@ -280,10 +289,13 @@ def test_a_short_interval_is_kept_between_checks(celery):
     w = watch_on(celery, [reply("loc@a", QUEUE)], interval_s=0.1)
     w.start()
     try:
-        time.sleep(0.55)
+        calls_within(celery, 1)
+        t0 = time.monotonic()
+        calls_within(celery, 4)
+        took = time.monotonic() - t0
     finally:
         w.stop()
-    assert 3 <= len(celery.control.broadcast.calls) <= 7  # one at start, then one every 0.1 s
+    assert took >= 3 * 0.1 - 0.02  # three more checks, an interval apart (one at start, then one every 0.1 s)
 
 
 def test_a_watch_turned_off_starts_no_thread(celery):
@@ -304,7 +316,6 @@ def test_a_stopped_watch_can_start_again(celery, monkeypatch):
     n = len(celery.control.broadcast.calls)
     w.start()
     try:
-        time.sleep(0.3)
-        assert len(celery.control.broadcast.calls) > n
+        calls_within(celery, n + 1)
     finally:
         w.stop()
