@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from service_fixtures import SWAPPED, install_bundle
+from service_fixtures import SWAPPED, bundle_versions, install_bundle
 
 from app.inference import (
     BundleMismatch,
@@ -34,6 +34,12 @@ from models.bundle import PolicyMismatch, Reward, head_to_bytes, policy_to_bytes
 from models.inference import resolve_device
 
 NAME = SWAPPED
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """The three bundle files, made once for the module (the tests copy them; none writes them)."""
+    return bundle_versions(tmp_path_factory.mktemp("versions"), NAME)
 
 
 @pytest.fixture
