@@ -163,6 +163,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "baselines": ("models/experiments/baselines.py", [
         "tests/models/test_multi.py", "tests/models/test_template_matching.py",
         "tests/models/test_photo_experiments.py"]),
+    # which split, seed and slice each role of an experiment draws (exemplars, unlabeled, val, test) for each kind
+    "datasets": ("models/experiments/datasets.py", [
+        "tests/models/test_experiment_roles.py", "tests/models/test_general_cmnist.py", "tests/models/test_glyphs.py",
+        "tests/models/test_photo_experiments.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
