@@ -82,3 +82,31 @@ def test_each_photo_role_draws_its_split_and_own_seed_and_carries_crops_where_a_
     assert gens == [("birds", "train", 5, 2007, bundle.config.input.size)]  # its own draw: no features, no crops
     assert isinstance(out, LabeledImages) and len(out) == 5
     assert set(want) | {"unlabeled"} == set(ROLES)
+
+
+def test_each_kind_records_what_it_is_and_trains_with_its_recipe(bundle, monkeypatch):
+    """What results and provenance record of a kind (``meta``), the training sizes and the stage-1 selection rule:
+    the recipes the shipped bundles were trained with (BENCHMARKS.md)."""
+    one, glyph, general = CMnistKind(7, "clutter"), GlyphKind("&", "impulse"), CMnistDigitsKind()
+    assert one.meta() == {"digit": 7, "background": "clutter"} and glyph.meta() == {"glyph": "&",
+                                                                                   "background": "impulse"}
+    assert general.digits == tuple(range(10))  # all ten: the served default's recipe
+    assert general.meta() == {"digits": list(range(10)), "background": "patch"}
+    assert one.sizes() == glyph.sizes() == {"n_train": 50, "n_val": 200, "exemplars": 5}
+    assert general.sizes() == {"n_train": 50, "n_val": 20, "exemplars": 5}  # per digit
+    assert not one.select_with_exemplars() and not glyph.select_with_exemplars()  # group prototypes
+    assert general.select_with_exemplars()  # one prototype per digit: mixed groups would not order boxes
+    emb, emb_one = general.embedding_config(), one.embedding_config()
+    assert (emb.epochs, emb.eval_every) == (30, 5) and (emb_one.epochs, emb_one.eval_every) == (100, 20)
+    photo = PhotoKind("birds")
+    assert photo.meta() == {"class": "birds"} and photo.select_with_exemplars()
+    assert photo.sizes() == {"n_train": 160, "n_val": 64, "exemplars": 5}
+    assert photo.embedding_config().anchor == photo.setup.anchor == "shuffle_exemplar"
+
+    seen: list[int] = []
+    monkeypatch.setattr(datasets, "cmnist", lambda *a, **k: seen.append(k["offset"]) or tiny(a[2]))
+    one.draw(bundle, "unlabeled", 2, seed=0)
+    assert seen == [0]  # no earlier role: the slice starts at the draw's first image
+    boxes = torch.arange(8.0).reshape(2, 4)
+    monkeypatch.setattr(datasets, "generate", lambda *a, **k: LabeledImages(torch.zeros(2, 3, 8, 8), boxes))
+    assert torch.equal(photo.draw(bundle, "unlabeled", 2, seed=0).boxes, boxes)  # kept for evaluation
