@@ -65,6 +65,7 @@ EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstat
 
 # mutmut's per-mutant limit, (constant, multiplier): 2 x (the tests' time + constant) x multiplier seconds of CPU. A
 # generator's `while` loop that a mutant never ends would hold a child 10 minutes at the default.
+DEFAULT_TIMEOUT = (20.0, 15.0)
 TIMEOUTS = {"cmnist": (5.0, 2.0), "glyphs": (5.0, 2.0), "photos": (5.0, 2.0)}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
@@ -186,6 +187,7 @@ def prepare(name: str, workdir: Path) -> None:
     tests = [t for t in tests if (ROOT / t.split("::")[0]).exists()]  # a file, or one test of it (file::name)
     package = source.split("/")[0]
     others = [p for p in ("app", "models", "worker") if p != package]
+    timeout_constant, timeout_multiplier = TIMEOUTS.get(name, DEFAULT_TIMEOUT)
     config = f"""
 
 [tool.mutmut]
@@ -194,8 +196,8 @@ only_mutate = ["{source}"]
 also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini"])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-q", "-x", *EXTRA_ARGS.get(name, [])])}
-timeout_constant = {TIMEOUTS.get(name, (20.0, 15.0))[0]}
-timeout_multiplier = {TIMEOUTS.get(name, (20.0, 15.0))[1]}
+timeout_constant = {timeout_constant}
+timeout_multiplier = {timeout_multiplier}
 do_not_mutate_patterns = ['^\\s*log\\.(debug|info|warning|error|exception)\\(']
 """
     with open(workdir / "pyproject.toml", "a", encoding="utf-8") as f:

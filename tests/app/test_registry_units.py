@@ -22,6 +22,8 @@ from app.inference import (
     BundleReplaced,
     UnknownBundle,
     bundle_for_set,
+    prototype_from_bytes,
+    prototype_to_bytes,
     read_checkpoint,
     read_head,
     read_served_checkpoint,
@@ -207,8 +209,6 @@ def test_a_set_is_served_by_the_file_that_made_it_and_refused_by_another(install
 
 
 def test_prototypes_travel_as_float32_little_endian():
-    from app.inference import prototype_from_bytes, prototype_to_bytes
-
     p = torch.tensor([1.5, -2.25, 3.0], dtype=torch.float64, requires_grad=True)
     data = prototype_to_bytes(p)
     assert data == np.array([1.5, -2.25, 3.0], dtype="<f4").tobytes()
