@@ -26,11 +26,17 @@ MAX_INSTANCES = 32
 class Settings(BaseSettings):
     # hide_input_in_errors: a refused setting is named with its rule, never echoed (a cross-field check's input is
     # every setting read: API keys, the Label Studio token, a database URL's password would reach the logs).
-    model_config = SettingsConfigDict(env_prefix="QLOC_", extra="ignore", hide_input_in_errors=True)
+    model_config = SettingsConfigDict(env_prefix="QLOC_", extra="ignore", hide_input_in_errors=True,
+                                      use_attribute_docstrings=True,  # each field's docstring: SETTINGS.md
+                                      validate_by_name=True)  # Settings(labelstudio_url=...) beside its aliases
 
     # --- where things live
     database_url: str = "sqlite:///var/qloc.db"
+    """SQLAlchemy URL of the tables (sets, checkpoints, jobs, pool images), e.g.
+    ``postgresql+psycopg://user@host/qloc``; SQLite by default. ``scripts/run migrate`` upgrades them (Alembic)."""
     broker_url: str = "sqla+sqlite:///var/celery-broker.db"
+    """Celery broker the adaptation (and, with ``inference=workers``, localize) tasks go through, e.g.
+    ``redis://redis:6379/0``; by default kombu's SQLAlchemy transport on a second SQLite file (no server)."""
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
     """Extra kombu transport options (JSON), e.g. ``{"global_keyprefix": "qloc:"}`` for Redis."""
     queue: str = Field("qloc", pattern=r"^[A-Za-z0-9_.:-]{1,100}$")
@@ -43,6 +49,8 @@ class Settings(BaseSettings):
     """The bundle of a set created without ``bundle``: the cMNIST bundle trained on all ten digits, chosen over the
     one-digit ``mnist-digit4`` on kinds of objects neither saw (BENCHMARKS.md, "A general cMNIST bundle")."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs, in the API (``inference=local``) and on the workers: ``auto``, a CUDA GPU when torch
+    finds one, else the CPU."""
     localize_samples: int = Field(0, ge=0, le=MAX_SAMPLES)
     """Default of localize's ``samples``: extra sampled episodes per image for the best-of-N search
     (0 = the greedy episode alone; 15 is the benchmarks' best of 16)."""
@@ -124,14 +132,19 @@ class Settings(BaseSettings):
 
     # --- auth: empty = off; on, each key sees only what it created
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated API keys, each at least 16 characters. Empty (the default): no auth. Set: every ``/v1`` call
+    needs one (``X-API-Key`` or ``Authorization: Bearer``), and each key sees only what was made with it."""
     metrics_auth: bool = True
     """With API keys set, ``/metrics`` needs one too (false: open to any scraper, as without keys)."""
 
     # --- upload limits
     max_file_bytes: int = Field(10 * MiB, ge=1)
+    """Bytes one uploaded file may have (413 above it)."""
     max_image_pixels: int = Field(16_000_000, ge=1)
     """Width x height above which an image is refused before decoding (decompression bombs)."""
     max_files_per_request: int = Field(64, ge=1)
+    """Files one request may carry (413 above it); a multipart body may hold every file at ``max_file_bytes`` plus
+    1 MiB."""
     max_json_bytes: int = Field(4 * MiB, ge=1024)
     """The largest body that is not multipart/form-data (a JSON body: PATCH of a set, Label Studio's /predict and
     webhook; an urlencoded job form): such a body is read whole into memory, so it gets a limit of its own (413)."""
@@ -152,9 +165,13 @@ class Settings(BaseSettings):
 
     # --- job limits
     default_iterations: int = Field(200, ge=1)
+    """Iterations of a job posted without ``iterations``."""
     max_iterations: int = Field(5000, ge=1)
+    """The most ``iterations`` a job may ask for (422 above it)."""
     default_learning_rate: float = Field(1e-3, gt=0)
+    """Adam's learning rate for a job posted without ``learning_rate``."""
     checkpoint_every: int = Field(25, ge=1)
+    """A job writes a checkpoint (and scores it on its probes) every this many iterations, and at its last."""
     adapt_batch_size: int = Field(32, ge=1)
     """Images per adaptation iteration (at most the job's images)."""
     synthetic_probes: int = Field(256, ge=8, le=4096)
@@ -256,15 +273,17 @@ class Settings(BaseSettings):
     max_job_attempts: int = Field(3, ge=1)
     """A job abandoned this many times is marked failed instead of being requeued."""
     worker_concurrency: int = Field(1, ge=1)
+    """Tasks a worker runs at once: its pool's processes, one adaptation job each (Celery's concurrency; the worker's
+    ``--concurrency`` option overrides it, as for a localize worker's threads)."""
 
     # --- Label Studio ML backend (/v1/labelstudio/{set_id}, app/routes/labelstudio.py)
     labelstudio_url: str | None = Field(None, validation_alias=AliasChoices(
-        "labelstudio_url", "QLOC_LABELSTUDIO_URL", "LABEL_STUDIO_URL"))
+        "QLOC_LABELSTUDIO_URL", "LABEL_STUDIO_URL"))
     """Label Studio's base URL (QLOC_LABELSTUDIO_URL, or LABEL_STUDIO_URL as its ML backends read it): task images
     given as Label Studio paths (``/data/upload/...``) are fetched from there. Unset: the ``hostname`` that Label
     Studio's own ``/setup`` call gives (its HOST setting)."""
     labelstudio_api_key: str | None = Field(None, repr=False, validation_alias=AliasChoices(
-        "labelstudio_api_key", "QLOC_LABELSTUDIO_API_KEY", "LABEL_STUDIO_API_KEY"))
+        "QLOC_LABELSTUDIO_API_KEY", "LABEL_STUDIO_API_KEY"))
     """Label Studio token sent with those fetches: a legacy token (``Authorization: Token``) or a personal access
     token (a JWT, exchanged for an access token). Unset: the ``access_token`` Label Studio's ``/setup`` gives."""
     labelstudio_fetch_timeout: float = Field(10.0, gt=0, le=300)

@@ -55,6 +55,8 @@ LIFECYCLE_TESTS = ["tests/app/test_app_jobstates.py", "tests/worker/test_worker_
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
 EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstates": ["-m", "not slow"],
               "pool": ["-m", "not slow"],
+              # (not the tests that read every tracked file for QLOC_ names: a workspace is no git checkout)
+              "config": ["-k", "not variable"], "settings_reference": ["-k", "not variable"],
               # the engine's tests (not the process and script settings of the API's run script)
               "serving": ["-k", "not run_script and not one_process_per_core"],
               "engine_ncc": ["-k", "not run_script and not one_process_per_core"],
@@ -168,6 +170,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "datasets": ("models/experiments/datasets.py", [
         "tests/models/test_experiment_roles.py", "tests/models/test_general_cmnist.py", "tests/models/test_glyphs.py",
         "tests/models/test_photo_experiments.py"]),
+    # the settings: how they are read, their cross-field refusals, the API's processes; SETTINGS.md written from them
+    "config": ("app/config.py", ["tests/app/test_config_units.py", "tests/app/test_settings_reference.py"]),
+    "settings_reference": ("app/settings_reference.py", ["tests/app/test_settings_reference.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
@@ -193,7 +198,7 @@ def prepare(name: str, workdir: Path) -> None:
 [tool.mutmut]
 source_paths = ["{package}"]
 only_mutate = ["{source}"]
-also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini"])}
+also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini", "SETTINGS.md"])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-q", "-x", *EXTRA_ARGS.get(name, [])])}
 timeout_constant = {timeout_constant}
