@@ -29,6 +29,10 @@ def _array_to_png(arr: Any) -> bytes:
         a = a[:, :, 0]
     if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (3, 4)):
         raise ValueError(f"an image array is HxW or HxWx{{1,3,4}}; got shape {a.shape}")
+    if a.dtype == np.bool_:  # a mask: white where true, as PIL reads it (HxW: a 1-bit image, read as the API reads one)
+        if a.ndim == 2:
+            return _pil_to_png(Image.fromarray(a))
+        a = a.astype(np.uint8) * 255
     if a.dtype == np.uint16 and a.ndim == 2:  # sent as a 16-bit PNG: the API scales it to 8 bits
         return _pil_to_png(Image.fromarray(a))
     if a.dtype == np.uint16:  # PNG has no 16-bit colour that PIL writes: its 8 bits here, scaled as the API would
@@ -51,6 +55,7 @@ def _array_to_png(arr: Any) -> bytes:
 
 
 def _pil_to_png(img: Any) -> bytes:
+    import numpy as np
     from PIL import ImageOps
 
     # As a viewer shows it, as the API reads a file sent by path: a JPEG opened with PIL keeps its EXIF orientation
@@ -58,8 +63,8 @@ def _pil_to_png(img: Any) -> bytes:
     img = ImageOps.exif_transpose(img)
     if img.mode in ("I", "F"):  # 32-bit integers or floats: PIL's conversion to 8 bits would clip them
         return _wide_to_png(img)
-    if img.mode in ("I;16B", "I;16L", "I;16N"):
-        img = img.convert("I;16")
+    if img.mode in ("I;16B", "I;16L", "I;16N"):  # PIL's convert to I;16 clips them at 255: their values, as uint16
+        return _array_to_png(np.asarray(img).astype(np.uint16))
     if img.mode == "PA":
         img = img.convert("RGBA")
     # PNG holds these as they are (transparency and palettes too: the API composites them as it would the file's);

@@ -1,15 +1,17 @@
-"""Typed dependencies of the routes: settings, database session, blob store, bundles, queue, caller."""
+"""Typed dependencies of the routes: settings, database session, blob store, bundles, queue, caller; and the path
+and paging parameters they share, described once for the OpenAPI schema."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi import Depends, HTTPException, Path, Query, Request, Security, status
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -139,3 +141,12 @@ async def caller_dep(settings: SettingsDep, api_key: Annotated[str | None, Secur
 
 
 CallerDep = Annotated[Caller, Depends(caller_dep)]
+
+
+SetId = Annotated[uuid.UUID, Path(description="The exemplar set's id (its `id`)")]
+JobId = Annotated[uuid.UUID, Path(description="The adaptation job's id (its `id`)")]
+CheckpointId = Annotated[uuid.UUID, Path(description="The checkpoint's id (its `id`)")]
+PoolImageId = Annotated[uuid.UUID, Path(description="The pool image's id (its `id`)")]
+Limit = Annotated[int, Query(ge=1, le=200, description="Items per page (1 to 200)")]
+Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items skipped before the page: a page's `offset` "
+                                                                "plus its `limit` gives the next one")]

@@ -24,30 +24,34 @@ answer."""
 class ErrorDetail(BaseModel):
     """Every error the API answers: a JSON object with a human-readable ``detail``."""
 
-    detail: str
+    detail: str = Field(description="What went wrong and what to fix, for a person to read")
 
 
 class ValidationIssue(BaseModel):
     """One item of a request validation error (FastAPI's format)."""
 
-    loc: list[str | int]
-    msg: str
-    type: str
-    input: Any = None
-    ctx: dict[str, Any] | None = None
+    loc: list[str | int] = Field(description=(
+        "Where the issue is: the part of the request (`body`, `query`, `path`, `header`) and the field's name"))
+    msg: str = Field(description="What is wrong with the value, for a person to read")
+    type: str = Field(description=(
+        "The kind of issue, for a program to read (pydantic's error type, e.g. `missing`, `int_parsing`)"))
+    input: Any = Field(None, description="The value refused")
+    ctx: dict[str, Any] | None = Field(None, description=(
+        "The rule's parameters, where it has some (e.g. `{\"le\": 32}`)"))
 
 
 class ValidationErrorDetail(BaseModel):
     """422: the request's fields did not validate (a list of issues), or a value was refused by the service
     (a message: an unknown bundle, more iterations than the server allows, no file)."""
 
-    detail: list[ValidationIssue] | str
+    detail: list[ValidationIssue] | str = Field(description=(
+        "The issues, one per field; or a message where the service refused a value"))
 
 
 class Page(BaseModel):
     count: int = Field(description="Items in total, across all pages")
-    limit: int
-    offset: int
+    limit: int = Field(description="Items per page, as asked (`limit`, at most 200)")
+    offset: int = Field(description="Items skipped before this page, as asked (`offset`)")
 
 
 class ExemplarSetChange(BaseModel):
@@ -84,9 +88,10 @@ class ExemplarSetChange(BaseModel):
 class ExemplarSetPublic(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
-    id: uuid.UUID
-    name: str | None
-    num_exemplars: int
+    id: uuid.UUID = Field(description="The set's id: the `{set_id}` of its routes")
+    name: str | None = Field(description="The set's name as given (trimmed), or null")
+    num_exemplars: int = Field(description=(
+        "Exemplar crops the prototype is the mean of (crops uploaded, and crops cut from `boxes`)"))
     num_labeled: int = Field(description=(
         "Exemplars uploaded as whole images with the object's box (`boxes`): the set's labeled examples, which "
         "adaptation jobs use to check themselves. 0 for a set of plain crops."))
@@ -107,17 +112,19 @@ class ExemplarSetPublic(BaseModel):
         "`confidence` is the verifier's probability that its box is the set's kind rather than another kind it "
         "knows, the background or a negative exemplar, so `found` tells the query digit from other digits; without, "
         "the set's calibrated fit decides"))
-    bundle: str
+    bundle: str = Field(description="The model bundle the set was made with, and localizes with (`/v1/bundles`)")
     bundle_sha256: str | None = Field(description=(
         "sha256 of the bundle file that made the set's prototype. Once another file is installed under the "
         "bundle's name, the set answers 409 until that file is back: re-create the set from its crops to use "
         "the new one. null: a set made before it was recorded, served by the file installed now."))
-    active_checkpoint_id: uuid.UUID | None
-    created_at: datetime
+    active_checkpoint_id: uuid.UUID | None = Field(description=(
+        "The checkpoint localize uses by default (`checkpoint=active`): the base policy until an adaptation job or "
+        "`/v1/checkpoints/{id}/activate` changes it"))
+    created_at: datetime = Field(description="When the set was created (UTC)")
 
 
 class ExemplarSetsPublic(Page):
-    data: list[ExemplarSetPublic]
+    data: list[ExemplarSetPublic] = Field(description="The page's sets, oldest first")
 
 
 class InstanceResult(BaseModel):
@@ -132,9 +139,10 @@ class InstanceResult(BaseModel):
 
 
 class LocalizationResult(BaseModel):
-    filename: str | None
-    width: int
-    height: int
+    filename: str | None = Field(description="The uploaded file's name (as sent; null without one)")
+    width: int = Field(description=(
+        "The image's width in pixels, upright (EXIF orientation applied): the frame of `box`"))
+    height: int = Field(description="The image's height in pixels, upright (EXIF orientation applied)")
     box: Box
     score: float = Field(description="Embedding distance of the final box to the prototype (lower is closer)")
     confidence: float | None = Field(None, ge=0, le=1, description=(
@@ -159,9 +167,10 @@ class LocalizationResult(BaseModel):
 
 
 class LocalizeResponse(BaseModel):
-    exemplar_set_id: uuid.UUID
-    checkpoint_id: uuid.UUID
-    bundle: str
+    exemplar_set_id: uuid.UUID = Field(description="The set asked")
+    checkpoint_id: uuid.UUID = Field(description=(
+        "The checkpoint that answered (the set's active one, unless `checkpoint` named another)"))
+    bundle: str = Field(description="The set's model bundle")
     samples: int = Field(description="Extra sampled episodes per image (best-of-N search); 0 = greedy only")
     nearest: bool = Field(description="The answer is the visited box nearest the exemplars, not the last one")
     refined: bool = Field(False, description=(
@@ -169,26 +178,26 @@ class LocalizeResponse(BaseModel):
         "reward: checkpoints of adaptation jobs whose reward repair was kept (`validation.reward` is "
         "`repaired head`) on a grayscale bundle, as the job's guard scored them. false for the base policy, "
         "photo bundles and other checkpoints"))
-    results: list[LocalizationResult]
+    results: list[LocalizationResult] = Field(description="One per uploaded image, in upload order")
     kept: list[uuid.UUID] | None = Field(None, description=(
         "With `keep=true`: the ids of the pool images the uploaded images became, in upload order"))
 
 
 class CocoImage(BaseModel):
-    id: int
-    file_name: str | None
-    width: int
-    height: int
+    id: int = Field(description="The image's id: `image_ids`' in upload order, else 1, 2, ... in upload order")
+    file_name: str | None = Field(description="The uploaded file's name (as sent; null without one)")
+    width: int = Field(description="The image's width in pixels, upright")
+    height: int = Field(description="The image's height in pixels, upright")
 
 
 class CocoCategory(BaseModel):
-    id: int
-    name: str
+    id: int = Field(description="`category_id` (default 1)")
+    name: str = Field(description="The set's name, or `object` for a set without one")
 
 
 class CocoDetection(BaseModel):
-    image_id: int
-    category_id: int
+    image_id: int = Field(description="The `id` of its image in `images`")
+    category_id: int = Field(description="The `id` of the set's category")
     bbox: list[float] = Field(description="[x, y, width, height] in the full image's pixels")
     score: float = Field(description="The calibrated confidence (higher is better)")
 
@@ -196,9 +205,11 @@ class CocoDetection(BaseModel):
 class CocoResults(BaseModel):
     """``format=coco``: ``annotations`` is a COCO results list, what pycocotools' ``COCO.loadRes`` takes."""
 
-    images: list[CocoImage]
-    categories: list[CocoCategory]
-    annotations: list[CocoDetection]
+    images: list[CocoImage] = Field(description="One per uploaded image, in upload order")
+    categories: list[CocoCategory] = Field(description="The set's category: one")
+    annotations: list[CocoDetection] = Field(description=(
+        "The detections: each image's answer (with `max_instances`, each instance); with `min_confidence`, those not "
+        "`found` left out"))
 
 
 class LabelStudioTask(BaseModel):
@@ -206,8 +217,10 @@ class LabelStudioTask(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    data: dict[str, Any]
-    predictions: list[dict[str, Any]]
+    data: dict[str, Any] = Field(description="The task's data: `image`, the uploaded file's name")
+    predictions: list[dict[str, Any]] = Field(description=(
+        "One prediction (`model_version`: the checkpoint's id; `score`: the answer's confidence): `result` holds a "
+        "`rectanglelabels` region, in percent of the image, per `found` answer (per instance with `max_instances`)"))
 
 
 class Progress(BaseModel):
@@ -224,9 +237,9 @@ class Progress(BaseModel):
 
 
 class JobParams(BaseModel):
-    iterations: int
-    learning_rate: float
-    seed: int
+    iterations: int = Field(description="Adaptation iterations asked for (default QLOC_DEFAULT_ITERATIONS)")
+    learning_rate: float = Field(description="Adam's learning rate (default QLOC_DEFAULT_LEARNING_RATE)")
+    seed: int = Field(description="The seed of the job's random draws: episodes sampled, probes made (default 0)")
     activate: Literal["auto", "true", "false"] = Field(
         description="auto: the best checkpoint, only if it beats the starting policy on the job's probes (on a photo "
                     "bundle the set's labeled examples must agree: pasted probes alone never activate there); "
@@ -238,13 +251,14 @@ class JobParams(BaseModel):
     num_pool_images: int = Field(0, description=(
         "Of num_images, those taken from the set's pool when the job was created (a snapshot: images added to "
         "the pool later are not the job's)"))
-    base_checkpoint_id: uuid.UUID | None
+    base_checkpoint_id: uuid.UUID | None = Field(description=(
+        "The checkpoint the job started from: the set's active one when it was created"))
 
 
 class ProbeScore(BaseModel):
     corloc: float = Field(description="% of probes whose answer has IoU >= 0.5 with the known box")
-    mean_iou: float
-    n: int
+    mean_iou: float = Field(description="Mean IoU of the answers with the known boxes, in [0, 1]")
+    n: int = Field(description="Probes scored")
 
 
 class PolicyScore(BaseModel):
@@ -255,7 +269,7 @@ class PolicyScore(BaseModel):
 
 
 class CheckpointScore(PolicyScore):
-    iteration: int
+    iteration: int = Field(description="The checkpoint's iteration")
     gain: float = Field(description="Selection CorLoc minus the starting policy's, in points")
     noise: float = Field(description=(
         "Twice the standard error of that paired difference, in points, and at least one probe's worth (100 / n): "
@@ -279,14 +293,17 @@ class Validation(BaseModel):
         "beyond their noise; absent for jobs made before)"))
     faithfulness: dict[str, float] = Field(description="How well the reward's embedding orders boxes by overlap "
                                                        "on the probes: OrdAcc (%) and Spearman rho (negative is good)")
-    base: PolicyScore
-    best: CheckpointScore | None
-    checkpoints: list[CheckpointScore]
-    stopped_early: bool
+    base: PolicyScore = Field(description="The starting policy's scores")
+    best: CheckpointScore | None = Field(description=(
+        "The checkpoint with the best selection score (null before the first)"))
+    checkpoints: list[CheckpointScore] = Field(description="Every checkpoint's scores, by iteration")
+    stopped_early: bool = Field(description=(
+        "Whether the job stopped before its last iteration because its probes kept falling "
+        "(QLOC_EARLY_STOP_PATIENCE)"))
     activated_iteration: int | None = Field(description="The iteration of the checkpoint the job made active, if any")
     activated_checkpoint_id: uuid.UUID | None = Field(None, description=(
         "The checkpoint the job made active, if any (null for jobs made before this field)"))
-    message: str
+    message: str = Field(description="The verdict in words: what was measured and what was activated")
     reward: Literal["repaired head", "bundle head"] | None = Field(None, description=(
         "The head of the job's embedding reward: `repaired head` when reward repair (QLOC_REWARD_REPAIR) trained "
         "the projection head on probes and held-out probes confirmed it orders boxes better (its checkpoints then "
@@ -304,60 +321,65 @@ class Validation(BaseModel):
 
 
 class AdaptationJobPublic(BaseModel):
-    id: uuid.UUID
-    exemplar_set_id: uuid.UUID
-    status: JobState
-    progress: Progress
+    id: uuid.UUID = Field(description="The job's id: the `{job_id}` of its routes")
+    exemplar_set_id: uuid.UUID = Field(description="The set the job adapts")
+    status: JobState = Field(description="`queued`, `running`, then `succeeded`, `failed` or `canceled`")
+    progress: Progress = Field(description="How far the job is")
     checkpoint_id: uuid.UUID | None = Field(description=(
         "The last checkpoint the job wrote (not necessarily the one it activated: "
         "`validation.activated_checkpoint_id`)"))
     error: str | None = Field(description="Why the job failed, or `canceled on request`; null otherwise")
-    params: JobParams
+    params: JobParams = Field(description="What the job was asked")
     verdict: Literal["improved", "no better", "worse", "reward unreliable"] | None = Field(
         description="Did adapting make the answers better, by the job's probes (null until it finished)")
-    validation: Validation | None
-    attempts: int
-    cancel_requested: bool
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    validation: Validation | None = Field(description=(
+        "How the job checked itself on its probes; null until it has finished"))
+    attempts: int = Field(description=(
+        "Runs of the job a worker started (more than 1: it was resumed after a worker died)"))
+    cancel_requested: bool = Field(description="Whether `POST /v1/adaptations/{id}/cancel` was called")
+    created_at: datetime = Field(description="When the job was queued (UTC)")
+    started_at: datetime | None = Field(description="When a worker first started it (UTC); null while queued")
+    finished_at: datetime | None = Field(description="When it ended (UTC); null until then")
 
 
 class AdaptationJobsPublic(Page):
-    data: list[AdaptationJobPublic]
+    data: list[AdaptationJobPublic] = Field(description="The page's jobs, oldest first")
 
 
 class CheckpointPublic(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
-    id: uuid.UUID
-    exemplar_set_id: uuid.UUID
+    id: uuid.UUID = Field(description=(
+        "The checkpoint's id: the `{checkpoint_id}` of its routes, and localize's `checkpoint`"))
+    exemplar_set_id: uuid.UUID = Field(description="The set it belongs to")
     parent_id: uuid.UUID | None = Field(description="Lineage: the checkpoint this one was trained from")
-    job_id: uuid.UUID | None
-    kind: Literal["base", "adapted"]
-    iteration: int
-    sha256: str
+    job_id: uuid.UUID | None = Field(description="The adaptation job that wrote it; null for the base policy")
+    kind: Literal["base", "adapted"] = Field(description=(
+        "`base`: the bundle's policy, made with the set; `adapted`: written by an adaptation job"))
+    iteration: int = Field(description="The job's iteration it was written at (0 for the base policy)")
+    sha256: str = Field(description="sha256 of its file")
     metrics: dict[str, float | int | str | None] = Field(description=(
         "The job's mean reward and the checkpoint's probe scores (`probe_corloc`, `probe_mean_iou`, "
         "`probe_held_corloc`, `probe_gain`, `probe_noise`); `answers` where localize answers with it beside its "
         "job's starting policy (QLOC_PAIR_START): `paired with its start` (QLOC_PAIR_RULE `agree`, the default: its "
         "own box only where both heads prefer it) or `consensus of its start and its job's checkpoints` (`consensus`: "
         "each image's answer is the one the start, the job's earlier checkpoints and this one overlap on most)"))
-    active: bool
-    created_at: datetime
+    active: bool = Field(description="Whether localize uses it by default (`checkpoint=active`)")
+    created_at: datetime = Field(description="When it was written (UTC)")
 
 
 class CheckpointsPublic(Page):
-    data: list[CheckpointPublic]
+    data: list[CheckpointPublic] = Field(description="The page's checkpoints, oldest first")
 
 
 class HealthStatus(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok"] = Field(description="`ok`: the process answers")
 
 
 class ReadyStatus(BaseModel):
-    status: Literal["ok", "unavailable"]
-    checks: dict[str, str]
+    status: Literal["ok", "unavailable"] = Field(description=(
+        "`ok` when every check passed, else `unavailable` (with a 503)"))
+    checks: dict[str, str] = Field(description="Each dependency's state: `ok`, or what is wrong (`error: ...`)")
 
 
 class PoolImagePublic(BaseModel):
@@ -365,15 +387,15 @@ class PoolImagePublic(BaseModel):
 
     model_config = ConfigDict(from_attributes=True)
 
-    id: uuid.UUID
-    exemplar_set_id: uuid.UUID
-    filename: str | None
-    content_type: str
-    width: int
-    height: int
+    id: uuid.UUID = Field(description="The image's id: the `{image_id}` of its route")
+    exemplar_set_id: uuid.UUID = Field(description="The set whose pool holds it")
+    filename: str | None = Field(description="The uploaded file's name (as sent; null without one)")
+    content_type: str = Field(description="Its media type (`image/png`, `image/jpeg`, `image/webp`)")
+    width: int = Field(description="Width in pixels, upright (EXIF orientation applied)")
+    height: int = Field(description="Height in pixels, upright")
     size: int = Field(description="Bytes as uploaded")
-    sha256: str
-    created_at: datetime
+    sha256: str = Field(description="sha256 of its bytes as uploaded")
+    created_at: datetime = Field(description="When it was added (UTC)")
 
 
 class PoolState(BaseModel):
@@ -384,7 +406,7 @@ class PoolState(BaseModel):
 
 
 class PoolImagesPublic(Page, PoolState):
-    data: list[PoolImagePublic]
+    data: list[PoolImagePublic] = Field(description="The page's images, oldest first")
 
 
 class PoolImagesAdded(PoolState):

@@ -170,6 +170,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "datasets": ("models/experiments/datasets.py", [
         "tests/models/test_experiment_roles.py", "tests/models/test_general_cmnist.py", "tests/models/test_glyphs.py",
         "tests/models/test_photo_experiments.py"]),
+    # checkpoints deleted with their files, and the head files no checkpoint names (real SQL, a real blob store)
+    "retention": ("app/retention.py", ["tests/app/test_retention_units.py"]),
     # the settings: how they are read, their cross-field refusals, the API's processes; SETTINGS.md written from them
     "config": ("app/config.py", ["tests/app/test_config_units.py", "tests/app/test_settings_reference.py"]),
     "settings_reference": ("app/settings_reference.py", ["tests/app/test_settings_reference.py"]),

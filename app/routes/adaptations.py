@@ -8,12 +8,12 @@ import logging
 import uuid
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, Header, HTTPException, Query, Response, UploadFile, status
+from fastapi import APIRouter, File, Form, Header, HTTPException, Response, UploadFile, status
 from pydantic import BeforeValidator
 from sqlalchemy.exc import IntegrityError
 
 from app import crud, jobstates, pool
-from app.deps import BundlesDep, CallerDep, QueueDep, SessionDep, SettingsDep, StoreDep
+from app.deps import BundlesDep, CallerDep, JobId, Limit, Offset, QueueDep, SessionDep, SetId, SettingsDep, StoreDep
 from app.remote import RemoteDep, answer_refusal
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import set_bundle
@@ -77,7 +77,7 @@ def replay(job: AdaptationJob, digest: str, response: Response) -> AdaptationJob
                                    "QLOC_INFERENCE=workers: or no localize worker answered the bundle check in "
                                    "time)")})
 def create_adaptation(
-    set_id: uuid.UUID, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
+    set_id: SetId, response: Response, session: SessionDep, settings: SettingsDep, store: StoreDep,
     queue: QueueDep, bundles: BundlesDep, caller: CallerDep, remote: RemoteDep,
     files: Annotated[list[UploadFile] | None, File(min_length=1, description=(
         "Unlabeled images to adapt the set's policy on (with source=files or both), at most "
@@ -89,8 +89,10 @@ def create_adaptation(
     iterations: Annotated[int | None, Form(ge=1, le=2**31 - 1, description=(
         "Policy-gradient iterations. Default: the server's QLOC_DEFAULT_ITERATIONS (200); at most its "
         "QLOC_MAX_ITERATIONS (5000 unless the server says otherwise: more is a 422 naming the limit)"))] = None,
-    learning_rate: Annotated[float | None, Form(gt=0, le=1, allow_inf_nan=False)] = None,
-    seed: Annotated[int | None, Form(ge=0, le=2**31 - 1)] = None,
+    learning_rate: Annotated[float | None, Form(gt=0, le=1, allow_inf_nan=False, description=(
+        "Adam's learning rate for the policy. Default: the server's QLOC_DEFAULT_LEARNING_RATE (0.001)"))] = None,
+    seed: Annotated[int | None, Form(ge=0, le=2**31 - 1, description=(
+        "Seed of the job's random draws: the episodes it samples and the probes it makes (default 0)"))] = None,
     activate: Annotated[Literal["auto", "true", "false"], BeforeValidator(_lowered), Form(description=(
         "auto|true|false, in any case (`True`, as Python prints it, is true). auto (default): make the best "
         "checkpoint the set's active policy only if it beats the starting policy "
@@ -211,9 +213,9 @@ def create_adaptation(
 
 @router.get("/exemplar-sets/{set_id}/adaptations", response_model=AdaptationJobsPublic,
             responses={404: error("Unknown exemplar set")})
-def list_adaptations(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
-                     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> AdaptationJobsPublic:
+def list_adaptations(set_id: SetId, session: SessionDep, caller: CallerDep,
+                     limit: Limit = 50,
+                     offset: Offset = 0) -> AdaptationJobsPublic:
     """The set's adaptation jobs, oldest first (finished ones too), `limit` at a time from `offset`; `count`: all of
     them."""
     if crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope) is None:
@@ -223,7 +225,7 @@ def list_adaptations(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
 
 
 @router.get("/adaptations/{job_id}", response_model=AdaptationJobPublic, responses={404: error("Unknown job")})
-def read_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> AdaptationJobPublic:
+def read_adaptation(job_id: JobId, session: SessionDep, caller: CallerDep) -> AdaptationJobPublic:
     job = crud.get_job(session, job_id=job_id, owner=caller.scope)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, JOB_NOT_FOUND)
@@ -232,7 +234,7 @@ def read_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep) -
 
 @router.post("/adaptations/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=AdaptationJobPublic,
              responses={404: error("Unknown job"), 409: error("The job has already finished")})
-def cancel_adaptation(job_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> AdaptationJobPublic:
+def cancel_adaptation(job_id: JobId, session: SessionDep, caller: CallerDep) -> AdaptationJobPublic:
     """Cancel a job: a queued one at once, a running one between two iterations."""
     job = crud.get_job(session, job_id=job_id, owner=caller.scope)
     if job is None:

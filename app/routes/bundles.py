@@ -12,7 +12,7 @@ router = APIRouter(prefix="/v1", tags=["bundles"], responses=UNAUTHORIZED)
 
 
 class BundlePublic(BaseModel):
-    name: str
+    name: str = Field(description="The bundle's name: a set's `bundle` form field")
     default: bool = Field(description="The bundle a new exemplar set gets when it names none")
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Response, status
+from fastapi import APIRouter, HTTPException, Response, status
 from sqlalchemy.orm import Session
 
 from app import crud, pool
-from app.deps import CallerDep, SessionDep, StoreDep
+from app.deps import CallerDep, CheckpointId, Limit, Offset, SessionDep, SetId, StoreDep
 from app.retention import remove_checkpoints
 from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
@@ -30,9 +29,9 @@ def to_public(ckpt: Checkpoint, active_id: uuid.UUID | None) -> CheckpointPublic
 
 @router.get("/exemplar-sets/{set_id}/checkpoints", response_model=CheckpointsPublic,
             responses={404: error("Unknown exemplar set")})
-def list_checkpoints(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
-                     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> CheckpointsPublic:
+def list_checkpoints(set_id: SetId, session: SessionDep, caller: CallerDep,
+                     limit: Limit = 50,
+                     offset: Offset = 0) -> CheckpointsPublic:
     """The set's checkpoints, oldest first: its base policy, then those its jobs wrote."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
@@ -44,7 +43,7 @@ def list_checkpoints(set_id: uuid.UUID, session: SessionDep, caller: CallerDep,
 
 @router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointPublic,
             responses={404: error("Unknown checkpoint")})
-def read_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> CheckpointPublic:
+def read_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: CallerDep) -> CheckpointPublic:
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -54,7 +53,7 @@ def read_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: Calle
 
 @router.post("/checkpoints/{checkpoint_id}/activate", response_model=ExemplarSetPublic,
              responses={404: error("Unknown checkpoint")})
-def activate_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
+def activate_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
     """Make the checkpoint its set's active policy; activating an older one rolls back."""
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
@@ -72,7 +71,7 @@ def activate_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: C
                responses={404: error("Unknown checkpoint"),
                           409: error("The set's base or active checkpoint, or one a queued or running job starts "
                                      "from or wrote")})
-def delete_checkpoint(checkpoint_id: uuid.UUID, session: SessionDep, caller: CallerDep, store: StoreDep) -> Response:
+def delete_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: CallerDep, store: StoreDep) -> Response:
     """Delete an adapted checkpoint and its file, to free storage. Its children keep their lineage through its parent;
     jobs that named it keep their record (their `checkpoint_id` becomes null). The set's base policy, its active
     checkpoint and those of unfinished jobs are refused (409 saying which). A head file its job stored apart goes

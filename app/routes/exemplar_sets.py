@@ -8,11 +8,11 @@ import math
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
+from fastapi import APIRouter, File, Form, HTTPException, Response, UploadFile, status
 
 from app import crud
 from app.calibration import NewSetCalibration, calibrate_new_set
-from app.deps import BundlesDep, CallerDep, SessionDep, SettingsDep, StoreDep
+from app.deps import BundlesDep, CallerDep, Limit, Offset, SessionDep, SetId, SettingsDep, StoreDep
 from app.images import DecodedImage
 from app.inference import (
     BundleMismatch,
@@ -173,7 +173,8 @@ def create_exemplar_set(
     files: Annotated[list[UploadFile], File(min_length=1, description=(
         "1..64 PNG/JPEG/WebP crops of the object sought (at least 2 pixels on each side); with `boxes`, whole images "
         "that show it"))],
-    name: Annotated[str | None, Form(max_length=200)] = None,
+    name: Annotated[str | None, Form(max_length=200, description=(
+        "A name for the set (trimmed; COCO's category and Label Studio's label default to it)"))] = None,
     bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
     negative_files: Annotated[list[UploadFile] | None, File(min_length=1, description=NEGATIVES_DESCRIPTION)] = None,
@@ -233,14 +234,14 @@ def create_exemplar_set(
 
 
 @router.get("", response_model=ExemplarSetsPublic)
-def list_exemplar_sets(session: SessionDep, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                       offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> ExemplarSetsPublic:
+def list_exemplar_sets(session: SessionDep, caller: CallerDep, limit: Limit = 50,
+                       offset: Offset = 0) -> ExemplarSetsPublic:
     sets, count = crud.list_exemplar_sets(session, owner=caller.scope, limit=limit, offset=offset)
     return ExemplarSetsPublic(data=[to_public(s) for s in sets], count=count, limit=limit, offset=offset)
 
 
 @router.get("/{set_id}", response_model=ExemplarSetPublic, responses=UNKNOWN)
-def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
+def read_exemplar_set(set_id: SetId, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -251,7 +252,7 @@ def read_exemplar_set(set_id: uuid.UUID, session: SessionDep, caller: CallerDep)
               responses={**UNKNOWN, **JSON_TOO_LARGE,
                          415: error("The body is not JSON (Content-Type: application/json)"),
                          422: invalid("Unknown field, a value out of range, or nothing to change")})
-def update_exemplar_set(set_id: uuid.UUID, change: ExemplarSetChange, session: SessionDep,
+def update_exemplar_set(set_id: SetId, change: ExemplarSetChange, session: SessionDep,
                         caller: CallerDep) -> ExemplarSetPublic:
     """Rename the set, or change the confidence from which its answers are `found` (JSON body, e.g.
     `{"threshold": 0.3}`): no new set, no new calibration; its checkpoints, jobs and pool stay."""
@@ -272,7 +273,7 @@ def update_exemplar_set(set_id: uuid.UUID, change: ExemplarSetChange, session: S
 
 @router.delete("/{set_id}", status_code=status.HTTP_204_NO_CONTENT,
                responses={**UNKNOWN, 409: error("The set has queued or running jobs")})
-def delete_exemplar_set(set_id: uuid.UUID, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
+def delete_exemplar_set(set_id: SetId, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
     """Delete the set with its exemplars, jobs and checkpoints (rows, then files)."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:

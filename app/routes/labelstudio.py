@@ -44,6 +44,7 @@ from app.deps import (
     MetricsDep,
     QueueDep,
     SessionDep,
+    SetId,
     SettingsDep,
     StoreDep,
     _api_key_header,
@@ -114,26 +115,35 @@ StorableProject = Annotated[StrictStr | StrictInt | None, AfterValidator(_storab
 class SetupRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    project: StorableProject = None
-    label_config: str | None = Field(None, alias="schema")  # "schema" would shadow a BaseModel attribute
-    hostname: str | None = Field(None, max_length=2048)
-    access_token: str | None = Field(None, max_length=1024)
+    project: StorableProject = Field(None, description="Label Studio's project id")
+    label_config: str | None = Field(None, alias="schema", description=(  # "schema" would shadow BaseModel's
+        "The project's labeling config (XML): qloc answers its RectangleLabels tag"))
+    hostname: str | None = Field(None, max_length=2048, description=(
+        "Label Studio's address: task images given as Label Studio paths are fetched there (unless "
+        "QLOC_LABELSTUDIO_URL is set)"))
+    access_token: str | None = Field(None, max_length=1024, description=(
+        "Label Studio's token for those fetches (unless QLOC_LABELSTUDIO_API_KEY is set)"))
 
 
 class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    tasks: list[dict[str, Any]]
-    label_config: str | None = None
-    project: StorableProject = None
-    params: dict[str, Any] | None = None
+    tasks: list[dict[str, Any]] = Field(description=(
+        "The tasks to pre-annotate, as Label Studio sends them (each with `id` and `data`)"))
+    label_config: str | None = Field(None, description="The project's labeling config (XML)")
+    project: StorableProject = Field(None, description="Label Studio's project id")
+    params: dict[str, Any] | None = Field(None, description=(
+        "Label Studio's extra parameters (`context`, `login`, ...): not read"))
 
 
 class WebhookEvent(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    action: str
-    project: Annotated[dict[str, Any] | StrictStr | StrictInt | None, AfterValidator(_storable_project)] = None
+    action: str = Field(description=(
+        "The event: `START_TRAINING` starts an adaptation job on the project's images; the others are acknowledged "
+        "and ignored"))
+    project: Annotated[dict[str, Any] | StrictStr | StrictInt | None, AfterValidator(_storable_project)] = Field(
+        None, description="The project, as Label Studio sends it (an object with its `id`, or the id)")
 
 
 def _refusal(e: Refused) -> HTTPException:
@@ -193,7 +203,7 @@ def _fetch_all(fetcher: ImageFetcher, urls: list[tuple[object, str, int | None]]
 @router.get("/health", summary="Label Studio's health check")
 @router.get("", include_in_schema=False)
 @router.get("/", include_in_schema=False)
-def health(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDep) -> dict[str, Any]:
+def health(set_id: SetId, session: SessionDep, caller: LabelStudioCallerDep) -> dict[str, Any]:
     """``{"status": "UP"}`` when the exemplar set exists for this key (404 otherwise)."""
     es = _get_set(session, set_id, caller)
     return {"status": "UP", "model_class": "qloc", "exemplar_set": str(es.id), "bundle": es.bundle}
@@ -201,7 +211,7 @@ def health(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDep)
 
 @router.post("/setup", responses={**JSON_TOO_LARGE, 422: invalid(
     "Invalid body, or a label config without a usable RectangleLabels tag")})
-def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: SettingsDep,
+def setup(set_id: SetId, body: SetupRequest, session: SessionDep, settings: SettingsDep,
           caller: LabelStudioCallerDep) -> dict[str, Any]:
     """Label Studio connects: the config must have a RectangleLabels on an Image with a label for the set;
     answers the model version (the set's active checkpoint id). Label Studio's ``hostname`` and ``access_token``
@@ -237,7 +247,7 @@ def setup(set_id: uuid.UUID, body: SetupRequest, session: SessionDep, settings: 
                "or an image that cannot be fetched (unreachable, an error answer, a scheme other than http(s), "
                "a Label Studio path with Label Studio's address unknown)"),
     503: unavailable("The model is busy or cannot be loaded (as localize)")})
-def predict(set_id: uuid.UUID, body: PredictRequest, request: Request, session: SessionDep, settings: SettingsDep,
+def predict(set_id: SetId, body: PredictRequest, request: Request, session: SessionDep, settings: SettingsDep,
             inference: InferenceDep, caller: LabelStudioCallerDep, metrics: MetricsDep, store: StoreDep,
             bundles: BundlesDep, remote: RemoteDep) -> dict[str, Any]:
     """Pre-annotate Label Studio tasks: one ``rectanglelabels`` region per task (an empty ``result`` when the
@@ -339,7 +349,7 @@ def _project_images(fetcher: ImageFetcher, project: dict[str, Any], es: Exemplar
     422: invalid("Invalid body, or no image to adapt on: the project's images could not be read and the set's "
                  "pool is empty"),
     503: unavailable("The job queue is unreachable")})
-def webhook(set_id: uuid.UUID, event: WebhookEvent, response: Response, session: SessionDep,
+def webhook(set_id: SetId, event: WebhookEvent, response: Response, session: SessionDep,
             settings: SettingsDep, store: StoreDep, queue: QueueDep, bundles: BundlesDep,
             caller: LabelStudioCallerDep, remote: RemoteDep) -> dict[str, Any]:
     """``START_TRAINING`` (Label Studio's "Start Training", and every N annotations when "Start model training
@@ -379,7 +389,7 @@ def webhook(set_id: uuid.UUID, event: WebhookEvent, response: Response, session:
 
 
 @router.get("/versions")
-def versions(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDep) -> dict[str, Any]:
+def versions(set_id: SetId, session: SessionDep, caller: LabelStudioCallerDep) -> dict[str, Any]:
     """The set's checkpoint ids, oldest first (Label Studio's model version list)."""
     _get_set(session, set_id, caller)
     ckpts, _ = crud.list_checkpoints(session, set_id=set_id, limit=200, offset=0)
@@ -387,6 +397,6 @@ def versions(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDe
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(set_id: uuid.UUID, session: SessionDep, caller: LabelStudioCallerDep) -> dict[str, Any]:
+def metrics(set_id: SetId, session: SessionDep, caller: LabelStudioCallerDep) -> dict[str, Any]:
     _get_set(session, set_id, caller)
     return {}

@@ -33,7 +33,7 @@ from app.calibration import (
 )
 from app.config import MAX_INSTANCES, MAX_SAMPLES, Settings
 from app.db import begin_read
-from app.deps import Caller, CallerDep, ServingDep
+from app.deps import Caller, CallerDep, ServingDep, SetId
 from app.export import AnswerOptions
 from app.inference import BundleRegistry
 from app.metrics import Metrics
@@ -105,7 +105,7 @@ def resolve_checkpoint(session: Session, es: ExemplarSet, which: str, *, active:
                "with QLOC_INFERENCE=workers, also: no localize worker answered within QLOC_LOCALIZE_TIMEOUT "
                "seconds (with `Retry-After`)")})
 def localize(
-    set_id: uuid.UUID, request: Request, serving: ServingDep, caller: CallerDep,
+    set_id: SetId, request: Request, serving: ServingDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(min_length=1, description=(
         "Images to search (PNG/JPEG/WebP, any size up to the limits; not animated), at most "
         "QLOC_MAX_FILES_PER_REQUEST (64 by default) per request. Each is seen upright (its EXIF "

@@ -9,12 +9,12 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile, status
+from fastapi import APIRouter, File, HTTPException, Response, UploadFile, status
 from sqlalchemy.orm import Session
 
 from app import crud, pool
 from app.config import Settings
-from app.deps import CallerDep, SessionDep, SettingsDep, StoreDep
+from app.deps import CallerDep, Limit, Offset, PoolImageId, SessionDep, SetId, SettingsDep, StoreDep
 from app.images import DecodedImage
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid
 from app.routes.uploads import read_images
@@ -67,7 +67,7 @@ def state(session: Session, settings: Settings, set_id: uuid.UUID) -> dict[str, 
     **UPLOAD_ERRORS, 404: error("Unknown exemplar set"), 409: FULL,
     422: invalid("Invalid fields, no file, or a field the route does not take")})
 def add_pool_images(
-    set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, store: StoreDep, caller: CallerDep,
+    set_id: SetId, session: SessionDep, settings: SettingsDep, store: StoreDep, caller: CallerDep,
     files: Annotated[list[UploadFile], File(min_length=1, description=(
         "Unlabeled PNG/JPEG/WebP images of the kind the set's object appears in (as many per request as other uploads "
         "allow: QLOC_MAX_FILES_PER_REQUEST)"))],
@@ -89,9 +89,9 @@ def add_pool_images(
 
 
 @router.get("/{set_id}/images", response_model=PoolImagesPublic, responses={404: error("Unknown exemplar set")})
-def list_pool_images(set_id: uuid.UUID, session: SessionDep, settings: SettingsDep, caller: CallerDep,
-                     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> PoolImagesPublic:
+def list_pool_images(set_id: SetId, session: SessionDep, settings: SettingsDep, caller: CallerDep,
+                     limit: Limit = 50,
+                     offset: Offset = 0) -> PoolImagesPublic:
     """The set's pool, oldest first (in upload order within a request); `count` is the pool's size."""
     get_set(session, set_id, caller.scope)
     rows, count = pool.list_images(session, set_id=set_id, limit=limit, offset=offset)
@@ -118,7 +118,7 @@ def _delete(session: Session, store: BlobStore, set_id: uuid.UUID, image_id: uui
 
 @router.delete("/{set_id}/images/{image_id}", status_code=status.HTTP_204_NO_CONTENT,
                responses={404: error("Unknown exemplar set, or an image not in its pool"), 409: IN_USE})
-def delete_pool_image(set_id: uuid.UUID, image_id: uuid.UUID, session: SessionDep, store: StoreDep,
+def delete_pool_image(set_id: SetId, image_id: PoolImageId, session: SessionDep, store: StoreDep,
                       caller: CallerDep) -> Response:
     """Delete one image of the pool (row, then file). An image that a queued or running job took is kept
     until the job ends (409): the job reads it."""
@@ -130,7 +130,7 @@ def delete_pool_image(set_id: uuid.UUID, image_id: uuid.UUID, session: SessionDe
 
 @router.delete("/{set_id}/images", status_code=status.HTTP_204_NO_CONTENT,
                responses={404: error("Unknown exemplar set"), 409: IN_USE})
-def delete_pool(set_id: uuid.UUID, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
+def delete_pool(set_id: SetId, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
     """Empty the pool. All or nothing: while a queued or running job holds any of its images, nothing is
     deleted (409)."""
     get_set(session, set_id, caller.scope)
