@@ -50,7 +50,7 @@ def _array_to_png(arr: Any) -> bytes:
         elif a.size and (int(a.min()) < 0 or int(a.max()) > 255):
             raise ValueError(f"an integer image array is read as [0, 255] (or uint16 as 16 bits); got values from "
                              f"{int(a.min())} to {int(a.max())}: scale it first")
-        a = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+        a = np.rint(a).astype(np.uint8)  # within 0..255: checked above
     return _pil_to_png(Image.fromarray(a))
 
 

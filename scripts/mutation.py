@@ -172,6 +172,15 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/models/test_photo_experiments.py"]),
     # checkpoints deleted with their files, and the head files no checkpoint names (real SQL, a real blob store)
     "retention": ("app/retention.py", ["tests/app/test_retention_units.py"]),
+    # what the Python client sends for each kind of image (no server; the round trips are test_app_client.py's)
+    "client_images": ("app/client_images.py", [
+        "tests/app/test_client_images_units.py",
+        *(f"tests/app/test_app_client.py::{t}" for t in (
+            "test_16_bit_arrays_and_images_are_sent_so_the_api_sees_their_8_bit_scale",
+            "test_pil_images_of_32_bit_modes_are_sent_by_the_array_rules_not_clipped",
+            "test_a_pil_image_with_an_exif_orientation_goes_up_as_a_viewer_shows_it",
+            "test_arrays_outside_the_scales_they_are_read_on_are_refused_not_clipped",
+            "test_a_pil_image_goes_up_as_the_api_would_see_its_file"))]),
     # the settings: how they are read, their cross-field refusals, the API's processes; SETTINGS.md written from them
     "config": ("app/config.py", ["tests/app/test_config_units.py", "tests/app/test_settings_reference.py"]),
     "settings_reference": ("app/settings_reference.py", ["tests/app/test_settings_reference.py"]),

@@ -158,7 +158,10 @@ def test_heads_written_since_an_unfinished_job_began_are_kept_with_a_clock_margi
     unfinished job was created (less ``HEAD_CLOCK_MARGIN_S``) stay; older unused ones go."""
     sid, other = new_set(db), new_set(db)
     assert retention.HEAD_CLOCK_MARGIN_S == 60.0
-    done = new_job(db, sid, JobState.SUCCEEDED)  # finished jobs do not hold heads
+    done = new_job(db, sid, JobState.SUCCEEDED)  # finished jobs do not hold heads, however long ago they began
+    with db.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == done)
+                  .values(created_at=utcnow() - timedelta(hours=2)))
     ckpt = new_checkpoint(db, store, sid, done, 1)
     new_job(db, other)  # nor do another set's unfinished ones
     head(store, sid, "old", age_s=3600)
@@ -190,6 +193,11 @@ def test_drop_unused_heads_on_its_own(db, store, caplog):
     assert heads_left(store, sid) == {"a", "b", "c"}
     retention.drop_unused_heads(store, sid, [blob], before=time.time() - 50)  # written before it, unused: go
     assert heads_left(store, sid) == {"a"} and notes.exists()  # only heads are collected
+    head(store, sid, "on_the_second")
+    os.utime(store.path(head_key(sid, "on_the_second")), (1_000_000, 1_000_000))
+    retention.drop_unused_heads(store, sid, [blob], before=1_000_000.0)  # not written *before* it: kept
+    assert heads_left(store, sid) == {"a", "on_the_second"}
+    store.delete(head_key(sid, "on_the_second"))
 
     head(store, sid, "b")
     store.path(blob).write_bytes(b"not a checkpoint")
@@ -206,7 +214,9 @@ def test_keep_only_keeps_what_was_chosen_and_what_is_in_use(db, store, caplog):
     sid = new_set(db)
     job = new_job(db, sid, JobState.SUCCEEDED)
     earlier = new_job(db, sid, JobState.SUCCEEDED)
-    mine = {i: new_checkpoint(db, store, sid, job, i) for i in (2, 4, 6, 8)}
+    for name in ("h2", "h4", "h6", "h8"):
+        head(store, sid, name, age_s=3600)
+    mine = {i: new_checkpoint(db, store, sid, job, i, heads=(f"h{i}",)) for i in (2, 4, 6, 8)}
     new_checkpoint(db, store, sid, earlier, 1)
     with db.begin() as s:  # 4 made active meanwhile; a queued job starts from 6
         s.execute(update(ExemplarSet).where(ExemplarSet.id == sid).values(active_checkpoint_id=mine[4]))
@@ -218,6 +228,7 @@ def test_keep_only_keeps_what_was_chosen_and_what_is_in_use(db, store, caplog):
         retention.keep_only(db, store, set_id=sid, job_id=job, chosen={mine[8]})
     assert checkpoints(db, sid) == {1, 4, 6, 8}  # 2 went; the other job's is not this job's to delete
     assert not store.exists(checkpoint_key(sid, job, 2)) and store.exists(checkpoint_key(sid, job, 8))
+    assert heads_left(store, sid) == {"h4", "h6", "h8"}  # the deleted one's head went with it
     assert f"job {job}: 1 of its checkpoints deleted (QLOC_JOB_CHECKPOINTS=chosen), 3 kept" in caplog.text
 
 
