@@ -181,6 +181,9 @@ MODULES: dict[str, tuple[str, list[str]]] = {
             "test_a_pil_image_with_an_exif_orientation_goes_up_as_a_viewer_shows_it",
             "test_arrays_outside_the_scales_they_are_read_on_are_refused_not_clipped",
             "test_a_pil_image_goes_up_as_the_api_would_see_its_file"))]),
+    # the blob store (atomic writes, keys that stay under its root) and the small LRU the calibrations are cached in
+    "storage": ("app/storage.py", ["tests/app/test_app_storage.py"]),
+    "lru": ("app/lru.py", ["tests/app/test_app_lru.py"]),
     # the settings: how they are read, their cross-field refusals, the API's processes; SETTINGS.md written from them
     "config": ("app/config.py", ["tests/app/test_config_units.py", "tests/app/test_settings_reference.py"]),
     "settings_reference": ("app/settings_reference.py", ["tests/app/test_settings_reference.py"]),

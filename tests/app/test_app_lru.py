@@ -22,8 +22,12 @@ def test_loads_once_keeps_the_most_recently_used_and_drops_the_oldest():
     lru.get("c", load("c"))  # past the size: b, the least recently used, goes
     assert "a" in lru and "c" in lru and "b" not in lru and len(lru) == 2
     assert lru.get("b", load("b")) == "vb" and loads == ["a", "b", "c", "b"]
-    with pytest.raises(ValueError, match="size"):
+    with pytest.raises(ValueError, match="^size must be >= 1, got 0$"):
         LoadingLRU(0)
+    one: LoadingLRU[str] = LoadingLRU(1)  # the smallest: the last one loaded
+    one.get("a", load("a"))
+    one.get("b", load("b"))
+    assert "b" in one and "a" not in one and len(one) == 1
 
 
 def test_a_slow_load_holds_no_other_key_up_and_a_failed_load_keeps_nothing():
