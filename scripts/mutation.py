@@ -184,6 +184,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the blob store (atomic writes, keys that stay under its root) and the small LRU the calibrations are cached in
     "storage": ("app/storage.py", ["tests/app/test_app_storage.py"]),
     "lru": ("app/lru.py", ["tests/app/test_app_lru.py"]),
+    # the Celery configuration producer and consumer share, the queues' declaration, the API's enqueue and ping
+    "queue": ("app/queue.py", ["tests/worker/test_worker_queue_units.py", "tests/worker/test_worker_celery.py"]),
     # the settings: how they are read, their cross-field refusals, the API's processes; SETTINGS.md written from them
     "config": ("app/config.py", ["tests/app/test_config_units.py", "tests/app/test_settings_reference.py"]),
     "settings_reference": ("app/settings_reference.py", ["tests/app/test_settings_reference.py"]),
@@ -212,7 +214,7 @@ def prepare(name: str, workdir: Path) -> None:
 [tool.mutmut]
 source_paths = ["{package}"]
 only_mutate = ["{source}"]
-also_copy = {toml_list([*others, "bundles", "data", "migrations", "alembic.ini", "SETTINGS.md"])}
+also_copy = {toml_list([*others, "bundles", "data", "migrations", "scripts", "alembic.ini", "SETTINGS.md"])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-q", "-x", *EXTRA_ARGS.get(name, [])])}
 timeout_constant = {timeout_constant}
