@@ -66,9 +66,10 @@ EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstat
                                  "or each_batch_is_observed or settings_are_checked or batcher_"]}
 
 # mutmut's per-mutant limit, (constant, multiplier): 2 x (the tests' time + constant) x multiplier seconds of CPU. A
-# generator's `while` loop that a mutant never ends would hold a child 10 minutes at the default.
+# generator's `while` loop, or the client's polling loop, that a mutant never ends would hold a child 10 minutes at the
+# default.
 DEFAULT_TIMEOUT = (20.0, 15.0)
-TIMEOUTS = {"cmnist": (5.0, 2.0), "glyphs": (5.0, 2.0), "photos": (5.0, 2.0)}
+TIMEOUTS = {"cmnist": (5.0, 2.0), "glyphs": (5.0, 2.0), "photos": (5.0, 2.0), "client": (5.0, 2.0)}
 
 MODULES: dict[str, tuple[str, list[str]]] = {
     "boxes": ("models/core/boxes.py", CORE_TESTS),
@@ -172,6 +173,13 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/models/test_photo_experiments.py"]),
     # checkpoints deleted with their files, and the head files no checkpoint names (real SQL, a real blob store)
     "retention": ("app/retention.py", ["tests/app/test_retention_units.py"]),
+    # the Python client over a scripted transport: each method's request, the retry policy, errors, wait (the round
+    # trips through the API in process take seconds each)
+    "client": ("app/client.py", [
+        "tests/app/test_client_units.py",
+        *(f"tests/app/test_app_client.py::{t}" for t in (
+            "test_retry_after_is_honoured_and_extra_fields_are_kept", "test_connection_errors_are_retried_then_raised",
+            "test_a_set_creation_is_waited_for_past_the_clients_timeout_and_a_lost_answer_says_look_first"))]),
     # what the Python client sends for each kind of image (no server; the round trips are test_app_client.py's)
     "client_images": ("app/client_images.py", [
         "tests/app/test_client_images_units.py",

@@ -214,8 +214,7 @@ def create_adaptation(
 @router.get("/exemplar-sets/{set_id}/adaptations", response_model=AdaptationJobsPublic,
             responses={404: error("Unknown exemplar set")})
 def list_adaptations(set_id: SetId, session: SessionDep, caller: CallerDep,
-                     limit: Limit = 50,
-                     offset: Offset = 0) -> AdaptationJobsPublic:
+                     limit: Limit = 50, offset: Offset = 0) -> AdaptationJobsPublic:
     """The set's adaptation jobs, oldest first (finished ones too), `limit` at a time from `offset`; `count`: all of
     them."""
     if crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope) is None:

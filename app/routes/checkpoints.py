@@ -30,8 +30,7 @@ def to_public(ckpt: Checkpoint, active_id: uuid.UUID | None) -> CheckpointPublic
 @router.get("/exemplar-sets/{set_id}/checkpoints", response_model=CheckpointsPublic,
             responses={404: error("Unknown exemplar set")})
 def list_checkpoints(set_id: SetId, session: SessionDep, caller: CallerDep,
-                     limit: Limit = 50,
-                     offset: Offset = 0) -> CheckpointsPublic:
+                     limit: Limit = 50, offset: Offset = 0) -> CheckpointsPublic:
     """The set's checkpoints, oldest first: its base policy, then those its jobs wrote."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:

@@ -90,8 +90,7 @@ def add_pool_images(
 
 @router.get("/{set_id}/images", response_model=PoolImagesPublic, responses={404: error("Unknown exemplar set")})
 def list_pool_images(set_id: SetId, session: SessionDep, settings: SettingsDep, caller: CallerDep,
-                     limit: Limit = 50,
-                     offset: Offset = 0) -> PoolImagesPublic:
+                     limit: Limit = 50, offset: Offset = 0) -> PoolImagesPublic:
     """The set's pool, oldest first (in upload order within a request); `count` is the pool's size."""
     get_set(session, set_id, caller.scope)
     rows, count = pool.list_images(session, set_id=set_id, limit=limit, offset=offset)
