@@ -18,9 +18,9 @@ import pytest
 from app.client import CREATE_SET_TIMEOUT, KEPT_HEADER, QlocClient, QlocError, describe_detail
 from app.client_models import AdaptationJob, Checkpoint, ExemplarSet
 
-SET = str(uuid.uuid4())
-JOB = str(uuid.uuid4())
-CKPT = str(uuid.uuid4())
+SET = "5e7a0000-0000-4000-8000-000000000001"  # fixed: parametrized test ids must be the same on every xdist worker
+JOB = "70b00000-0000-4000-8000-000000000002"
+CKPT = "c4e00000-0000-4000-8000-000000000003"
 NOW = "2026-01-01T00:00:00Z"
 SET_BODY = {"id": SET, "name": "fours", "num_exemplars": 2, "num_labeled": 0, "bundle": "b", "bundle_sha256": None,
             "active_checkpoint_id": CKPT, "created_at": NOW}
@@ -102,7 +102,7 @@ def test_each_read_asks_its_path_with_the_key_and_json():
     (lambda q: q.list_exemplar_sets(limit=5, offset=10), "/v1/exemplar-sets"),
     (lambda q: q.list_adaptations(SET, limit=5, offset=10), f"/v1/exemplar-sets/{SET}/adaptations"),
     (lambda q: q.list_checkpoints(SET, limit=5, offset=10), f"/v1/exemplar-sets/{SET}/checkpoints"),
-])
+], ids=["sets", "adaptations", "checkpoints"])
 def test_listings_page_by_limit_and_offset(call, path):
     server = Server(ok(PAGE))
     qloc, _ = client(server)
@@ -446,7 +446,9 @@ CALLS = [  # (call, its answer, method, path, query, retried after a lost answer
 ]
 
 
-@pytest.mark.parametrize(("call", "body", "method", "path", "query", "retried"), CALLS)
+@pytest.mark.parametrize(("call", "body", "method", "path", "query", "retried"), CALLS,
+                         ids=[f"{c[2]} {c[3].replace(SET, '{set}').replace(JOB, '{id}').replace(CKPT, '{id}')}"
+                              f"{' ' + c[4]['format'] if 'format' in c[4] else ''}" for c in CALLS])
 def test_every_call_its_request_and_whether_a_lost_answer_is_asked_again(call, body, method, path, query, retried):
     """A request whose answer was lost is sent again only where that is safe: reads, and writes the server makes
     idempotent (a job's key, a checkpoint's activation, a deletion: at worst a 404); a new set or pool images would
