@@ -34,3 +34,19 @@ def module_postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
     yield url
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def module_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Sessions on a migrated database shared by one test module, once on SQLite and once on PostgreSQL (its tests
+    must not expect an empty database)."""
+    from app.db import make_engine, make_sessionmaker
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('module-db')}/qloc.db"
+        migrate(url)
+    else:
+        url = request.getfixturevalue("module_postgres_url")
+    engine = make_engine(url)
+    yield make_sessionmaker(engine)
+    engine.dispose()

@@ -13,11 +13,9 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from service_fixtures import migrate
 from sqlalchemy import func, select, update
 
 from app import crud
-from app.db import make_engine, make_sessionmaker
 from app.tables import (
     AdaptationJob,
     Checkpoint,
@@ -30,16 +28,9 @@ from app.tables import (
 )
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def db(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('crud')}/qloc.db"
-        migrate(url)
-    else:
-        url = request.getfixturevalue("module_postgres_url")
-    engine = make_engine(url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
+@pytest.fixture(scope="module")
+def db(module_db):  # type: ignore[no-untyped-def]  -- SQLite, then PostgreSQL (conftest.py)
+    return module_db
 
 
 def blob(position: int, box: tuple[float, float, float, float] | None = None, name: str | None = "f.png"

@@ -13,26 +13,17 @@ from datetime import timedelta
 
 import pytest
 import torch
-from service_fixtures import migrate
 from sqlalchemy import select, update
 
 from app import crud, retention
-from app.db import make_engine, make_sessionmaker
 from app.jobstates import JobState
 from app.storage import BlobStore, checkpoint_key, head_key, heads_prefix
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def db(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('retention')}/qloc.db"
-        migrate(url)
-    else:
-        url = request.getfixturevalue("module_postgres_url")
-    engine = make_engine(url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
+@pytest.fixture(scope="module")
+def db(module_db):  # type: ignore[no-untyped-def]  -- SQLite, then PostgreSQL (conftest.py)
+    return module_db
 
 
 @pytest.fixture
