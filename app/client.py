@@ -10,8 +10,8 @@
         print(job.status, job.verdict)
         coco = qloc.export(fours.id, ["scene.png"], format="coco")  # the answers as COCO detection results
 
-Images are paths, bytes, PIL images or numpy arrays (``HxW`` or ``HxWxC``: uint8, uint16, or floats in [0, 1]
-or [0, 255]). Ids are strings, UUIDs or the client's own models (an ``ExemplarSet``, a ``Checkpoint``, ...).
+Images are paths, bytes, PIL images or numpy arrays (``HxW`` or ``HxWxC``: uint8, uint16, floats in [0, 1] or
+[0, 255], or bool masks). Ids are strings, UUIDs or the client's own models (an ``ExemplarSet``, a ``Checkpoint``, ...).
 Every error the API answers raises ``QlocError`` with its status and ``detail``. Requests are retried on 503
 (honouring ``Retry-After``) and on connection errors; a new adaptation job carries an ``Idempotency-Key``,
 so a retried creation never starts a second job. Responses are parsed leniently: fields this client does
