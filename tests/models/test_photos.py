@@ -352,7 +352,8 @@ def test_the_paste_generator_draws_what_the_photo_numbers_were_measured_with(tmp
     shows here, on lossless files. A deliberate change re-runs the photo benchmarks and updates these (the pixels'
     fingerprints: ``photo_paste_fingerprints.json``); so does a numpy or Pillow whose resampling draws other pixels
     (then the real photo data changes too). The pixels are compared within 1e-3 (a 4 x 4 pool of values in [0, 1]):
-    the first digests hashed them bit for bit and failed on a CPU without AVX-512, the generator unchanged."""
+    the first digests hashed them bit for bit and failed on the next session's VM (another CPU, numpy 2.4.6), the
+    generator unchanged."""
     manifest = photo_manifest(tmp_path)
     jittered = generate(manifest, "red", "train", 8, seed=0, size=96)
     strong = PasteParams(object_side=(0.3, 0.5), background_crop=(0.3, 0.6), brightness=0.5, contrast=0.5,
