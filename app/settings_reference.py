@@ -72,7 +72,7 @@ def _paragraphs(doc: str) -> str:
     text = "\n\n".join(" ".join(line.strip() for line in b.splitlines()) for b in blocks)
 
     def variable(m: re.Match) -> str:
-        return f"`{env_name(m[1])}{m[2] or ''}`" if m[1] in Settings.model_fields else f"`{m[1]}{m[2] or ''}`"
+        return f"`{env_name(m[1])}{m[2] or ''}`" if m[1] in Settings.model_fields else m[0]
 
     text = re.sub(r"``([a-z_]+)(=[^`]*)?``", variable, text)
     return re.sub(r"``([^`]+)``", r"`\1`", text)  # reST's literals as Markdown's

@@ -18,6 +18,8 @@ from service_fixtures import (  # noqa: F401 -- fixtures are used by name
     versions,
 )
 
+from app.db import make_engine, make_sessionmaker
+
 
 @pytest.fixture(scope="module")
 def module_postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
@@ -37,11 +39,9 @@ def module_postgres_url(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def module_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """Sessions on a migrated database shared by one test module, once on SQLite and once on PostgreSQL (its tests
-    must not expect an empty database)."""
-    from app.db import make_engine, make_sessionmaker
-
+    must not expect an empty database). A module may define a ``db`` of its own (``test_app_jobstates.py``)."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('module-db')}/qloc.db"
         migrate(url)

@@ -28,11 +28,6 @@ from app.tables import (
 )
 
 
-@pytest.fixture(scope="module")
-def db(module_db):  # type: ignore[no-untyped-def]  -- SQLite, then PostgreSQL (conftest.py)
-    return module_db
-
-
 def blob(position: int, box: tuple[float, float, float, float] | None = None, name: str | None = "f.png"
          ) -> crud.NewBlob:
     return crud.NewBlob(position=position, filename=name, content_type="image/png", width=40 + position,

@@ -21,11 +21,6 @@ from app.storage import BlobStore, checkpoint_key, head_key, heads_prefix
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
 
 
-@pytest.fixture(scope="module")
-def db(module_db):  # type: ignore[no-untyped-def]  -- SQLite, then PostgreSQL (conftest.py)
-    return module_db
-
-
 @pytest.fixture
 def store(tmp_path) -> BlobStore:
     return BlobStore(tmp_path / "blobs")
