@@ -197,6 +197,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the settings: how they are read, their cross-field refusals, the API's processes; SETTINGS.md written from them
     "config": ("app/config.py", ["tests/app/test_config_units.py", "tests/app/test_settings_reference.py"]),
     "settings_reference": ("app/settings_reference.py", ["tests/app/test_settings_reference.py"]),
+    # the v1 routes' refusal of what they do not take, and the form parser that notes text not in the body's charset
+    "strict": ("app/routes/strict.py", ["tests/app/test_strict_units.py", "tests/app/test_app_strict.py",
+                                        "tests/app/test_app_text_fields.py"]),
+    "forms": ("app/forms.py", ["tests/app/test_strict_units.py", "tests/app/test_app_text_fields.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
