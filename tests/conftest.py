@@ -24,6 +24,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "exclusive: runs with no other test beside it (it times a floor)")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under mutmut (``scripts/mutation``), every ``functools`` cache emptied: each mutant's tests run in a process
+    forked from the one that ran the clean tests, and a cached answer computed there would stand in for the mutated
+    function's."""
+    if os.environ.get("MUTANT_UNDER_TEST"):
+        import functools
+        import gc
+
+        for obj in gc.get_objects():
+            if isinstance(obj, functools._lru_cache_wrapper):
+                obj.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _exclusive_turns(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     if "PYTEST_XDIST_WORKER" not in os.environ:

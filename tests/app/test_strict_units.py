@@ -44,6 +44,11 @@ def plain() -> dict:
     return {}
 
 
+@router.post("/cancel")
+def cancel() -> dict:
+    return {}
+
+
 @router.post("/upload")
 def upload(files: Annotated[list[UploadFile], File()], name: Annotated[str | None, Form()] = None,
            lr: Annotated[float, Form()] = 0.1, tagged: Annotated[str | None, Depends(label)] = None) -> dict:
@@ -158,6 +163,11 @@ def test_an_urlencoded_form_is_refused_only_where_files_are_required(api):
         "POST /upload takes files: send multipart/form-data (curl -F files=@image.png -F name=value), not an "
         "urlencoded form (curl -d), which cannot carry files")
     assert api.post("/job", data={"iterations": "5"}).json() == {"files": 0, "iterations": 5}
+
+
+def test_a_form_sent_to_a_route_that_takes_no_body_is_not_read(api):
+    assert api.post("/cancel", data={"reason": "x"}).json() == {}
+    assert api.post("/cancel", files=png()).json() == {}
 
 
 def test_unknown_repeated_and_empty_form_fields_are_named(api):
