@@ -204,11 +204,12 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the checkpoint routes (list, read, activate, delete: 404s, 409s, what a rollback serves), and the upload
     # reading every route shares (limits, decoding, rejections, text the databases cannot store)
     "checkpoint_routes": ("app/routes/checkpoints.py", [
-        "tests/app/test_checkpoint_routes_units.py", "tests/app/test_app_adaptations.py", "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_auth.py",
+        "tests/app/test_checkpoint_routes_units.py", "tests/app/test_app_adaptations.py",
+        "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_auth.py",
         "tests/worker/test_worker_job_activation.py"]),
     "uploads": ("app/routes/uploads.py", [
-        "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_bad_input.py", "tests/app/test_app_images.py",
-        "tests/app/test_app_text_fields.py", "tests/app/test_app_upload_limits.py"]),
+        "tests/app/test_uploads_units.py", "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_bad_input.py",
+        "tests/app/test_app_images.py", "tests/app/test_app_text_fields.py", "tests/app/test_app_upload_limits.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
