@@ -210,6 +210,11 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "uploads": ("app/routes/uploads.py", [
         "tests/app/test_uploads_units.py", "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_bad_input.py",
         "tests/app/test_app_images.py", "tests/app/test_app_text_fields.py", "tests/app/test_app_upload_limits.py"]),
+    # liveness, readiness (each part's check, the 503 naming what failed), metrics behind a key
+    "health": ("app/routes/health.py", [
+        "tests/app/test_health_units.py", "tests/app/test_app_auth.py",
+        "tests/app/test_app_exemplar_sets.py::test_health_ready_metrics",
+        "tests/app/test_app_adaptations.py::test_unreachable_broker_is_503_and_the_job_is_failed"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
