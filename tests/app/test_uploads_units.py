@@ -118,6 +118,8 @@ def test_read_images_checks_count_size_and_pixels_before_decoding_any(settings):
     assert [(d.filename, d.data, d.width) for d in got] == [("a.png", a, 30), ("b.png", b, 20)]
     assert read_images([upload(a)], settings, keep_data=False)[0].data == b""
     assert refused(read_images, [upload(a)] * 3, settings, max_files=2)[0] == 413
+    exact = a + b"\0" * (400 - len(a))  # the file limit itself (what follows a PNG's end is not read)
+    assert read_images([upload(exact)], settings)[0].data == exact
     big = upload(a + b"\0" * (401 - len(a)), "big.png")
     assert refused(read_images, [upload(b"not an image"), big], settings) == (413, "big.png: larger than 400 bytes")
     square = png(40, 40)
