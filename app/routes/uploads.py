@@ -104,8 +104,7 @@ def read_images(files: list[UploadFile], settings: Settings, *, max_files: int |
         size = f.file.seek(0, 2)
         if size > settings.max_file_bytes:
             raise _too_large(f, settings)
-        f.file.seek(0)
-        pixels.append(header_pixels(f.file))
+        pixels.append(header_pixels(f.file))  # from the file's start
     check_request_pixels(pixels, settings)
     return [decode_one(f, read_one(f, settings), settings, keep_data=keep_data) for f in files]
 

@@ -79,6 +79,25 @@ def test_a_file_is_read_from_its_start_and_refused_above_the_limit_naming_it(set
     assert read_raw([upload(b"ab"), upload(b"c")], settings) == [b"ab", b"c"]
 
 
+class CountingIO(io.BytesIO):
+    """A file that records how many bytes each ``read`` asked for."""
+
+    def __init__(self, data: bytes):
+        super().__init__(data)
+        self.asked: list[int | None] = []
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.asked.append(size)
+        return super().read(size)
+
+
+def test_a_file_larger_than_the_limit_is_refused_having_read_one_byte_past_it(settings):
+    """However large the upload (a spooled temporary file on disk), no more than the limit and one byte is held."""
+    f = CountingIO(b"x" * 100_000)
+    assert refused(read_one, UploadFile(f, filename="huge.png"), settings)[0] == 413
+    assert f.asked == [401]
+
+
 def test_the_requests_pixels_are_summed_from_the_headers_and_refused_above_the_budget(settings):
     check_request_pixels([None, 1_000, 1_000], settings)  # the budget itself; an unreadable header counts none
     assert refused(check_request_pixels, [2_001], settings) == (413, (
