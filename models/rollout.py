@@ -102,19 +102,20 @@ class BoxEnv:
         else:  # episodes from given windows (several instances): image-major, as the rows
             self.boxes = starts.to(feats.device, torch.float32)
 
-    @torch.no_grad()
     def observe(self, embed: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """-> (RoI features ``[B*E, C, s, s]``, embeddings ``[B*E, D]``, distances ``[B*E]``) of the current boxes.
+        """-> (RoI features ``[B*E, C, s, s]``, embeddings ``[B*E, D]``, distances ``[B*E]``) of the current boxes,
+        without gradients.
 
         With ``embed=False`` only the RoI features (the head is skipped; embeddings and distances are None);
         the distances are the scorer's.
         """
-        b, e = self.feats.shape[0], self.episodes
-        roi = self.embedder.roi(self.feats, self.boxes.view(b, e, 4)).flatten(0, 1)  # [B*E, C, s, s]
-        if not embed:
-            return roi, None, None
-        emb = self.embedder.embed_roi(roi[:, None])[:, 0] if self.embeddings else None
-        return roi, emb, self.scorer.env_distance(self, roi, emb)
+        with torch.no_grad():  # a block, not a decorator: mutmut leaves decorated functions unmutated
+            b, e = self.feats.shape[0], self.episodes
+            roi = self.embedder.roi(self.feats, self.boxes.view(b, e, 4)).flatten(0, 1)  # [B*E, C, s, s]
+            if not embed:
+                return roi, None, None
+            emb = self.embedder.embed_roi(roi[:, None])[:, 0] if self.embeddings else None
+            return roi, emb, self.scorer.env_distance(self, roi, emb)
 
     def step(self, actions: Tensor, dist_before: Tensor | None, embed: bool = True
              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:

@@ -216,7 +216,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/app/test_app_exemplar_sets.py::test_health_ready_metrics",
         "tests/app/test_app_adaptations.py::test_unreachable_broker_is_503_and_the_job_is_failed"]),
     # the pool's routes: add (all or none, the cap), list, delete one or all (409 while a job holds an image)
-    "pool_routes": ("app/routes/pool.py", ["tests/app/test_app_pool.py"]),
+    "pool_routes": ("app/routes/pool.py", ["tests/app/test_pool_routes_units.py", "tests/app/test_app_pool.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }
