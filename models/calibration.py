@@ -110,13 +110,13 @@ class Calibration:
         """Whether ``verifier`` is the one this calibration's ``kind`` check was made with (and there is one)."""
         return self.kind is not None and self.kind.made_with(verifier) and self.templates is not None
 
-    @torch.no_grad()
     def kind_confidence(self, verifier: KindVerifier | None, images01: Tensor, boxes: Tensor) -> Tensor | None:
         """Boxes ``[n, K, 4]`` (input pixels of ``images01 [n, C, S, S]``) -> the kind check's ``P`` ``[n, K]``
         (float64), or ``None`` where it does not apply (``kind_applies``)."""
-        if not self.kind_applies(verifier):
-            return None
-        return self.kind.probability(verifier.embed_boxes(images01, boxes))  # type: ignore[union-attr]
+        with torch.no_grad():
+            if not self.kind_applies(verifier):
+                return None
+            return self.kind.probability(verifier.embed_boxes(images01, boxes))  # type: ignore[union-attr]
 
     def confidence(self, scores: Tensor, negative_distances: Tensor | None = None, *, ncc: Tensor | None = None,
                    ncc_negatives: Tensor | None = None) -> Tensor:
@@ -130,22 +130,22 @@ class Calibration:
             return self.negatives.probability(features(scores, negative_distances))
         return self.score.probability(features(scores))
 
-    @torch.no_grad()
     def box_confidence(self, images01: Tensor, boxes: Tensor, scores: Tensor,
                        negative_distances: Tensor | None = None, verifier: KindVerifier | None = None) -> Tensor:
         """Boxes ``[n, K, 4]`` (pixels of ``images01 [n, C, S, S]``, the bundle's input) with their scores
         ``[n, K]`` -> ``P(correct)`` ``[n, K]`` (float64): the kind check's where ``verifier`` is its own
         (``kind_confidence``), else the NCC features read from the images when the calibration has templates
         (``confidence``)."""
-        kind = self.kind_confidence(verifier, images01, boxes)
-        if kind is not None:
-            return kind
-        if self.templates is None or self.ncc is None:
-            nd = None if negative_distances is None else negative_distances.flatten()
-            return self.confidence(scores.flatten(), nd).view(scores.shape)
-        pos, neg = self.templates.ncc(images01, boxes)
-        return self.confidence(scores.flatten(), ncc=pos.flatten(),
-                               ncc_negatives=None if neg is None else neg.flatten()).view(scores.shape)
+        with torch.no_grad():
+            kind = self.kind_confidence(verifier, images01, boxes)
+            if kind is not None:
+                return kind
+            if self.templates is None or self.ncc is None:
+                nd = None if negative_distances is None else negative_distances.flatten()
+                return self.confidence(scores.flatten(), nd).view(scores.shape)
+            pos, neg = self.templates.ncc(images01, boxes)
+            return self.confidence(scores.flatten(), ncc=pos.flatten(),
+                                   ncc_negatives=None if neg is None else neg.flatten()).view(scores.shape)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"version": 1, "score": asdict(self.score),
@@ -205,30 +205,30 @@ def fit_calibration(pos: Tensor, pos_hit: Tensor, neg: Tensor, *, pos_neg: Tenso
     return cal
 
 
-@torch.no_grad()
 def box_distances(localizer: Localizer, images01: Tensor, boxes: Tensor, embeddings: Tensor,
                   chunk: int = 128) -> Tensor:
     """Distances of each image's boxes ``boxes [n, K, 4]`` (input pixels) to each of ``embeddings [J, D]``
     -> ``[n, K, J]``, under ``localizer``'s head (the backbone run once per image)."""
-    out = []
-    emb = embeddings.to(localizer.device).float()
-    for i in range(0, len(images01), chunk):
-        feats = localizer.embedder.features(normalize(images01[i:i + chunk].to(localizer.device), localizer.spec))
-        e = localizer.embedder.embed(feats, boxes[i:i + chunk].to(localizer.device).float())  # [b, K, D]
-        out.append(torch.cdist(e, emb[None].expand(len(e), -1, -1)).cpu())
-    return torch.cat(out) if out else torch.zeros(0, boxes.shape[1], len(embeddings))
+    with torch.no_grad():
+        out = []
+        emb = embeddings.to(localizer.device).float()
+        for i in range(0, len(images01), chunk):
+            feats = localizer.embedder.features(normalize(images01[i:i + chunk].to(localizer.device), localizer.spec))
+            e = localizer.embedder.embed(feats, boxes[i:i + chunk].to(localizer.device).float())  # [b, K, D]
+            out.append(torch.cdist(e, emb[None].expand(len(e), -1, -1)).cpu())
+        return torch.cat(out) if out else torch.zeros(0, boxes.shape[1], len(embeddings))
 
 
-@torch.no_grad()
 def answers(localizer: Localizer, agent: Agent, prototype: Tensor, images01: Tensor, *, nearest: bool,
             chunk: int = 128) -> tuple[Tensor, Tensor]:
     """The policy's greedy answers as localize serves them (no ``samples``) -> (boxes ``[n, 4]``, scores ``[n]``)."""
-    boxes, scores = [], []
-    for i in range(0, len(images01), chunk):
-        ro = localizer.run(images01[i:i + chunk], prototype, agent, nearest=nearest)
-        boxes.append(ro.boxes[-1].cpu())
-        scores.append(ro.distances[-1].cpu())
-    return torch.cat(boxes), torch.cat(scores)
+    with torch.no_grad():
+        boxes, scores = [], []
+        for i in range(0, len(images01), chunk):
+            ro = localizer.run(images01[i:i + chunk], prototype, agent, nearest=nearest)
+            boxes.append(ro.boxes[-1].cpu())
+            scores.append(ro.distances[-1].cpu())
+        return torch.cat(boxes), torch.cat(scores)
 
 
 def _sources(known: Tensor | None, images01: Tensor, true_boxes: Tensor, templates: Tensor) -> Tensor:
@@ -380,18 +380,18 @@ def stored_negative_templates(calibration: dict[str, Any] | None) -> Tensor | No
     return Templates.from_dict(t).negatives if t else None
 
 
-@torch.no_grad()
 def score_boxes(localizer: Localizer, images01: Tensor, boxes: Tensor, prototype: Tensor, negatives: Tensor | None,
                 cal: Calibration) -> tuple[Tensor, Tensor, Tensor]:
     """Boxes ``[n, K, 4]`` (input pixels) of images ``images01 [n, C, S, S]`` -> (distance to the prototype
     ``[n, K]``, min distance to the negative exemplars ``negatives [J, D]`` ``[n, K]`` (inf without), calibrated
     confidence ``[n, K]`` by the richest fit of ``cal`` (``Calibration.box_confidence``: the NCC fits where it
     has templates, else the negatives' log-ratio fit, else the score's)."""
-    has_neg = negatives is not None and len(negatives) > 0
-    emb = torch.cat([prototype[None].float(), negatives.float()]) if has_neg else prototype[None].float()  # type: ignore[union-attr]
-    d = box_distances(localizer, images01, boxes, emb)
-    d_p = d[..., 0]
-    d_n = d[..., 1:].min(-1).values if has_neg else torch.full_like(d_p, torch.inf)
-    conf = cal.box_confidence(images01, boxes, d_p, d_n if has_neg and cal.negatives is not None else None)
-    return d_p, d_n, conf.float()
+    with torch.no_grad():
+        has_neg = negatives is not None and len(negatives) > 0
+        emb = torch.cat([prototype[None].float(), negatives.float()]) if has_neg else prototype[None].float()  # type: ignore[union-attr]
+        d = box_distances(localizer, images01, boxes, emb)
+        d_p = d[..., 0]
+        d_n = d[..., 1:].min(-1).values if has_neg else torch.full_like(d_p, torch.inf)
+        conf = cal.box_confidence(images01, boxes, d_p, d_n if has_neg and cal.negatives is not None else None)
+        return d_p, d_n, conf.float()
 

@@ -17,12 +17,12 @@ from models.data.types import LabeledImages, exemplar_crops
 from models.inference import exemplar_canvas, normalize
 
 
-@torch.no_grad()
 def features_of(bundle: Bundle, images01: Tensor, batch: int = 256) -> Tensor:
     """Backbone features of ``images01 [N, C, S, S]`` -> ``[N, C', h, w]`` on the embedder's device."""
-    dev = bundle.device
-    return torch.cat([bundle.embedder.features(normalize(images01[i:i + batch].to(dev), bundle.config.input))
-                      for i in range(0, len(images01), batch)])
+    with torch.no_grad():
+        dev = bundle.device
+        return torch.cat([bundle.embedder.features(normalize(images01[i:i + batch].to(dev), bundle.config.input))
+                          for i in range(0, len(images01), batch)])
 
 
 def with_features(bundle: Bundle, data: LabeledImages, crops: bool = False, batch: int = 32,

@@ -43,7 +43,6 @@ ACTIVATE_MODES = ("auto", "true", "false")
 LABELED_RULES = ("beyond_noise", "agree")
 
 
-@torch.no_grad()
 def synthetic_probes(bundle: Bundle, prototype: Tensor, crops: list[Tensor], images01: Tensor,
                      agent_state: dict[str, Tensor] | None, n: int, generator: torch.Generator,
                      erase: Tensor | None = None, style: str = "rect") -> LabeledImages:
@@ -53,15 +52,16 @@ def synthetic_probes(bundle: Bundle, prototype: Tensor, crops: list[Tensor], ima
     that policy can tell), then a crop is pasted at a random place and scale (``PROBE_SCALE``) with soft
     edges (``models.data.probes``; ``style``: ``PROBE_STYLES``, ``rect``: as described, ``soft``: the answer
     covered by a smooth fill from around it, the crop pasted as its inscribed ellipse)."""
-    if style not in PROBE_STYLES:
-        raise ValueError(f"probe style must be one of {PROBE_STYLES}, got {style!r}")
-    if erase is None:
-        loc = Localizer(bundle, bundle.device)
-        erase = torch.cat([loc.run(images01[i:i + 256], prototype, loc.agent(agent_state)).boxes[-1].cpu()
-                           for i in range(0, len(images01), 256)])
-    backgrounds = erase_boxes(images01, erase, generator) if style == "rect" else fill_boxes(images01, erase)
-    return paste_probes(crops, backgrounds, n, object_side=bundle.config.input.exemplar_size, scale=PROBE_SCALE,
-                        generator=generator, shape="rect" if style == "rect" else "ellipse")
+    with torch.no_grad():
+        if style not in PROBE_STYLES:
+            raise ValueError(f"probe style must be one of {PROBE_STYLES}, got {style!r}")
+        if erase is None:
+            loc = Localizer(bundle, bundle.device)
+            erase = torch.cat([loc.run(images01[i:i + 256], prototype, loc.agent(agent_state)).boxes[-1].cpu()
+                               for i in range(0, len(images01), 256)])
+        backgrounds = erase_boxes(images01, erase, generator) if style == "rect" else fill_boxes(images01, erase)
+        return paste_probes(crops, backgrounds, n, object_side=bundle.config.input.exemplar_size, scale=PROBE_SCALE,
+                            generator=generator, shape="rect" if style == "rect" else "ellipse")
 
 
 @dataclass
@@ -161,14 +161,14 @@ class Guard:
         self.loc = Localizer(self.bundle, self.bundle.device, companion=companion)
         self._voters = None if companion is None or companion.members is None else []
 
-    @torch.no_grad()
     def _hits(self, agent_state: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
         """-> (hit ``[n]`` bool: IoU >= 0.5, IoU ``[n]``) of the greedy answer, as localize serves it."""
-        agent = self.loc.agent(agent_state)
-        boxes = torch.cat([self.loc.run_features(self.feats[i:i + 64], self.prototype, agent).boxes[-1].cpu()
-                           for i in range(0, len(self.feats), 64)])
-        iou = paired_iou(boxes, self.probes.boxes)
-        return iou >= 0.5, iou
+        with torch.no_grad():
+            agent = self.loc.agent(agent_state)
+            boxes = torch.cat([self.loc.run_features(self.feats[i:i + 64], self.prototype, agent).boxes[-1].cpu()
+                               for i in range(0, len(self.feats), 64)])
+            iou = paired_iou(boxes, self.probes.boxes)
+            return iou >= 0.5, iou
 
     def _summary(self, hits: Tensor, iou: Tensor, idx: Tensor) -> dict[str, float]:
         return {"corloc": round(float(hits[idx].float().mean() * 100), 2),

@@ -162,12 +162,12 @@ class Localizer:
         self.embedder = bundle.to(self.device).embedder.eval()
         self.spec = bundle.config.input
 
-    @torch.no_grad()
     def embed_crops(self, crops: list[Tensor]) -> Tensor:
         """Crops ``[C, h, w]`` in [0, 1] -> embeddings ``[N, D]``."""
-        canvases, boxes = exemplar_canvas(crops, self.spec)
-        feats = self.embedder.features(normalize(canvases.to(self.device), self.spec))
-        return self.embedder.embed(feats, boxes.to(self.device)[:, None])[:, 0]
+        with torch.no_grad():
+            canvases, boxes = exemplar_canvas(crops, self.spec)
+            feats = self.embedder.features(normalize(canvases.to(self.device), self.spec))
+            return self.embedder.embed(feats, boxes.to(self.device)[:, None])[:, 0]
 
     def prototype(self, crops: list[Image.Image] | list[Tensor]) -> Tensor:
         """Mean embedding of the exemplar crops -> ``[D]`` (on the CPU)."""
@@ -204,7 +204,6 @@ class Localizer:
         """Whether a greedy episode answers with its nearest visited box unless told (the bundle's ``env.answer``)."""
         return self.bundle.config.env.answer == "nearest"
 
-    @torch.no_grad()
     def run(self, images01: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
             generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0,
             nearest: bool | None = None) -> Rollout:
@@ -218,34 +217,35 @@ class Localizer:
         ``nearest`` (greedy only) answers with the visited box nearest the prototype instead of the last
         one (``models.rollout.search``); ``None``: the bundle's ``env.answer`` decides (greedy runs only).
         """
-        feats = self.embedder.features(normalize(images01.to(self.device), self.spec))  # the one backbone pass
-        return self.run_features(feats, prototype, agent, deterministic=deterministic, generator=generator,
-                                 rewards=rewards, samples=samples, nearest=nearest)
+        with torch.no_grad():
+            feats = self.embedder.features(normalize(images01.to(self.device), self.spec))  # the one backbone pass
+            return self.run_features(feats, prototype, agent, deterministic=deterministic, generator=generator,
+                                     rewards=rewards, samples=samples, nearest=nearest)
 
-    @torch.no_grad()
     def run_features(self, feats: Tensor, prototype: Tensor, agent: Agent, *, deterministic: bool = True,
                      generator: torch.Generator | None = None, rewards: bool = False, samples: int = 0,
                      nearest: bool | None = None) -> Rollout:
         """``run`` on backbone features ``feats [B, C', h, w]`` already computed (a frozen backbone's, cached)."""
-        s = float(self.spec.size)
-        proto = prototype.to(self.device)
-        if nearest is None:
-            nearest = self.default_nearest and deterministic and not rewards
-        if samples > 0 or nearest:
-            if not deterministic or rewards:
-                raise ValueError("samples (best-of-N search) and nearest are for greedy inference without rewards")
-            gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            ro = search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen,
-                        nearest=nearest)
-        else:
-            ro = rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
-                         deterministic=deterministic, generator=generator, rewards=rewards,
-                         steerer=fast_steer(feats.device) if self.fast_episode else None)
-        if self.bundle.refine and deterministic and not rewards:
-            ro = self._refined(ro, feats, proto)
-        if self.companion is not None and deterministic and not rewards and samples == 0:
-            ro = compete(self, self.companion, ro, feats, proto, nearest)
-        return ro
+        with torch.no_grad():
+            s = float(self.spec.size)
+            proto = prototype.to(self.device)
+            if nearest is None:
+                nearest = self.default_nearest and deterministic and not rewards
+            if samples > 0 or nearest:
+                if not deterministic or rewards:
+                    raise ValueError("samples (best-of-N search) and nearest are for greedy inference without rewards")
+                gen = generator if generator is not None else torch.Generator().manual_seed(0)
+                ro = search(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s), samples, gen,
+                            nearest=nearest)
+            else:
+                ro = rollout(self.embedder, agent, feats, proto, self.bundle.config.env, (s, s),
+                             deterministic=deterministic, generator=generator, rewards=rewards,
+                             steerer=fast_steer(feats.device) if self.fast_episode else None)
+            if self.bundle.refine and deterministic and not rewards:
+                ro = self._refined(ro, feats, proto)
+            if self.companion is not None and deterministic and not rewards and samples == 0:
+                ro = compete(self, self.companion, ro, feats, proto, nearest)
+            return ro
 
     def box_distances(self, feats: Tensor, boxes: Tensor, prototype: Tensor) -> Tensor:
         """One box per image (``boxes [B, 4]`` input pixels) on the images' feature maps ``feats [B, ...]`` -> its

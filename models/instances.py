@@ -90,7 +90,6 @@ def _enlarge(boxes: Tensor, scale: float, size: float) -> Tensor:
     return clip_boxes(torch.cat([centre - half, centre + half], -1), size, size)
 
 
-@torch.no_grad()
 def find_instances(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototypes: Tensor, env: EnvConfig,
                    size: int, k: int, answer: Tensor, answer_distance: Tensor,
                    cfg: InstanceConfig | None = None) -> Instances:
@@ -99,52 +98,54 @@ def find_instances(embedder: RoIEmbedder, agent: Agent, feats: Tensor, prototype
     ``prototypes``: ``[D]`` or ``[B, D]``; ``answer [B, 4]`` / ``answer_distance [B]``: the agent's usual answer
     (input pixels), a candidate (kept first with ``cfg.answer_first``). ``size``: the input side. The method: the
     module's docstring."""
-    cfg = cfg or InstanceConfig()
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    b, dev = feats.shape[0], feats.device
-    protos = (prototypes if prototypes.dim() == 2 else prototypes.expand(b, -1)).to(dev)
-    answer, answer_distance = answer.to(dev), answer_distance.to(dev)
-    if k == 1:
-        return Instances(answer[:, None], answer_distance[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev), 0)
-    windows = coarse_windows(size, env.min_side, cfg).to(dev)  # [W, 4]
-    w = len(windows)
-    emb = embedder.embed(feats, windows.expand(b, -1, -1))  # [B, W, D]
-    wdist = (emb - protos[:, None]).norm(dim=-1)  # [B, W]
-    image_w = torch.arange(b, device=dev).repeat_interleave(w)
-    cand_boxes, cand_dist, evaluations = [windows.expand(b, -1, -1)], [wdist], w
-    if cfg.starts > 0:
-        s = min(cfg.starts, w)
-        idx, ok = top_k_per_image(windows.repeat(b, 1), -wdist.flatten(), image_w, b, s, cfg.nms_iou)
-        # An image with fewer separate windows than ``s`` repeats its best (a wasted episode, not a wrong one).
-        idx = torch.where(ok, idx, idx[:, :1])
-        starts = _enlarge(windows.repeat(b, 1)[idx.flatten()], cfg.start_scale, float(size))  # [B*s, 4]
-        if agent.cfg.use_prototype:  # the agent reads each step's embedding: the episodes embed as they go
-            ro = rollout(embedder, agent, feats, protos, env, (float(size), float(size)), deterministic=True,
-                         rewards=True, episodes=s, starts=starts)
-            steps = ro.boxes.shape[0]
-            visited = ro.boxes.permute(1, 0, 2).reshape(b, s * steps, 4)  # [B, s*(T+1), 4]
-            visited_dist = ro.distances.T.reshape(b, s * steps)
-        else:  # the moves alone, then every visited box embedded at once (one head call, not one per step)
-            path, _, _ = steer(embedder, agent, feats, starts, env, (float(size), float(size)))
-            steps = path.shape[0]
-            visited = path.permute(1, 0, 2).reshape(b, s * steps, 4)
-            visited_dist = (embedder.embed(feats, visited) - protos[:, None]).norm(dim=-1)
-        cand_boxes.append(visited)
-        cand_dist.append(visited_dist)
-        evaluations += s * steps
-    boxes = torch.cat([answer[:, None]] + cand_boxes, 1)  # [B, M, 4]: the answer first
-    first = torch.full((b, 1), -torch.inf, device=dev) if cfg.answer_first else answer_distance[:, None]
-    dist = torch.cat([first] + cand_dist, 1)  # [B, M]; -inf: the answer outranks all
-    m = boxes.shape[1]
-    image = torch.arange(b, device=dev).repeat_interleave(m)
-    idx, valid = top_k_per_image(boxes.reshape(-1, 4), -dist.reshape(-1), image, b, k, cfg.nms_iou)
-    flat_boxes, flat_dist = boxes.reshape(-1, 4), dist.reshape(-1)
-    out_boxes = torch.where(valid[..., None], flat_boxes[idx], answer[:, None])
-    out_dist = torch.where(valid, flat_dist[idx], torch.inf)
-    if cfg.answer_first:
-        out_dist[:, 0] = answer_distance
-    return Instances(out_boxes, out_dist, valid, evaluations)
+    with torch.no_grad():
+        cfg = cfg or InstanceConfig()
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        b, dev = feats.shape[0], feats.device
+        protos = (prototypes if prototypes.dim() == 2 else prototypes.expand(b, -1)).to(dev)
+        answer, answer_distance = answer.to(dev), answer_distance.to(dev)
+        if k == 1:
+            return Instances(answer[:, None], answer_distance[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev),
+                             0)
+        windows = coarse_windows(size, env.min_side, cfg).to(dev)  # [W, 4]
+        w = len(windows)
+        emb = embedder.embed(feats, windows.expand(b, -1, -1))  # [B, W, D]
+        wdist = (emb - protos[:, None]).norm(dim=-1)  # [B, W]
+        image_w = torch.arange(b, device=dev).repeat_interleave(w)
+        cand_boxes, cand_dist, evaluations = [windows.expand(b, -1, -1)], [wdist], w
+        if cfg.starts > 0:
+            s = min(cfg.starts, w)
+            idx, ok = top_k_per_image(windows.repeat(b, 1), -wdist.flatten(), image_w, b, s, cfg.nms_iou)
+            # An image with fewer separate windows than ``s`` repeats its best (a wasted episode, not a wrong one).
+            idx = torch.where(ok, idx, idx[:, :1])
+            starts = _enlarge(windows.repeat(b, 1)[idx.flatten()], cfg.start_scale, float(size))  # [B*s, 4]
+            if agent.cfg.use_prototype:  # the agent reads each step's embedding: the episodes embed as they go
+                ro = rollout(embedder, agent, feats, protos, env, (float(size), float(size)), deterministic=True,
+                             rewards=True, episodes=s, starts=starts)
+                steps = ro.boxes.shape[0]
+                visited = ro.boxes.permute(1, 0, 2).reshape(b, s * steps, 4)  # [B, s*(T+1), 4]
+                visited_dist = ro.distances.T.reshape(b, s * steps)
+            else:  # the moves alone, then every visited box embedded at once (one head call, not one per step)
+                path, _, _ = steer(embedder, agent, feats, starts, env, (float(size), float(size)))
+                steps = path.shape[0]
+                visited = path.permute(1, 0, 2).reshape(b, s * steps, 4)
+                visited_dist = (embedder.embed(feats, visited) - protos[:, None]).norm(dim=-1)
+            cand_boxes.append(visited)
+            cand_dist.append(visited_dist)
+            evaluations += s * steps
+        boxes = torch.cat([answer[:, None]] + cand_boxes, 1)  # [B, M, 4]: the answer first
+        first = torch.full((b, 1), -torch.inf, device=dev) if cfg.answer_first else answer_distance[:, None]
+        dist = torch.cat([first] + cand_dist, 1)  # [B, M]; -inf: the answer outranks all
+        m = boxes.shape[1]
+        image = torch.arange(b, device=dev).repeat_interleave(m)
+        idx, valid = top_k_per_image(boxes.reshape(-1, 4), -dist.reshape(-1), image, b, k, cfg.nms_iou)
+        flat_boxes, flat_dist = boxes.reshape(-1, 4), dist.reshape(-1)
+        out_boxes = torch.where(valid[..., None], flat_boxes[idx], answer[:, None])
+        out_dist = torch.where(valid, flat_dist[idx], torch.inf)
+        if cfg.answer_first:
+            out_dist[:, 0] = answer_distance
+        return Instances(out_boxes, out_dist, valid, evaluations)
 
 
 CONTAINED = 0.6

@@ -79,23 +79,23 @@ def neighbours(boxes: Tensor, size: tuple[float, float], min_side: float, shift:
     return torch.stack([x1, y1, x1 + nw, y1 + nh], dim=-1)
 
 
-@torch.no_grad()
 def refine(embedder: RoIEmbedder, feats: Tensor, prototypes: Tensor, boxes: Tensor, distances: Tensor,
            size: tuple[float, float], min_side: float, cfg: RefineConfig | None = None) -> tuple[Tensor, Tensor]:
     """Refine ``boxes [B, 4]`` (input pixels, distances ``[B]`` to ``prototypes [B, D]`` or ``[D]``) on the feature
     maps ``feats [B, C, h, w]`` -> (boxes ``[B, 4]``, distances ``[B]``): per round the neighbour (``neighbours``)
     nearest the prototype, or the box kept when none is nearer (so the distance never grows)."""
-    cfg = cfg or RefineConfig()
-    if prototypes.dim() == 1:
-        prototypes = prototypes.expand(boxes.shape[0], -1)
-    rows = torch.arange(boxes.shape[0], device=boxes.device)
-    for r in range(cfg.rounds + cfg.aspect_rounds):
-        f = cfg.decay ** r
-        shape = cfg.aspect * cfg.decay ** (r - cfg.rounds) if r >= cfg.rounds else 0.0  # the shape, not the size
-        cands = neighbours(boxes, size, min_side, cfg.shift * f, cfg.scale * f, cfg.grid, shape)  # [B, K, 4]
-        d = (embedder.embed(feats, cands) - prototypes[:, None]).norm(dim=-1).to(distances.dtype)  # [B, K]
-        best, k = d.min(dim=1)
-        better = best < distances
-        boxes = torch.where(better[:, None], cands[rows, k], boxes)
-        distances = torch.where(better, best, distances)
-    return boxes, distances
+    with torch.no_grad():
+        cfg = cfg or RefineConfig()
+        if prototypes.dim() == 1:
+            prototypes = prototypes.expand(boxes.shape[0], -1)
+        rows = torch.arange(boxes.shape[0], device=boxes.device)
+        for r in range(cfg.rounds + cfg.aspect_rounds):
+            f = cfg.decay ** r
+            shape = cfg.aspect * cfg.decay ** (r - cfg.rounds) if r >= cfg.rounds else 0.0  # the shape, not the size
+            cands = neighbours(boxes, size, min_side, cfg.shift * f, cfg.scale * f, cfg.grid, shape)  # [B, K, 4]
+            d = (embedder.embed(feats, cands) - prototypes[:, None]).norm(dim=-1).to(distances.dtype)  # [B, K]
+            best, k = d.min(dim=1)
+            better = best < distances
+            boxes = torch.where(better[:, None], cands[rows, k], boxes)
+            distances = torch.where(better, best, distances)
+        return boxes, distances

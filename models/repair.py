@@ -211,13 +211,13 @@ class FeatureScorer:
         self.reference = reference.flatten()  # [C * s * s]
 
     @classmethod
-    @torch.no_grad()
     def from_crops(cls, bundle: Bundle, crops: list[Tensor]) -> FeatureScorer:
         """The mean RoI feature of the crops, each pasted on its exemplar canvas (``exemplar_canvas``)."""
-        canvases, boxes = exemplar_canvas(crops, bundle.config.input)
-        emb = bundle.embedder.eval()
-        feats = emb.features(normalize(canvases.to(bundle.device), bundle.config.input))
-        return cls(emb.roi(feats, boxes.to(bundle.device)[:, None])[:, 0].mean(0))
+        with torch.no_grad():
+            canvases, boxes = exemplar_canvas(crops, bundle.config.input)
+            emb = bundle.embedder.eval()
+            feats = emb.features(normalize(canvases.to(bundle.device), bundle.config.input))
+            return cls(emb.roi(feats, boxes.to(bundle.device)[:, None])[:, 0].mean(0))
 
     def _distance(self, roi: Tensor) -> Tensor:
         """``roi [..., C, s, s]`` -> ``[...]``."""
@@ -244,26 +244,27 @@ def candidate_scorers(bundle: Bundle, prototype: Tensor, crops: list[Tensor],
     return {n: make[n]() for n in names}
 
 
-@torch.no_grad()
 def scorer_faithfulness(bundle: Bundle, scorer: Candidate, probes: LabeledImages, seed: int = 0, pairs: int = 16,
                         candidates: Tensor | None = None, chunk: int = 64) -> dict[str, float]:
     """How well ``scorer``'s distance orders boxes by IoU on ``probes``: OrdAcc (%) and Spearman rho (negative
     is good), on the box pairs ``models.evaluate.ranking_metrics`` samples (same ``seed``: the same pairs for
     every scorer; for the embedding scorer, the same numbers as ``models.repair.faithfulness``)."""
-    emb = bundle.embedder.eval()
-    gen = torch.Generator().manual_seed(seed)
-    cands = training_candidates(bundle) if candidates is None else candidates
-    p = sample_pairs(probes.boxes, cands, pairs, generator=gen)
-    boxes = torch.cat([p.pos, p.neg], 1)  # [N, 2P, 4]
-    feats = probes.feats if probes.feats is not None else features_of(bundle, probes.images)
-    images = probes.images if getattr(scorer, "pixels", False) else None
-    d = torch.cat([scorer.box_distances(emb, feats[i:i + chunk], boxes[i:i + chunk],
-                                        None if images is None else images[i:i + chunk].to(feats.device)).cpu()
-                   for i in range(0, len(feats), chunk)])
-    d_pos, d_neg = d[:, :pairs], d[:, pairs:]
-    ious = torch.cat([p.pos_iou, p.neg_iou], 1)
-    rho = spearman(d.double(), ious.double())
-    return {"ordacc": round(float((d_pos < d_neg).float().mean() * 100), 2), "spearman": round(float(rho.mean()), 4)}
+    with torch.no_grad():
+        emb = bundle.embedder.eval()
+        gen = torch.Generator().manual_seed(seed)
+        cands = training_candidates(bundle) if candidates is None else candidates
+        p = sample_pairs(probes.boxes, cands, pairs, generator=gen)
+        boxes = torch.cat([p.pos, p.neg], 1)  # [N, 2P, 4]
+        feats = probes.feats if probes.feats is not None else features_of(bundle, probes.images)
+        images = probes.images if getattr(scorer, "pixels", False) else None
+        d = torch.cat([scorer.box_distances(emb, feats[i:i + chunk], boxes[i:i + chunk],
+                                            None if images is None else images[i:i + chunk].to(feats.device)).cpu()
+                       for i in range(0, len(feats), chunk)])
+        d_pos, d_neg = d[:, :pairs], d[:, pairs:]
+        ious = torch.cat([p.pos_iou, p.neg_iou], 1)
+        rho = spearman(d.double(), ious.double())
+        return {"ordacc": round(float((d_pos < d_neg).float().mean() * 100), 2),
+                "spearman": round(float(rho.mean()), 4)}
 
 
 @dataclass

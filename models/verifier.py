@@ -151,47 +151,47 @@ class KindVerifier(nn.Module):
         self._served = (OneDnnConvs(folded) if onednn else folded,)
         return self
 
-    @torch.no_grad()
     def embed(self, x: Tensor) -> Tensor:
         """``[m, C, SIDE, SIDE]`` -> unit embeddings ``[m, D]``."""
-        if not len(x):
-            return x.new_zeros(0, self.kinds.shape[1])
-        net = self._served[0] if self._served else self.net
-        return F.normalize(net(x.float()), dim=-1)
+        with torch.no_grad():
+            if not len(x):
+                return x.new_zeros(0, self.kinds.shape[1])
+            net = self._served[0] if self._served else self.net
+            return F.normalize(net(x.float()), dim=-1)
 
-    @torch.no_grad()
     def embed_boxes(self, images01: Tensor, boxes: Tensor) -> Tensor:
         """Boxes ``[n, K, 4]`` (input pixels of ``images01 [n, C, S, S]``) -> unit embeddings ``[n, K, D]``."""
-        return self.embed(read_boxes(images01, boxes)).view(*boxes.shape[:2], -1)
+        with torch.no_grad():
+            return self.embed(read_boxes(images01, boxes)).view(*boxes.shape[:2], -1)
 
-    @torch.no_grad()
     def nearest_kind(self, crops: list[Tensor]) -> tuple[Tensor, int, float]:
         """A set's crops ``[C, h, w]`` in [0, 1] -> (its prototype ``[D]``, the index of the known kind nearest to
         it, their cosine)."""
-        proto = F.normalize(self.embed(resize_crops(crops)).mean(0), dim=-1)
-        sims = self.kinds[:-1] @ proto  # the background is never a set's kind
-        return proto, int(sims.argmax()), float(sims.max())
+        with torch.no_grad():
+            proto = F.normalize(self.embed(resize_crops(crops)).mean(0), dim=-1)
+            sims = self.kinds[:-1] @ proto  # the background is never a set's kind
+            return proto, int(sims.argmax()), float(sims.max())
 
-    @torch.no_grad()
     def check(self, crops: list[Tensor], negative_crops: list[Tensor] | None = None) -> KindCheck | None:
         """A set's ``KindCheck`` from its crops ``[C, h, w]`` in [0, 1] (and negative exemplars: those not of another
         known kind, ``NEGATIVE_BAR``), or ``None``: the set is not of a kind the verifier knows (``KNOWN_BAR``) or its
         crops are not of its channels."""
-        if not crops or any(c.shape[0] != self.channels for c in crops):
-            return None
-        proto, at, known = self.nearest_kind(crops)
-        if known < KNOWN_BAR:
-            return None
-        kinds = self.kinds[:-1]
-        others = [torch.cat([kinds[:at], kinds[at + 1:]]), self.kinds[-1:]]
-        negs = [c for c in negative_crops or [] if c.shape[0] == self.channels]
-        if negs:
-            e = self.embed(resize_crops(negs))
-            sims = e @ kinds.T
-            represented = (sims.max(1).values >= NEGATIVE_BAR) & (sims.argmax(1) != at)  # by another known kind
-            others.append(e[~represented])
-        return KindCheck(proto.tolist(), torch.cat(others).tolist(), self.names[at], round(known, 4),
-                         self.sha256 or "")
+        with torch.no_grad():
+            if not crops or any(c.shape[0] != self.channels for c in crops):
+                return None
+            proto, at, known = self.nearest_kind(crops)
+            if known < KNOWN_BAR:
+                return None
+            kinds = self.kinds[:-1]
+            others = [torch.cat([kinds[:at], kinds[at + 1:]]), self.kinds[-1:]]
+            negs = [c for c in negative_crops or [] if c.shape[0] == self.channels]
+            if negs:
+                e = self.embed(resize_crops(negs))
+                sims = e @ kinds.T
+                represented = (sims.max(1).values >= NEGATIVE_BAR) & (sims.argmax(1) != at)  # by another known kind
+                others.append(e[~represented])
+            return KindCheck(proto.tolist(), torch.cat(others).tolist(), self.names[at], round(known, 4),
+                             self.sha256 or "")
 
 
 def verifier_path(bundle_path: str | os.PathLike) -> Path:

@@ -89,7 +89,6 @@ MAX_CHUNK_ELEMENTS = 2 ** 21
 """``best_windows`` correlates at most this many (image, template, pixel) entries at once (16 MB in float64)."""
 
 
-@torch.no_grad()
 def best_windows(images01: Tensor, templates: list[Tensor], min_std: float = 1e-3) -> tuple[Tensor, Tensor]:
     """Each template's best window in each image: ``ncc_map`` of ``templates`` (each ``[C, h_e, w_e]``, any sizes no
     larger than the images) over ``images01 [N, C, H, W]`` -> (the best scores ``[N, E]``, their windows
@@ -100,45 +99,46 @@ def best_windows(images01: Tensor, templates: list[Tensor], min_std: float = 1e-
     the image: a circular cross-correlation, exact on the valid positions), the window sums from one integral image
     read at each template's size (``integral_images``, ``box_sums``); invalid positions masked. In chunks of images
     (``MAX_CHUNK_ELEMENTS``)."""
-    n, c, hh, ww = images01.shape
-    e = len(templates)
-    dev = images01.device
-    hs = torch.tensor([t.shape[-2] for t in templates], device=dev)
-    ws = torch.tensor([t.shape[-1] for t in templates], device=dev)
-    padded = torch.zeros(e, c, hh, ww, dtype=torch.float64, device=dev)
-    for k, t in enumerate(templates):  # a set's few templates: their zero-mean copies, padded to the image
-        t64 = t.to(dev, torch.float64)
-        padded[k, :, :t.shape[-2], :t.shape[-1]] = t64 - t64.mean(dim=(1, 2), keepdim=True)
-    t_norm = padded.square().sum(dim=(1, 2, 3)).sqrt()  # [E]
-    count = (hs * ws).double()  # [E]: pixels per window
-    flat_t = t_norm < min_std * (c * count).sqrt()
-    spectrum = torch.fft.rfft2(padded).conj()  # [E, C, H, W // 2 + 1]
-    y = torch.arange(hh, device=dev)[None, :, None]
-    x = torch.arange(ww, device=dev)[None, None, :]
-    valid = (y <= hh - hs[:, None, None]) & (x <= ww - ws[:, None, None])  # [E, H, W]
-    tops = torch.empty(n, e, dtype=images01.dtype, device=dev)
-    boxes = torch.empty(n, e, 4, dtype=torch.float32, device=dev)
-    step = max(1, MAX_CHUNK_ELEMENTS // (e * hh * ww))
-    for at in range(0, n, step):  # chunks of images, for memory: each chunk one vectorized pass
-        img = images01[at:at + step].double()
-        num = torch.fft.irfft2((torch.fft.rfft2(img)[:, None] * spectrum[None]).sum(dim=2), s=(hh, ww))  # [n, E, H, W]
-        ii = integral_images(img)  # [n, 2C, H + 1, W + 1]
-        var = num.new_zeros(num.shape)  # [n, E, H, W]: each window's sum of squared deviations (0 off the valid)
-        for k, (h, w) in enumerate(zip(hs.tolist(), ws.tolist(), strict=True)):  # per template: four slices
-            sums = box_sums(ii, h, w)  # [n, 2C, H', W']
-            var[:, k, :hh - h + 1, :ww - w + 1] = (sums[:, c:] - sums[:, :c].square() / (h * w)).sum(dim=1)
-        var = var.clamp(min=0)
-        flat = (var < c * count[:, None, None] * min_std ** 2) | flat_t[:, None, None]
-        score = (num / (var.sqrt() * t_norm[:, None, None]).clamp(min=torch.finfo(torch.float64).tiny))
-        score = score.masked_fill(flat, 0.0).clamp(-1.0, 1.0).masked_fill(~valid, -torch.inf)
-        top, idx = score.flatten(2).max(dim=2)  # [n, E]
-        bx, by = (idx % ww).float(), torch.div(idx, ww, rounding_mode="floor").float()
-        tops[at:at + step] = top.to(tops.dtype)
-        boxes[at:at + step] = torch.stack([bx, by, bx + ws.float(), by + hs.float()], dim=-1)
-    return tops, boxes
+    with torch.no_grad():
+        n, c, hh, ww = images01.shape
+        e = len(templates)
+        dev = images01.device
+        hs = torch.tensor([t.shape[-2] for t in templates], device=dev)
+        ws = torch.tensor([t.shape[-1] for t in templates], device=dev)
+        padded = torch.zeros(e, c, hh, ww, dtype=torch.float64, device=dev)
+        for k, t in enumerate(templates):  # a set's few templates: their zero-mean copies, padded to the image
+            t64 = t.to(dev, torch.float64)
+            padded[k, :, :t.shape[-2], :t.shape[-1]] = t64 - t64.mean(dim=(1, 2), keepdim=True)
+        t_norm = padded.square().sum(dim=(1, 2, 3)).sqrt()  # [E]
+        count = (hs * ws).double()  # [E]: pixels per window
+        flat_t = t_norm < min_std * (c * count).sqrt()
+        spectrum = torch.fft.rfft2(padded).conj()  # [E, C, H, W // 2 + 1]
+        y = torch.arange(hh, device=dev)[None, :, None]
+        x = torch.arange(ww, device=dev)[None, None, :]
+        valid = (y <= hh - hs[:, None, None]) & (x <= ww - ws[:, None, None])  # [E, H, W]
+        tops = torch.empty(n, e, dtype=images01.dtype, device=dev)
+        boxes = torch.empty(n, e, 4, dtype=torch.float32, device=dev)
+        step = max(1, MAX_CHUNK_ELEMENTS // (e * hh * ww))
+        for at in range(0, n, step):  # chunks of images, for memory: each chunk one vectorized pass
+            img = images01[at:at + step].double()
+            num = torch.fft.irfft2((torch.fft.rfft2(img)[:, None] * spectrum[None]).sum(dim=2),
+                                   s=(hh, ww))  # [n, E, H, W]
+            ii = integral_images(img)  # [n, 2C, H + 1, W + 1]
+            var = num.new_zeros(num.shape)  # [n, E, H, W]: each window's sum of squared deviations (0 off the valid)
+            for k, (h, w) in enumerate(zip(hs.tolist(), ws.tolist(), strict=True)):  # per template: four slices
+                sums = box_sums(ii, h, w)  # [n, 2C, H', W']
+                var[:, k, :hh - h + 1, :ww - w + 1] = (sums[:, c:] - sums[:, :c].square() / (h * w)).sum(dim=1)
+            var = var.clamp(min=0)
+            flat = (var < c * count[:, None, None] * min_std ** 2) | flat_t[:, None, None]
+            score = (num / (var.sqrt() * t_norm[:, None, None]).clamp(min=torch.finfo(torch.float64).tiny))
+            score = score.masked_fill(flat, 0.0).clamp(-1.0, 1.0).masked_fill(~valid, -torch.inf)
+            top, idx = score.flatten(2).max(dim=2)  # [n, E]
+            bx, by = (idx % ww).float(), torch.div(idx, ww, rounding_mode="floor").float()
+            tops[at:at + step] = top.to(tops.dtype)
+            boxes[at:at + step] = torch.stack([bx, by, bx + ws.float(), by + hs.float()], dim=-1)
+        return tops, boxes
 
 
-@torch.no_grad()
 def template_matching(images01: Tensor, crops: list[Tensor], scales: tuple[float, ...] = TEMPLATE_SCALES,
                       ref_side: float | None = None, min_std: float = 1e-3, return_scores: bool = False
                       ) -> Tensor | tuple[Tensor, Tensor]:
@@ -151,14 +151,15 @@ def template_matching(images01: Tensor, crops: list[Tensor], scales: tuple[float
     product). Templates larger than the images are skipped; ties keep the first exemplar, then the smallest scale,
     then the first position in raster order.
     """
-    if not crops:
-        raise ValueError("template matching needs at least one exemplar crop")
-    n, _, hh, ww = images01.shape
-    templates = [t for crop in crops for s in sorted(scales)  # in the tie-breaking order
-                 if (t := scaled_template(crop, s, ref_side).to(images01)).shape[-2] <= hh and t.shape[-1] <= ww]
-    if not templates:
-        raise ValueError(f"every template is larger than the images {hh}x{ww}")
-    tops, boxes = best_windows(images01, templates, min_std)
-    best, first = tops.max(dim=1)  # the first of the best: the earlier exemplar, then the smaller scale
-    chosen = boxes[torch.arange(n, device=boxes.device), first]
-    return (chosen, best) if return_scores else chosen
+    with torch.no_grad():
+        if not crops:
+            raise ValueError("template matching needs at least one exemplar crop")
+        n, _, hh, ww = images01.shape
+        templates = [t for crop in crops for s in sorted(scales)  # in the tie-breaking order
+                     if (t := scaled_template(crop, s, ref_side).to(images01)).shape[-2] <= hh and t.shape[-1] <= ww]
+        if not templates:
+            raise ValueError(f"every template is larger than the images {hh}x{ww}")
+        tops, boxes = best_windows(images01, templates, min_std)
+        best, first = tops.max(dim=1)  # the first of the best: the earlier exemplar, then the smaller scale
+        chosen = boxes[torch.arange(n, device=boxes.device), first]
+        return (chosen, best) if return_scores else chosen

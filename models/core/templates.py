@@ -98,12 +98,12 @@ def box_contents(images01: Tensor, boxes: Tensor, side: int) -> Tensor:
     return roi_align(images01.float(), rois.float(), (side, side), 1.0, -1, True).view(n, k, -1, side, side)
 
 
-@torch.no_grad()
 def box_ncc(images01: Tensor, boxes: Tensor, templates: Tensor, *, jitter: float = JITTER) -> Tensor:
     """NCC of the content of each box ``boxes [n, K, 4]`` (pixels of ``images01 [n, C, H, W]``) with each template
     ``templates [E, C, s, s]`` -> ``[n, K, E]`` in [-1, 1] (the best of the box's ``jittered`` reads; a flat box
     or template: 0). Vectorized: one ``roi_align`` and one matrix product for every box and template."""
-    return box_ncc_sets(images01, boxes, [templates], jitter=jitter)[0]
+    with torch.no_grad():
+        return box_ncc_sets(images01, boxes, [templates], jitter=jitter)[0]
 
 
 def box_ncc_sets(images01: Tensor, boxes: Tensor, sets: list[Tensor], *, jitter: float = JITTER) -> list[Tensor]:

@@ -56,20 +56,20 @@ class Detections(NamedTuple):
     evaluations: int
 
 
-@torch.no_grad()
 def box_distances(bundle: Bundle, feats: Tensor, boxes: Tensor, prototype: Tensor, max_boxes: int = 8192) -> Tensor:
     """Distance to ``prototype`` (``[D]``, or ``[B, D]`` one per image) of the embedding of every box of
     ``boxes [C, 4]`` (input pixels) on each image's features ``feats [B, C', h, w]`` -> ``[B, C]``.
 
     One RoIAlign + head call per chunk of candidates, all images at once; a chunk holds at most
     ``max_boxes`` boxes over the batch (``max_boxes`` RoI features live at a time)."""
-    b = feats.shape[0]
-    boxes = boxes.to(feats.device)
-    proto = prototype.to(feats.device)
-    proto = proto[:, None] if proto.dim() == 2 else proto  # [B, 1, D] or [D]
-    chunk = max(1, max_boxes // b)
-    return torch.cat([(bundle.embedder.embed(feats, boxes[j:j + chunk].expand(b, -1, -1)) - proto).norm(dim=-1)
-                      for j in range(0, len(boxes), chunk)], dim=1)
+    with torch.no_grad():
+        b = feats.shape[0]
+        boxes = boxes.to(feats.device)
+        proto = prototype.to(feats.device)
+        proto = proto[:, None] if proto.dim() == 2 else proto  # [B, 1, D] or [D]
+        chunk = max(1, max_boxes // b)
+        return torch.cat([(bundle.embedder.embed(feats, boxes[j:j + chunk].expand(b, -1, -1)) - proto).norm(dim=-1)
+                          for j in range(0, len(boxes), chunk)], dim=1)
 
 
 def topk_nms(boxes: Tensor, distances: Tensor, k: int, iou_threshold: float = 0.5) -> tuple[Tensor, Tensor]:
@@ -103,7 +103,6 @@ def nms_detections(boxes: Tensor, distances: Tensor, k: int, iou_threshold: floa
     return Detections(kept, d, valid, boxes.shape[0])
 
 
-@torch.no_grad()
 def ranking_nms(bundle: Bundle, feats: Tensor, prototype: Tensor, k: int, candidates: Tensor,
                 iou_threshold: float = 0.5) -> Detections:
     """The ranking baseline for several instances: embed every box of ``candidates [C, 4]`` on each image's
@@ -111,7 +110,8 @@ def ranking_nms(bundle: Bundle, feats: Tensor, prototype: Tensor, k: int, candid
     ``k`` best after non-maximum suppression at ``iou_threshold`` (``topk_nms``); ``C`` evaluations per image.
     ``models.evaluate.ranking_candidates`` gives the usual dense squares, ``ranking_candidates_within`` the
     same kind of squares for a budget."""
-    return nms_detections(candidates, box_distances(bundle, feats, candidates, prototype), k, iou_threshold)
+    with torch.no_grad():
+        return nms_detections(candidates, box_distances(bundle, feats, candidates, prototype), k, iou_threshold)
 
 
 def ranking_candidates_within(bundle: Bundle, budget: int) -> Tensor:
@@ -176,11 +176,11 @@ def sliding_windows(size: int, window: tuple[float, float], budget: int) -> Tens
     return torch.stack([x, y, x + w, y + h], dim=1)
 
 
-@torch.no_grad()
 def sliding_window(bundle: Bundle, feats: Tensor, prototype: Tensor, k: int, window: tuple[float, float],
                    budget: int, iou_threshold: float = 0.5) -> Detections:
     """The sliding-window baseline: windows of the exemplars' size ``window = (w, h)`` (input pixels) on a
     grid of at most ``budget`` positions (``sliding_windows``), scored by embedding distance to
     ``prototype``, ``k`` kept after non-maximum suppression (``topk_nms``)."""
-    wins = sliding_windows(bundle.config.input.size, window, budget)
-    return nms_detections(wins, box_distances(bundle, feats, wins, prototype), k, iou_threshold)
+    with torch.no_grad():
+        wins = sliding_windows(bundle.config.input.size, window, budget)
+        return nms_detections(wins, box_distances(bundle, feats, wins, prototype), k, iou_threshold)
