@@ -134,6 +134,10 @@ def test_shape_rounds_find_a_narrow_box_a_square_cannot(bundle, digits):
     assert (d_shaped <= d_square).all() and (d_shaped < d_square).float().mean() >= 0.5
     aspect = (shaped[:, 2] - shaped[:, 0]) / (shaped[:, 3] - shaped[:, 1])
     assert float(aspect.median()) < 0.9, aspect
+    # with no size rounds the first round already changes the shape
+    first, _ = refine(emb, feats, protos, start, d0, (84.0, 84.0), 14.0, RefineConfig(rounds=0, aspect_rounds=1))
+    fw, fh = first[:, 2] - first[:, 0], first[:, 3] - first[:, 1]
+    assert float((fw / fh).median()) < 0.95, fw / fh
 
 
 def test_refine_never_moves_away_from_the_prototype_and_finds_a_known_box_again(bundle, digits):
