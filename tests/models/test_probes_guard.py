@@ -487,3 +487,42 @@ def test_faithfulness_is_the_rewards_ranking_on_the_probes_and_follows_a_repaire
     fresh.start(None)
     agent = other.agent_state
     assert g.observe(1, agent)["select"] == fresh.observe(1, agent)["select"]  # scored with the new head
+
+
+def test_synthetic_probes_erase_where_the_start_answers_and_paste_a_crop_at_its_box():
+    """By value, on flat images (image ``i`` all ``i / 10``) and white crops: each probe is one image with its erase
+    box covered by another image's pixels (``rect``) or a flat fill from around it (``soft``), and a crop pasted at
+    the box it reports, its long side ``PROBE_SCALE`` times the bundle's exemplar size. Without ``erase`` the boxes
+    covered are the starting policy's answers (``agent_state``: ``None``, the bundle's)."""
+    from models.guard import PROBE_SCALE, synthetic_probes
+    from models.inference import Localizer
+
+    bundle = new_bundle("t", mnist_config(), seed=0)
+    images = torch.arange(1, 5).float().div(10).view(4, 1, 1, 1).expand(4, 1, 84, 84).clone()
+    crops = [torch.ones(1, 20, 20), torch.ones(1, 10, 20)]
+    erase = torch.tensor([[0.0, 0.0, 84.0, 30.0]]).expand(4, 4).clone()  # the top strip of every image
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    side = bundle.config.input.exemplar_size
+    loc = Localizer(bundle, "cpu")
+    proto = loc.prototype(crops)
+    for style in ("rect", "soft"):
+        p = synthetic_probes(bundle, proto, crops, images, None, 16, gen(), erase, style=style)
+        assert p.images.shape == (16, 1, 84, 84) and p.boxes.shape == (16, 4)
+        for im, box in zip(p.images[:, 0], p.boxes, strict=True):
+            x1, y1, x2, y2 = (int(v) for v in box)
+            long = max(x2 - x1, y2 - y1)
+            assert PROBE_SCALE[0] * side - 1 <= long <= PROBE_SCALE[1] * side + 1, (long, side)
+            assert float(im[(y1 + y2) // 2, (x1 + x2) // 2]) == pytest.approx(1.0, abs=1e-3)  # the crop
+            mask = torch.ones(84, 84, dtype=torch.bool)
+            mask[max(0, y1 - 3):y2 + 3, max(0, x1 - 3):x2 + 3] = False  # away from the paste and its feather
+            below, strip = im[30:][mask[30:]], im[:30][mask[:30]]
+            own = float(below[0])
+            assert torch.allclose(below, torch.tensor(own), atol=1e-3) and round(own * 10) in (1, 2, 3, 4)
+            if len(strip) and style == "rect":  # the strip: another image's pixels
+                assert torch.allclose(strip, strip[0], atol=1e-3) and abs(float(strip[0]) - own) > 0.05
+            elif len(strip):  # a fill from around it: the image's own flat value
+                assert torch.allclose(strip, torch.tensor(own), atol=1e-2)
+    starts = loc.run(images, proto, loc.agent(None)).boxes[-1].cpu()
+    plain = synthetic_probes(bundle, proto, crops, images, None, 16, gen())
+    given = synthetic_probes(bundle, proto, crops, images, None, 16, gen(), starts)
+    assert torch.equal(plain.images, given.images) and torch.equal(plain.boxes, given.boxes)
