@@ -30,6 +30,7 @@ from alembic.config import Config
 from PIL import Image
 from sqlalchemy import func, select
 
+from app import crud
 from app.config import Settings
 from app.db import make_engine, make_sessionmaker
 from app.queue import declare_queues
@@ -242,6 +243,31 @@ def client(settings: Settings):  # type: ignore[no-untyped-def]
 
     with TestClient(create_app(settings)) as c:
         yield c
+
+
+def blob(position: int, box: tuple[float, float, float, float] | None = None, name: str | None = "f.png"
+         ) -> crud.NewBlob:
+    """An exemplar row's blob for ``new_set`` (no file behind it)."""
+    return crud.NewBlob(position=position, filename=name, content_type="image/png", width=40 + position,
+                        height=30 + position, sha256=f"{position:064d}", blob=f"b/{uuid.uuid4().hex}", box=box)
+
+
+def new_set(db, owner: str = "k", exemplars: list[crud.NewBlob] | None = None, **values: Any) -> uuid.UUID:  # type: ignore[no-untyped-def]
+    """A set's rows made through ``app.crud`` in the sessions ``db`` makes (the ``db`` fixture), owned by ``owner``."""
+    set_id = uuid.uuid4()
+    with db.begin() as s:
+        crud.create_exemplar_set(s, set_id=set_id, owner=owner, name="s", bundle="b", bundle_sha256="a" * 64,
+                                 prototype=b"\1" * 8, prototype_dim=2, exemplars=exemplars or [blob(0)], **values)
+    return set_id
+
+
+def refusal(call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """The ``HTTPException`` that ``call(*args, **kwargs)`` raises -> (status, detail); fails if it raises none."""
+    from fastapi import HTTPException
+
+    with pytest.raises(HTTPException) as e:
+        call(*args, **kwargs)
+    return e.value.status_code, e.value.detail
 
 
 def row_counts(database_url: str) -> dict[str, int]:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-import pytest
-from fastapi import HTTPException
-from test_retention_units import new_set
+from service_fixtures import new_set, refusal
 
 from app.routes.checkpoints import locked, to_public
 from app.tables import Checkpoint
@@ -35,9 +33,7 @@ def test_a_checkpoint_is_shown_with_its_lineage_metrics_and_whether_it_is_the_ac
 
 def test_a_set_deleted_under_a_checkpoint_call_is_the_checkpoints_404(db):
     with db() as s:
-        with pytest.raises(HTTPException) as e:
-            locked(s, uuid.uuid4())
-        assert (e.value.status_code, e.value.detail) == (404, "checkpoint not found")
+        assert refusal(locked, s, uuid.uuid4()) == (404, "checkpoint not found")
     set_id = new_set(db)
     with db() as s:
         locked(s, set_id)  # there: its row lock is taken, nothing raised

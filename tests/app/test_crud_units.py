@@ -13,6 +13,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from service_fixtures import blob, new_set
 from sqlalchemy import func, select, update
 
 from app import crud
@@ -26,20 +27,6 @@ from app.tables import (
     PoolImage,
     utcnow,
 )
-
-
-def blob(position: int, box: tuple[float, float, float, float] | None = None, name: str | None = "f.png"
-         ) -> crud.NewBlob:
-    return crud.NewBlob(position=position, filename=name, content_type="image/png", width=40 + position,
-                        height=30 + position, sha256=f"{position:064d}", blob=f"b/{uuid.uuid4().hex}", box=box)
-
-
-def new_set(db, owner: str = "k", exemplars: list[crud.NewBlob] | None = None, **values) -> uuid.UUID:  # type: ignore[no-untyped-def]
-    set_id = uuid.uuid4()
-    with db.begin() as s:
-        crud.create_exemplar_set(s, set_id=set_id, owner=owner, name="s", bundle="b", bundle_sha256="a" * 64,
-                                 prototype=b"\1" * 8, prototype_dim=2, exemplars=exemplars or [blob(0)], **values)
-    return set_id
 
 
 def base_of(db, set_id: uuid.UUID) -> uuid.UUID:  # type: ignore[no-untyped-def]

@@ -8,10 +8,8 @@ import io
 import uuid
 
 import pytest
-from fastapi import HTTPException
 from PIL import Image
-from service_fixtures import make_test_settings
-from test_retention_units import new_set
+from service_fixtures import make_test_settings, new_set, refusal
 
 from app import crud
 from app.images import UploadLimits, decode_image
@@ -37,12 +35,6 @@ def image(seed: int = 0):  # type: ignore[no-untyped-def]
                         limits=UploadLimits(10_000, 10_000))
 
 
-def refused(call, *args) -> tuple[int, str]:  # type: ignore[no-untyped-def]
-    with pytest.raises(HTTPException) as e:
-        call(*args)
-    return e.value.status_code, e.value.detail
-
-
 def files(store: BlobStore) -> list:
     return sorted(p for p in store.root.rglob("*") if p.is_file())
 
@@ -51,8 +43,8 @@ def test_a_set_is_found_for_its_owner_or_without_keys_and_is_a_404_for_another_k
     set_id = new_set(db)  # owned by key "k"
     with db() as s:
         assert get_set(s, set_id, "k").id == set_id and get_set(s, set_id, None).id == set_id
-        assert refused(get_set, s, set_id, "another key") == (404, "exemplar set not found")
-        assert refused(get_set, s, uuid.uuid4(), None) == (404, "exemplar set not found")
+        assert refusal(get_set, s, set_id, "another key") == (404, "exemplar set not found")
+        assert refusal(get_set, s, uuid.uuid4(), None) == (404, "exemplar set not found")
 
 
 def test_a_pool_filled_meanwhile_is_a_409_saying_so_and_stores_nothing(db, settings, store):
@@ -60,7 +52,7 @@ def test_a_pool_filled_meanwhile_is_a_409_saying_so_and_stores_nothing(db, setti
     with db() as s:
         add_to_pool(s, store, settings, get_set(s, set_id, None), [image(1), image(2)])
         held = files(store)
-        code, message = refused(add_to_pool, s, store, settings, get_set(s, set_id, None), [image(3)])
+        code, message = refusal(add_to_pool, s, store, settings, get_set(s, set_id, None), [image(3)])
         assert code == 409 and message.startswith("the set's image pool is full: it holds 2 images ("), message
         assert files(store) == held and crud.get_exemplar_set(s, set_id=set_id, owner=None).num_pool_images == 2
 
@@ -73,11 +65,11 @@ def test_a_set_deleted_meanwhile_is_a_404_and_its_pool_reads_empty(db, settings,
         s.commit()
         with db.begin() as other:  # ...when another request deletes it
             other.delete(other.get(ExemplarSet, set_id))
-        assert refused(add_to_pool, s, store, settings, es, [image(1)]) == (404, "exemplar set not found")
+        assert refusal(add_to_pool, s, store, settings, es, [image(1)]) == (404, "exemplar set not found")
         assert files(store) == []
         assert state(s, settings, set_id) == {"num_pool_images": 0, "pool_bytes": 0, "max_pool_images": 2,
                                               "max_pool_bytes": 10_000}
-        assert refused(_delete, s, store, set_id, None) == (404, "exemplar set not found")
+        assert refusal(_delete, s, store, set_id, None) == (404, "exemplar set not found")
 
 
 def test_deleting_an_image_not_in_the_pool_is_a_404_naming_the_image(db, settings, store):
@@ -86,7 +78,7 @@ def test_deleting_an_image_not_in_the_pool_is_a_404_naming_the_image(db, setting
         added = add_to_pool(s, store, settings, get_set(s, set_id, None), [image(1)])
         assert state(s, settings, set_id) == {"num_pool_images": 1, "pool_bytes": added[0].size,
                                               "max_pool_images": 2, "max_pool_bytes": 10_000}
-        assert refused(_delete, s, store, set_id, uuid.uuid4()) == (404, "image not found in this set's pool")
+        assert refusal(_delete, s, store, set_id, uuid.uuid4()) == (404, "image not found in this set's pool")
         assert len(files(store)) == 1
         _delete(s, store, set_id, added[0].id)
         assert files(store) == [] and state(s, settings, set_id)["num_pool_images"] == 0

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from service_fixtures import new_set
 from sqlalchemy import select, update
 
 from app import crud, retention
@@ -24,16 +25,6 @@ from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
 @pytest.fixture
 def store(tmp_path) -> BlobStore:
     return BlobStore(tmp_path / "blobs")
-
-
-def new_set(db) -> uuid.UUID:  # type: ignore[no-untyped-def]
-    set_id = uuid.uuid4()
-    with db.begin() as s:
-        crud.create_exemplar_set(
-            s, set_id=set_id, owner="k", name="s", bundle="b", bundle_sha256="a" * 64, prototype=b"\1" * 8,
-            prototype_dim=2, exemplars=[crud.NewBlob(position=0, filename="f.png", content_type="image/png", width=4,
-                                                     height=4, sha256="0" * 64, blob="e/0.png", box=None)])
-    return set_id
 
 
 def new_job(db, set_id: uuid.UUID, status: JobState = JobState.QUEUED) -> uuid.UUID:  # type: ignore[no-untyped-def]
