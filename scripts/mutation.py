@@ -54,7 +54,7 @@ LIFECYCLE_TESTS = ["tests/app/test_app_jobstates.py", "tests/worker/test_worker_
 # Pytest options per module, besides the test files: the worker's Celery end-to-end tests (marked slow) take
 # seconds each and only repeat what the job-level tests check of jobs.py, so its mutants skip them.
 EXTRA_ARGS = {"jobs": ["-m", "not slow"], "reaper": ["-m", "not slow"], "jobstates": ["-m", "not slow"],
-              "pool": ["-m", "not slow"],
+              "pool": ["-m", "not slow"], "adaptation_routes": ["-m", "not slow"],
               # (not the tests that read every tracked file for QLOC_ names: a workspace is no git checkout)
               "config": ["-k", "not variable"], "settings_reference": ["-k", "not variable"],
               # the engine's tests (not the process and script settings of the API's run script)
@@ -217,6 +217,15 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/app/test_app_adaptations.py::test_unreachable_broker_is_503_and_the_job_is_failed"]),
     # the pool's routes: add (all or none, the cap), list, delete one or all (409 while a job holds an image)
     "pool_routes": ("app/routes/pool.py", ["tests/app/test_pool_routes_units.py", "tests/app/test_app_pool.py"]),
+    # a job's creation (source, idempotency, the checks before anything is stored, the outbox's send and stamp) and
+    # a set's (boxes, crops, negatives, the all-or-none write), change and deletion: the routes' bodies, undecorated
+    "adaptation_routes": ("app/routes/adaptations.py", [
+        "tests/app/test_app_adaptations.py", "tests/app/test_app_pool.py", "tests/app/test_app_auth.py",
+        "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_activation.py"]),
+    "set_routes": ("app/routes/exemplar_sets.py", [
+        "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_exemplar_boxes.py",
+        "tests/app/test_app_set_reads.py", "tests/app/test_app_bad_input.py", "tests/app/test_app_text_fields.py",
+        "tests/app/test_app_bundle_identity.py", "tests/app/test_app_auth.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

@@ -6,21 +6,38 @@ import hashlib
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Header, HTTPException, Response, UploadFile, status
 from pydantic import BeforeValidator
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from app import crud, jobstates, pool
-from app.deps import BundlesDep, CallerDep, JobId, Limit, Offset, QueueDep, SessionDep, SetId, SettingsDep, StoreDep
-from app.remote import RemoteDep, answer_refusal
+from app.config import Settings
+from app.deps import (
+    BundlesDep,
+    Caller,
+    CallerDep,
+    JobId,
+    Limit,
+    Offset,
+    QueueDep,
+    SessionDep,
+    SetId,
+    SettingsDep,
+    StoreDep,
+)
+from app.inference import BundleRegistry
+from app.queue import JobQueue
+from app.remote import RemoteDep, WorkerInference, answer_refusal
 from app.routes.errors import UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import set_bundle
 from app.routes.uploads import check_file_count, decode_all, read_raw
 from app.schemas import AdaptationJobPublic, AdaptationJobsPublic, JobParams, Progress
 from app.serving import InferenceRefused
-from app.storage import job_image_key, job_prefix
+from app.storage import BlobStore, job_image_key, job_prefix
 from app.tables import AdaptationJob, JobState
 
 log = logging.getLogger(__name__)
@@ -110,14 +127,36 @@ def create_adaptation(
 
     A job on the pool takes the pool's images as they are when it is created (`params.num_pool_images`); while
     it is queued or running, those images cannot be deleted from the pool (409)."""
+    return submit_adaptation(set_id, JobForm(files or [], source, iterations, learning_rate, seed, activate,
+                                             idempotency_key), response, session, settings, store, queue, bundles,
+                             caller, remote)
+
+
+@dataclass(frozen=True)
+class JobForm:
+    """A job request's files and fields, as the route took them (``None``: not given)."""
+
+    files: list[UploadFile]
+    source: Literal["files", "pool", "both"] | None
+    iterations: int | None
+    learning_rate: float | None
+    seed: int | None
+    activate: str
+    idempotency_key: str | None
+
+
+def submit_adaptation(set_id: uuid.UUID, form: JobForm, response: Response, session: Session,  # noqa: PLR0913
+                      settings: Settings, store: BlobStore, queue: JobQueue, bundles: BundleRegistry, caller: Caller,
+                      remote: WorkerInference | None) -> AdaptationJobPublic:
+    """The job of ``create_adaptation``: checked, its images stored, committed, sent (the row is its outbox)."""
+    files, idempotency_key = form.files, form.idempotency_key
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
-    iterations = settings.default_iterations if iterations is None else iterations
-    params = {"iterations": iterations, "seed": 0 if seed is None else seed, "activate": activate,
-              "learning_rate": settings.default_learning_rate if learning_rate is None else learning_rate}
-    files = files or []
-    source = source or ("files" if files else "pool")
+    iterations = settings.default_iterations if form.iterations is None else form.iterations
+    params = {"iterations": iterations, "seed": 0 if form.seed is None else form.seed, "activate": form.activate,
+              "learning_rate": settings.default_learning_rate if form.learning_rate is None else form.learning_rate}
+    source = form.source or ("files" if files else "pool")
     if source == "pool" and files:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             "source=pool adapts on the set's pool alone: post no files, or use source=both")

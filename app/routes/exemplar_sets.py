@@ -6,13 +6,16 @@ import json
 import logging
 import math
 import uuid
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, HTTPException, Response, UploadFile, status
+from sqlalchemy.orm import Session
 
 from app import crud
 from app.calibration import NewSetCalibration, calibrate_new_set
-from app.deps import BundlesDep, CallerDep, Limit, Offset, SessionDep, SetId, SettingsDep, StoreDep
+from app.config import Settings
+from app.deps import BundlesDep, Caller, CallerDep, Limit, Offset, SessionDep, SetId, SettingsDep, StoreDep
 from app.images import DecodedImage
 from app.inference import (
     BundleMismatch,
@@ -22,7 +25,7 @@ from app.inference import (
     bundle_for_set,
     prototype_to_bytes,
 )
-from app.remote import MadePrototype, RemoteDep, answer_refusal
+from app.remote import MadePrototype, RemoteDep, WorkerInference, answer_refusal
 from app.routes.errors import JSON_TOO_LARGE, UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.uploads import check_text, read_images
 from app.schemas import (
@@ -31,7 +34,7 @@ from app.schemas import (
     ExemplarSetsPublic,
 )
 from app.serving import InferenceRefused
-from app.storage import exemplar_key, exemplar_set_prefix
+from app.storage import BlobStore, exemplar_key, exemplar_set_prefix
 from app.tables import ExemplarSet
 
 log = logging.getLogger(__name__)
@@ -184,9 +187,30 @@ def create_exemplar_set(
 
     With ``boxes``, the files are whole images and the crops are cut from the boxes; the images are kept with
     their boxes as the set's labeled examples. Everything is checked before anything is written."""
+    return add_exemplar_set(SetForm(files, name, bundle, boxes, negative_files or [], threshold), response,
+                            session, settings, store, bundles, caller, remote)
+
+
+@dataclass(frozen=True)
+class SetForm:
+    """A new set's files and fields, as the route took them (``None``: not given)."""
+
+    files: list[UploadFile]
+    name: str | None
+    bundle: str | None
+    boxes: str | None
+    negative_files: list[UploadFile]
+    threshold: float
+
+
+def add_exemplar_set(form: SetForm, response: Response, session: Session, settings: Settings, store: BlobStore,
+                     bundles: BundleRegistry, caller: Caller, remote: WorkerInference | None) -> ExemplarSetPublic:
+    """The set of ``create_exemplar_set``: every file and field checked, the prototype (and calibration) made, then
+    its files and rows written, all or none."""
+    name, bundle, boxes, negative_files = form.name, form.bundle, form.boxes, form.negative_files
     check_text(name, "name")
-    threshold += 0.0  # -0 is stored and shown as 0
-    images = read_images(files, settings)
+    threshold = form.threshold + 0.0  # -0 is stored and shown as 0
+    images = read_images(form.files, settings)
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else check_crops(images, "files")
     negative_images = read_images(negative_files, settings, keep_data=False) if negative_files else []
     check_crops(negative_images, "negative_files")
@@ -256,6 +280,12 @@ def update_exemplar_set(set_id: SetId, change: ExemplarSetChange, session: Sessi
                         caller: CallerDep) -> ExemplarSetPublic:
     """Rename the set, or change the confidence from which its answers are `found` (JSON body, e.g.
     `{"threshold": 0.3}`): no new set, no new calibration; its checkpoints, jobs and pool stay."""
+    return change_set(set_id, change, session, caller)
+
+
+def change_set(set_id: uuid.UUID, change: ExemplarSetChange, session: Session, caller: Caller) -> ExemplarSetPublic:
+    """The change of ``update_exemplar_set``: 422 for an empty one or a name PostgreSQL refuses, 404 for another
+    key's or no set; only the fields given change."""
     given = change.model_fields_set
     if not given:
         raise unprocessable("nothing to change: send a JSON object with `name` and/or `threshold`")
@@ -275,6 +305,13 @@ def update_exemplar_set(set_id: SetId, change: ExemplarSetChange, session: Sessi
                responses={**UNKNOWN, 409: error("The set has queued or running jobs")})
 def delete_exemplar_set(set_id: SetId, session: SessionDep, store: StoreDep, caller: CallerDep) -> Response:
     """Delete the set with its exemplars, jobs and checkpoints (rows, then files)."""
+    delete_set(set_id, session, store, caller)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def delete_set(set_id: uuid.UUID, session: Session, store: BlobStore, caller: Caller) -> None:
+    """The deletion of ``delete_exemplar_set``: 404 for another key's or no set, 409 while a job of it is queued or
+    running (naming them, and what to do), else its rows, then its files."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -293,4 +330,3 @@ def delete_exemplar_set(set_id: SetId, session: SessionDep, store: StoreDep, cal
     crud.delete_exemplar_set(session, set_id=set_id)
     session.commit()
     store.delete_tree(exemplar_set_prefix(set_id))
-    return Response(status_code=status.HTTP_204_NO_CONTENT)

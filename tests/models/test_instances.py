@@ -330,3 +330,28 @@ def test_what_is_answered_leaves_out_a_part_of_a_better_instance_found_again():
     assert 0.5 <= CONTAINED < 0.61
     one = kept_apart(torch.tensor([[digit]]), torch.tensor([[True]]))
     assert one.tolist() == [[True]]
+
+
+def test_the_instance_search_is_given_the_episodes_last_box_and_the_config_on_both_paths():
+    """With ``answer_first``, each image's first instance is the agent's own answer: the box its episode ended on (not
+    one it passed on the way), with its score; on ``max_instances``' path and on the second look's alike, which take
+    the config given (not the default: there the answer competes on its distance)."""
+    loc = Localizer(tiny_bundle(6), "cpu")
+    batch, scales = preprocess([x for x in images(6, 1, 9)], loc.spec)
+    protos = torch.randn(6, 16, generator=torch.Generator().manual_seed(4)) * 3
+    agent, first = loc.agent(), InstanceConfig(answer_first=True)
+    plain = loc.localize_batch(batch, scales, protos, agent, trajectory=True)
+    assert all(p.trajectory[-1] != p.trajectory[1] for p in plain), "the test wants episodes that move past step 1"
+    full = loc.localize_batch(batch, scales, protos, agent, max_instances=3, instance_config=first)
+    looked = loc.localize_batch(batch, scales, protos, agent, look_again=lambda b, d: torch.ones(6, dtype=torch.bool),
+                                look_again_instances=3, instance_config=first)
+    default = loc.localize_batch(batch, scales, protos, agent, look_again=lambda b, d: torch.ones(6, dtype=torch.bool),
+                                 look_again_instances=3)
+    for p, f, lk in zip(plain, full, looked, strict=True):
+        for r in (f, lk):
+            assert list(r.instances[0].box) == pytest.approx(p.box, abs=1e-3)
+            assert r.instances[0].score == pytest.approx(p.score, abs=1e-5)
+        assert [v for x in lk.instances for v in x.box] == pytest.approx([v for x in f.instances for v in x.box],
+                                                                        abs=1e-3)
+    assert any(list(d.instances[0].box) != pytest.approx(p.box, abs=1e-3)
+               for d, p in zip(default, plain, strict=True)), "the test wants the default to rank another box first"

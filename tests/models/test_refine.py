@@ -168,6 +168,12 @@ def test_a_bundle_that_refines_answers_greedy_runs_with_the_refined_box(bundle, 
     assert torch.equal(a.boxes[:-1], b.boxes[:-1]) and torch.equal(a.actions, b.actions)  # the same walk
     assert (b.distances[-1] <= a.distances[-1] + 1e-6).all()
     assert not torch.equal(a.boxes[-1], b.boxes[-1])  # some answers moved
+    # the answer is ``refine`` started from the walk's last box, with its distance; the rest of the walk as it was
+    want, want_d = refine(bundle.embedder, features_of(bundle, digits.images), proto, a.boxes[-1], a.distances[-1],
+                          (84.0, 84.0), bundle.config.env.min_side)
+    assert torch.allclose(b.boxes[-1], want, atol=1e-4) and torch.allclose(b.distances[-1], want_d, atol=1e-5)
+    assert b.distances.shape == a.distances.shape and not torch.equal(b.distances[-1], a.distances[-1])
+    assert torch.allclose(b.distances[:-1], a.distances[:-1], equal_nan=True)  # (a greedy walk's are NaN but the last)
     one = torch.cat([refining.run(digits.images[i:i + 1], proto, agent).boxes[-1] for i in range(len(digits))])
     assert torch.allclose(one, b.boxes[-1], atol=1e-4)  # batched = one by one
     best = refining.run(digits.images, proto, agent, samples=3)
