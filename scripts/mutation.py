@@ -222,6 +222,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "adaptation_routes": ("app/routes/adaptations.py", [
         "tests/app/test_app_adaptations.py", "tests/app/test_app_pool.py", "tests/app/test_app_auth.py",
         "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_activation.py"]),
+    # Label Studio's backend routes: /setup's record, /predict's tasks, the webhook's job (its image fetching and
+    # label config: module labelstudio)
+    "labelstudio_routes": ("app/routes/labelstudio.py", [
+        "tests/app/test_labelstudio.py", "tests/app/test_labelstudio_units.py"]),
     "set_routes": ("app/routes/exemplar_sets.py", [
         "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_exemplar_boxes.py",
         "tests/app/test_app_set_reads.py", "tests/app/test_app_bad_input.py", "tests/app/test_app_text_fields.py",

@@ -8,11 +8,12 @@ from fastapi import APIRouter, HTTPException, Response, status
 from sqlalchemy.orm import Session
 
 from app import crud, pool
-from app.deps import CallerDep, CheckpointId, Limit, Offset, SessionDep, SetId, StoreDep
+from app.deps import Caller, CallerDep, CheckpointId, Limit, Offset, SessionDep, SetId, StoreDep
 from app.retention import remove_checkpoints
 from app.routes.errors import UNAUTHORIZED, error
 from app.routes.exemplar_sets import to_public as set_to_public
 from app.schemas import CheckpointPublic, CheckpointsPublic, ExemplarSetPublic
+from app.storage import BlobStore
 from app.tables import Checkpoint
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"], responses=UNAUTHORIZED)
@@ -32,6 +33,11 @@ def to_public(ckpt: Checkpoint, active_id: uuid.UUID | None) -> CheckpointPublic
 def list_checkpoints(set_id: SetId, session: SessionDep, caller: CallerDep,
                      limit: Limit = 50, offset: Offset = 0) -> CheckpointsPublic:
     """The set's checkpoints, oldest first: its base policy, then those its jobs wrote."""
+    return checkpoints_of(set_id, session, caller, limit, offset)
+
+
+def checkpoints_of(set_id: uuid.UUID, session: Session, caller: Caller, limit: int, offset: int) -> CheckpointsPublic:
+    """``list_checkpoints``' page: 404 for another key's or no set; ``active`` marks the set's active one."""
     es = crud.get_exemplar_set(session, set_id=set_id, owner=caller.scope)
     if es is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "exemplar set not found")
@@ -43,6 +49,11 @@ def list_checkpoints(set_id: SetId, session: SessionDep, caller: CallerDep,
 @router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointPublic,
             responses={404: error("Unknown checkpoint")})
 def read_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: CallerDep) -> CheckpointPublic:
+    return checkpoint_of(checkpoint_id, session, caller)
+
+
+def checkpoint_of(checkpoint_id: uuid.UUID, session: Session, caller: Caller) -> CheckpointPublic:
+    """``read_checkpoint``'s answer: 404 for another key's or no checkpoint."""
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -54,6 +65,11 @@ def read_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: Ca
              responses={404: error("Unknown checkpoint")})
 def activate_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: CallerDep) -> ExemplarSetPublic:
     """Make the checkpoint its set's active policy; activating an older one rolls back."""
+    return activated(checkpoint_id, session, caller)
+
+
+def activated(checkpoint_id: uuid.UUID, session: Session, caller: Caller) -> ExemplarSetPublic:
+    """``activate_checkpoint``: under the set's lock, 404 for another key's checkpoint or one deleted meanwhile."""
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -76,6 +92,13 @@ def delete_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: 
     checkpoint and those of unfinished jobs are refused (409 saying which). A head file its job stored apart goes
     when no checkpoint of the set uses it any more (one written since a job of the set still unfinished began, at
     a later deletion)."""
+    removed(checkpoint_id, session, caller, store)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def removed(checkpoint_id: uuid.UUID, session: Session, caller: Caller, store: BlobStore) -> None:
+    """``delete_checkpoint``: under the set's lock, 404 for another key's or no checkpoint, 409 saying why one is in
+    use; else its row, then its files."""
     ckpt = crud.get_checkpoint(session, checkpoint_id=checkpoint_id, owner=caller.scope)
     if ckpt is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, NOT_FOUND)
@@ -87,7 +110,6 @@ def delete_checkpoint(checkpoint_id: CheckpointId, session: SessionDep, caller: 
         session.rollback()
         raise HTTPException(status.HTTP_409_CONFLICT, f"checkpoint {checkpoint_id} cannot be deleted: {why}")
     remove_checkpoints(session, store, set_id, [ckpt])
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 def locked(session: Session, set_id: uuid.UUID) -> None:

@@ -13,9 +13,13 @@ from fastapi import APIRouter, Depends, Request, Response, Security, status
 from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
+from app.config import Settings
 from app.deps import BundlesDep, MetricsDep, QueueDep, SessionDep, SettingsDep, _api_key_header, _bearer, get_caller
-from app.remote import get_remote
+from app.inference import BundleRegistry
+from app.queue import JobQueue
+from app.remote import WorkerInference, get_remote
 from app.routes.errors import UNAUTHORIZED
 from app.schemas import HealthStatus, ReadyStatus
 
@@ -38,6 +42,15 @@ def readyz(request: Request, response: Response, session: SessionDep, settings: 
     """Ready to serve: the database and the broker answer, the default bundle is loaded (with
     QLOC_INFERENCE=workers, instead: the result backend answers and a worker consumes the localize queue, as
     last checked: ``unknown: ...`` where it cannot be told; the API loads no bundle)."""
+    ready = readiness(session, settings, queue, bundles, get_remote(request))
+    if ready.status != "ok":
+        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    return ready
+
+
+def readiness(session: Session, settings: Settings, queue: JobQueue, bundles: BundleRegistry,
+              remote: WorkerInference | None) -> ReadyStatus:
+    """``/readyz``'s checks, each part's ``ok`` or what failed -> ``ok`` only if every check is (or cannot be told)."""
     checks: dict[str, str] = {}
     try:
         session.execute(text("SELECT 1"))
@@ -52,7 +65,6 @@ def readyz(request: Request, response: Response, session: SessionDep, settings: 
     except Exception as e:
         log.warning("readiness: broker: %s", e)
         checks["broker"] = f"error: {type(e).__name__}"
-    remote = get_remote(request)
     try:
         if remote is not None:
             remote.ping()
@@ -65,8 +77,6 @@ def readyz(request: Request, response: Response, session: SessionDep, settings: 
         log.warning("readiness: %s: %s", "result backend" if remote is not None else "bundle", e)
         checks["result_backend" if remote is not None else "bundle"] = f"error: {e}"
     ok = all(v == "ok" or v.startswith("unknown:") for v in checks.values())  # unknown: cannot tell, not a failure
-    if not ok:
-        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
     return ReadyStatus(status="ok" if ok else "unavailable", checks=checks)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
@@ -53,6 +54,7 @@ from app.deps import (
 )
 from app.export import AnswerOptions
 from app.images import ImageRejected, sniff_format
+from app.inference import BundleRegistry
 from app.jobstates import FINISHED_STATES
 from app.labelstudio import (
     TRAIN_ACTIONS,
@@ -65,12 +67,16 @@ from app.labelstudio import (
     parse_label_config,
     project_id,
 )
-from app.remote import RemoteDep
-from app.routes.adaptations import create_adaptation
+from app.metrics import Metrics
+from app.queue import JobQueue
+from app.remote import RemoteDep, WorkerInference
+from app.routes.adaptations import JobForm, submit_adaptation
 from app.routes.errors import JSON_TOO_LARGE, UNAUTHORIZED, UPLOAD_ERRORS, error, invalid, unavailable
 from app.routes.exemplar_sets import NOT_FOUND
 from app.routes.localize import RunOptions, localize_files, resolve_checkpoint
 from app.routes.uploads import check_text
+from app.serving import InferenceBackend
+from app.storage import BlobStore
 from app.tables import AdaptationJob, ExemplarSet
 
 log = logging.getLogger(__name__)
@@ -218,6 +224,11 @@ def setup(set_id: SetId, body: SetupRequest, session: SessionDep, settings: Sett
     are recorded (per set and project, in the database: every API process reads them) to fetch the project's task
     images, and the backend's ``extra_params`` ``{"max_instances": K}`` (1..32; Label Studio's model settings) to
     predict up to K regions per task."""
+    return connect(set_id, body, session, caller)
+
+
+def connect(set_id: uuid.UUID, body: SetupRequest, session: Session, caller: Caller) -> dict[str, Any]:
+    """``setup``'s checks and record -> the model version."""
     es = _get_set(session, set_id, caller)
     _target(body.label_config, es)
     ckpt = resolve_checkpoint(session, es, "active")
@@ -256,6 +267,15 @@ def predict(set_id: SetId, body: PredictRequest, request: Request, session: Sess
     Images are fetched (http(s), a Label Studio path with its token, a cloud storage URI through Label Studio, or
     a ``data:`` URI; QLOC_MAX_FILE_BYTES and QLOC_LABELSTUDIO_FETCH_TIMEOUT each) and localized
     QLOC_MAX_FILES_PER_REQUEST at a time."""
+    return pre_annotate(set_id, body, session, settings, inference, caller, metrics, store, bundles,
+                        local=remote is None, turns=request.app.state.route_turns)
+
+
+def pre_annotate(set_id: uuid.UUID, body: PredictRequest, session: Session, settings: Settings,  # noqa: PLR0913
+                 inference: InferenceBackend, caller: Caller, metrics: Metrics, store: BlobStore,
+                 bundles: BundleRegistry, *, local: bool, turns: threading.BoundedSemaphore | None
+                 ) -> dict[str, Any]:
+    """``predict``'s answer: each task's image fetched, localized through ``localize_files`` a chunk at a time."""
     es = _get_set(session, set_id, caller)
     target = _target(body.label_config, es)
     access = _access(session, settings, set_id, body.project)
@@ -283,7 +303,7 @@ def predict(set_id: SetId, body: PredictRequest, request: Request, session: Sess
             uploads = [_upload(b, where) for b, (_, where, _) in zip(blobs, part, strict=True)]
             done = localize_files(session, set_id, settings, inference, caller, metrics, store, uploads,
                                   RunOptions(max_instances=access.max_instances), AnswerOptions(), bundles=bundles,
-                                  local=remote is None, turns=request.app.state.route_turns)
+                                  local=local, turns=turns)
             model_version = str(done.checkpoint.id)
             tasks = export.labelstudio(done.results, label=target.label, from_name=target.from_name,
                                        to_name=target.to_name, model_version=model_version)
@@ -357,6 +377,14 @@ def webhook(set_id: SetId, event: WebhookEvent, response: Response, session: Ses
     (its first QLOC_MAX_FILES_PER_REQUEST, fetched from Label Studio), plus the set's image pool if it has any; on
     the pool alone when the project's images cannot be read. While a job of the set is queued or running, that
     job is answered instead (200). Other actions are acknowledged (200, ``"ignored"``)."""
+    return start_training(set_id, event, response, session, settings, store, queue, bundles, caller, remote)
+
+
+def start_training(set_id: uuid.UUID, event: WebhookEvent, response: Response, session: Session,  # noqa: PLR0913
+                   settings: Settings, store: BlobStore, queue: JobQueue, bundles: BundleRegistry, caller: Caller,
+                   remote: WorkerInference | None) -> dict[str, Any]:
+    """``webhook``'s answer: a job of the set started on the project's images (and its pool), the unfinished one
+    answered, or the event ignored."""
     es = _get_set(session, set_id, caller)
     if event.action not in TRAIN_ACTIONS:
         return {"status": "ignored", "action": event.action}
@@ -378,10 +406,8 @@ def webhook(set_id: SetId, event: WebhookEvent, response: Response, session: Ses
             ") and the set's image pool is empty"))
     source = "pool" if not uploads else ("both" if es.num_pool_images else "files")
     session.commit()  # end the read transaction: create_adaptation reads the set again
-    job = create_adaptation(set_id=set_id, response=Response(), session=session, settings=settings, store=store,
-                            queue=queue, bundles=bundles, caller=caller, remote=remote, files=uploads or None,
-                            source=source, iterations=None, learning_rate=None, seed=None, activate="auto",
-                            idempotency_key=None)
+    job = submit_adaptation(set_id, JobForm(uploads, source, None, None, None, "auto", None), Response(), session,
+                            settings, store, queue, bundles, caller, remote)
     response.status_code = status.HTTP_201_CREATED
     response.headers["Location"] = f"/v1/adaptations/{job.id}"
     return {"status": "started", "job": str(job.id), "job_status": job.status, "source": source,
