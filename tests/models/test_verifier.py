@@ -322,3 +322,51 @@ def test_background_boxes_are_squares_of_the_objects_size_overlapping_it_least_o
     iou = torch.stack([box_iou(cand[i], b[i:i + 1])[:, 0] for i in range(200)])
     assert (iou > 0).all(1).float().mean() > 0.3  # rows where the least overlap is not zero tell IoUs apart
     assert torch.allclose(out, cand[torch.arange(200), iou.argmin(1)])
+
+
+class Scripted(KindVerifier):
+    """A verifier whose embedding is given: a flat crop of value ``i / 10`` embeds as ``table[i]`` (to test ``check``'s
+    rules on exact cosines, not a network's)."""
+
+    def __init__(self, kinds: torch.Tensor, table: torch.Tensor):
+        super().__init__(1, [f"k{i}" for i in range(len(kinds) - 1)] + ["background"], dim=kinds.shape[1])
+        self.kinds.copy_(kinds)
+        self.table = table
+
+    def embed(self, x):
+        return self.table[torch.round(x[:, 0, 0, 0] * 10).long()]
+
+
+def flat(i: int) -> torch.Tensor:
+    return torch.full((1, 12, 9), i / 10)
+
+
+def test_the_check_takes_the_nearest_known_kind_its_bars_inclusive_and_keeps_only_negatives_no_other_kind_owns(
+        monkeypatch):
+    """``check`` by value: the nearest kind among the known ones (the last known one too; never the background), its
+    cosine kept to 4 decimals; ``KNOWN_BAR`` and ``NEGATIVE_BAR`` reached count; a negative is left out only when
+    another known kind owns it (its nearest, at the bar), kept when it is nearest the set's own kind or none's."""
+    eye = torch.eye(5)
+    kinds = torch.stack([eye[0], eye[1], eye[2], eye[4]])  # k0, k1, k2 (the last known kind), background
+    near = F.normalize(torch.tensor([0.0, 0.0, 1.0, 0.55, 0.0]), dim=0)  # the set: nearest k2, cosine ~0.8762
+    table = torch.stack([
+        near,
+        F.normalize(torch.tensor([1.0, 0.0, 0.3, 0.0, 0.0]), dim=0),  # 1: a negative k0 owns (nearest k0)
+        F.normalize(torch.tensor([0.3, 0.0, 1.0, 0.0, 0.0]), dim=0),  # 2: a negative nearest the set's own kind
+        F.normalize(torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]), dim=0),  # 3: a negative of no known kind
+        F.normalize(torch.tensor([0.9, 0.3, 0.0, 0.5, 0.0]), dim=0),  # 4: nearest k0, below the bar
+        F.normalize(torch.tensor([0.4, 1.0, 0.0, 0.0, 0.0]), dim=0),  # 5: a negative k1 owns
+    ])
+    v = Scripted(kinds, table)
+    proto, at, known = v.nearest_kind([flat(0), flat(0)])
+    assert (at, known) == (2, pytest.approx(float(near[2]))) and torch.allclose(proto, near)
+    monkeypatch.setattr("models.verifier.KNOWN_BAR", known)  # reached exactly: known
+    monkeypatch.setattr("models.verifier.NEGATIVE_BAR", float(table[5, 1]))  # reached exactly by 5, below 1's
+    assert float(table[1, 0]) > float(table[5, 1]) > float(table[4, 0])
+    c = v.check([flat(0)], [flat(1), flat(2), flat(3), flat(4), flat(5)])
+    assert (c.kind, c.known, c.verifier) == ("k2", round(known, 4), "") and c.known != known
+    assert torch.allclose(torch.tensor(c.prototype), near)
+    want = torch.cat([kinds[:2], kinds[3:], table[2:5]])  # the other known kinds, the background, negatives 2, 3, 4
+    assert torch.allclose(torch.tensor(c.others), want)
+    monkeypatch.setattr("models.verifier.KNOWN_BAR", float(torch.nextafter(torch.tensor(known), torch.tensor(2.0))))
+    assert v.check([flat(0)]) is None  # just below the bar: not a known kind
