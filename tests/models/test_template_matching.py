@@ -192,3 +192,40 @@ def test_best_windows_of_templates_of_many_sizes_equal_each_ncc_map(channels, mo
             assert boxes[:, k].tolist() == torch.stack([x, y, x + w, y + h], 1).float().tolist()
         else:
             assert tops[:, k].tolist() == [0.0] * 5
+
+
+def test_best_windows_never_answers_a_position_whose_window_runs_past_an_edge():
+    """Positions whose window would run past the right or the bottom edge (the FFT's circular correlation has a value
+    there) are never answered, even where every window inside the image scores below them: a ramp template on an
+    image of the opposite ramp scores -1 at every valid position, and the best is one of those (``ncc_map``'s)."""
+    from models.core.matching import best_windows
+
+    ramp = torch.linspace(0.1, 0.9, 16)
+    for image, t in [(ramp.flip(0).expand(1, 1, 12, 16), ramp[:5].expand(1, 4, 5)),  # along x
+                     (ramp[:12].flip(0)[:, None].expand(1, 1, 12, 16), ramp[:4, None].expand(1, 4, 5))]:  # along y
+        top, box = best_windows(image.contiguous(), [t.contiguous()])
+        assert float(top[0, 0]) == pytest.approx(-1.0, abs=1e-5)
+        assert float(ncc_map(image, t).max()) == pytest.approx(-1.0, abs=1e-5)
+        x1, y1, x2, y2 = box[0, 0].tolist()
+        assert (x2 - x1, y2 - y1) == (5, 4) and 0 <= x1 <= 16 - 5 and 0 <= y1 <= 12 - 4
+
+
+def test_templates_that_fit_exactly_are_kept_and_those_past_either_side_skipped():
+    """The images 12 x 16: a template as tall as the images (or as wide) is matched; one taller (even if narrower), or
+    wider (even if shorter), is skipped, not an error; with ``ref_side`` a crop's long side is scaled from it."""
+    g = torch.Generator().manual_seed(22)
+    images = 0.2 * torch.rand(2, 1, 12, 16, generator=g)
+    tall, wide = (torch.rand(1, 12, 6, generator=g) > 0.5).float(), (torch.rand(1, 5, 16, generator=g) > 0.5).float()
+    images[0, :, :, 7:13], images[1, :, 4:9, :] = tall, wide
+    assert template_matching(images[:1], [tall], scales=(1.0,)).tolist() == [[7, 0, 13, 12]]
+    assert template_matching(images[1:], [wide], scales=(1.0,)).tolist() == [[0, 4, 16, 9]]
+    too_tall, too_wide = torch.rand(1, 14, 4, generator=g), torch.rand(1, 4, 18, generator=g)
+    both = template_matching(images, [too_tall, too_wide, tall, wide], scales=(1.0,))
+    assert both.tolist() == template_matching(images, [tall, wide], scales=(1.0,)).tolist()
+    small = tall[:, ::2, ::2]  # 6 x 3: scaled by ref_side 12 to a 12 x 6 window, else its own size
+    (x1, y1, x2, y2), = template_matching(images[:1], [small], scales=(1.0,), ref_side=12.0).tolist()
+    assert (x2 - x1, y2 - y1) == (6, 12)
+    (x1, y1, x2, y2), = template_matching(images[:1], [small], scales=(1.0,)).tolist()
+    assert (x2 - x1, y2 - y1) == (3, 6)
+    with pytest.raises(ValueError, match="^template matching needs at least one exemplar crop$"):
+        template_matching(images, [])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from models.core.matching import ncc_map, ncc_maps, scaled_template, template_matching
+from models.core.matching import best_windows, ncc_map, ncc_maps, scaled_template, template_matching
 from models.core.templates import (
     JITTER,
     Templates,
@@ -241,8 +241,12 @@ def test_flat_windows_and_flat_templates_score_zero_at_their_thresholds():
         scores = ncc_maps(images, (0.5 + factor * bar * pattern)[None])
         assert bool((scores == 0).all()) == flat, factor
         window = torch.full((1, 1, h, w), 0.5, dtype=torch.float64) + factor * bar * pattern
-        one = ncc_maps(window, torch.rand(1, 1, h, w, generator=g, dtype=torch.float64))
+        other = torch.rand(1, 1, h, w, generator=g, dtype=torch.float64)
+        one = ncc_maps(window, other)
         assert bool((one == 0).all()) == flat, factor
+        # best_windows' bars are the same (a window of h x w pixels, not h / w)
+        assert (float(best_windows(images, [0.5 + factor * bar * pattern])[0][0, 0]) == 0.0) == flat, factor
+        assert (float(best_windows(window, [other[0]])[0][0, 0]) == 0.0) == flat, factor
     # ncc_map passes its own bar on
     low = torch.full((1, 1, h, w), 0.5, dtype=torch.float64) + 0.01 * pattern
     template = torch.rand(1, h, w, generator=g, dtype=torch.float64)
