@@ -185,6 +185,14 @@ def test_localize_boxes_are_the_localizers_episodes(bundle, data, proto):
     assert torch.allclose(localize_boxes(bundle, agent, carried, proto, samples=3, seed=5), best, atol=1e-4)
     assert torch.allclose(localize_boxes(bundle, agent, carried, proto, batch=5), greedy, atol=1e-4)
     assert torch.equal(localize_boxes(bundle, agent, data, proto, batch=7), greedy)
+    # one prototype per image, in chunks of images: each image's own (``nearest`` answers by it), on cached
+    # features and on the images
+    protos = proto + proto.norm() * torch.randn(len(data), proto.shape[-1], generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        own = loc.run(data.images, protos, agent, nearest=True).boxes
+    assert not torch.equal(own[-1], nearest[-1])
+    assert torch.allclose(localize_boxes(bundle, agent, carried, protos, batch=5, nearest=True), own, atol=1e-4)
+    assert torch.equal(localize_boxes(bundle, agent, data, protos, batch=7, nearest=True), own)
     agent.train()
     localize_boxes(bundle, agent, data, proto)
     assert not agent.training  # episodes are run in evaluation mode
@@ -223,22 +231,32 @@ def test_ranking_picks_the_candidate_nearest_the_prototype(bundle, data, proto):
 class _RightmostScorer:
     """A reward that prefers boxes further right; with ``pixels``, it is given the images too."""
 
-    def __init__(self, pixels: bool):
-        self.pixels, self.seen = pixels, []
+    def __init__(self, pixels: bool | None):
+        if pixels is not None:  # None: a scorer without the attribute (reads no pixels)
+            self.pixels = pixels
+        self.seen, self.given = [], []
 
     def box_distances(self, embedder, feats, boxes, images01):  # noqa: ANN001, ANN201
         self.seen.append(images01)
+        self.given.append((embedder, feats))
         return -boxes[..., 0]
 
 
-@pytest.mark.parametrize("pixels", [False, True])
+@pytest.mark.parametrize("pixels", [False, True, None])
 def test_ranking_by_a_scorer(bundle, data, pixels):
+    """A scorer ranks the candidates: given the bundle's embedder and each batch's feature maps, and the images only
+    where it says it reads pixels."""
     scorer = _RightmostScorer(pixels)
     cands = ranking_candidates(bundle)
     got = ranking(bundle, data, None, scorer=scorer, batch=10, chunk=100)
     assert torch.equal(got, cands[cands[:, 0].argmax()].expand(len(data), 4))
-    assert len(scorer.seen) == 3 * ((len(cands) + 99) // 100)  # 3 batches of images, chunks of 100 candidates
+    per_batch = (len(cands) + 99) // 100
+    assert len(scorer.seen) == 3 * per_batch  # 3 batches of images, chunks of 100 candidates
     if pixels:
-        assert torch.equal(torch.cat(scorer.seen[::(len(cands) + 99) // 100]), data.images)
+        assert torch.equal(torch.cat(scorer.seen[::per_batch]), data.images)
     else:
         assert all(s is None for s in scorer.seen)
+    assert all(e is bundle.embedder for e, _ in scorer.given)
+    with torch.no_grad():
+        assert torch.allclose(torch.cat([f for _, f in scorer.given[::per_batch]]), features_of(bundle, data.images),
+                              atol=1e-5)
