@@ -206,7 +206,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "checkpoint_routes": ("app/routes/checkpoints.py", [
         "tests/app/test_checkpoint_routes_units.py", "tests/app/test_app_adaptations.py",
         "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_auth.py",
-        "tests/worker/test_worker_job_activation.py"]),
+        "tests/worker/test_worker_job_activation.py",
+        "tests/worker/test_worker_jobs.py::test_a_checkpoint_is_deleted_with_its_file_unless_it_is_in_use"]),
     "uploads": ("app/routes/uploads.py", [
         "tests/app/test_uploads_units.py", "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_bad_input.py",
         "tests/app/test_app_images.py", "tests/app/test_app_text_fields.py", "tests/app/test_app_upload_limits.py"]),
