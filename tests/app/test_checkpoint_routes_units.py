@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 import pytest
 from service_fixtures import new_set, refusal
+from sqlalchemy import delete
 
 from app.deps import Caller
 from app.routes.checkpoints import activated, checkpoint_of, checkpoints_of, locked, removed, to_public
@@ -119,3 +120,26 @@ def test_a_checkpoint_is_deleted_row_then_file_unless_in_use_and_only_by_its_own
         assert s.get(Checkpoint, two) is None and s.get_one(Checkpoint, four).parent_id == base
         assert refusal(checkpoint_of, two, s, owner) == (404, "checkpoint not found")
     assert not store.exists(blob_two)
+
+
+def test_a_checkpoint_deleted_before_an_activation_takes_the_lock_is_a_404_that_changes_nothing(db, store, monkeypatch):
+    import app.routes.checkpoints as routes
+
+    owner = Caller("k")
+    set_id = new_set(db)
+    with db() as s:
+        base = s.get_one(ExemplarSet, set_id).active_checkpoint_id
+    two = adapted(db, store, set_id, base, 2)
+    def read_then_deleted(session, *, checkpoint_id, owner):  # noqa: ANN001, ANN202 -- read, then deleted by another
+        with db() as other:
+            row = other.get_one(Checkpoint, checkpoint_id)
+            other.expunge(row)
+        with db.begin() as other:
+            other.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
+        return row
+
+    monkeypatch.setattr(routes.crud, "get_checkpoint", read_then_deleted)
+    with db() as s:
+        assert refusal(activated, two, s, owner) == (404, "checkpoint not found")
+    with db() as s:
+        assert s.get_one(ExemplarSet, set_id).active_checkpoint_id == base
