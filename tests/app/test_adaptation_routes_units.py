@@ -1,0 +1,222 @@
+"""``app.routes.adaptations.submit_adaptation`` (the body of ``POST /v1/exemplar-sets/{id}/adaptations``) by value,
+on SQLite and PostgreSQL with a real ``BlobStore``: each refusal's status and whole message, the job's parameters as
+stored, the idempotent replay, and the outbox (sent then stamped; a send that fails answers 503 and fails the job
+unless a reaper sent it). The bundle check goes through a workers-mode stand-in (``check_bundle``): the local check
+is the registry's (``test_registry_units.py``). Through HTTP, with real queues and workers: ``test_app_adaptations.py``,
+``test_app_pool.py``, ``tests/worker/test_worker_outbox.py``."""
+
+from __future__ import annotations
+
+import io
+import uuid
+
+import pytest
+from fastapi import Response
+from PIL import Image
+from service_fixtures import make_test_settings, new_set, refusal
+from sqlalchemy import select, update
+from starlette.datastructures import Headers, UploadFile
+
+from app.deps import Caller
+from app.routes.adaptations import EMPTY_POOL, JobForm, submit_adaptation
+from app.routes.pool import add_to_pool
+from app.routes.uploads import read_images
+from app.serving import InferenceRefused
+from app.storage import BlobStore
+from app.tables import AdaptationJob, ExemplarSet, JobImage
+
+OWNER = Caller("k")
+
+
+def png(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (20, 16), 10 * seed).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def upload(seed: int) -> UploadFile:
+    return UploadFile(io.BytesIO(png(seed)), filename=f"im{seed}.png", headers=Headers({"content-type": "image/png"}))
+
+
+class Queue:
+    """The job queue: records each send; ``error`` makes every send fail."""
+
+    def __init__(self, error: Exception | None = None):
+        self.sent: list[uuid.UUID] = []
+        self.error = error
+
+    def enqueue_adaptation(self, job_id: uuid.UUID) -> None:
+        if self.error is not None:
+            raise self.error
+        self.sent.append(job_id)
+
+
+class Remote:
+    """Workers mode's bundle check (``WorkerInference.check_bundle``): records each; ``refused`` answers it."""
+
+    def __init__(self, refused: InferenceRefused | None = None):
+        self.checked: list[tuple] = []
+        self.refused = refused
+
+    def check_bundle(self, name: str, *, sha256: str, prototype_dim: int) -> None:
+        self.checked.append((name, sha256, prototype_dim))
+        if self.refused is not None:
+            raise self.refused
+
+
+@pytest.fixture
+def settings(tmp_path, bundle_dir):  # type: ignore[no-untyped-def]
+    return make_test_settings(tmp_path, bundle_dir, default_iterations=7, default_learning_rate=0.02,
+                              max_iterations=50)
+
+
+@pytest.fixture
+def store(tmp_path) -> BlobStore:
+    return BlobStore(tmp_path / "blobs")
+
+
+def form(files=(), source=None, iterations=None, learning_rate=None, seed=None, activate="auto", key=None):  # type: ignore[no-untyped-def]
+    return JobForm(list(files), source, iterations, learning_rate, seed, activate, key)
+
+
+def submit(db, settings, store, form_, set_id, *, queue=None, remote=None, caller=OWNER):  # type: ignore[no-untyped-def]
+    """``submit_adaptation`` in a session of its own -> (the job as answered, the response's headers)."""
+    response = Response()
+    with db() as s:
+        job = submit_adaptation(set_id, form_, response, s, settings, store, queue or Queue(), None,  # type: ignore[arg-type]
+                                caller, remote or Remote())
+    return job, response.headers
+
+
+def job_row(db, job_id: uuid.UUID) -> AdaptationJob:  # type: ignore[no-untyped-def]
+    with db() as s:
+        row = s.get_one(AdaptationJob, job_id)
+        s.expunge(row)
+        return row
+
+
+def test_the_source_rules_and_limits_refuse_before_anything_is_stored(db, settings, store):
+    set_id = new_set(db)
+    with db() as s:
+        before = s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id))
+    assert before is None
+    cases = [
+        (form([upload(1)], source="pool"),
+         (422, "source=pool adapts on the set's pool alone: post no files, or use source=both")),
+        (form(source="files"),
+         (422, "at least one file is required with source=files (source=pool adapts on the set's pool)")),
+        (form(source="both"),
+         (422, "source=both adapts on posted files and the set's pool: no file was posted (attach them as 'files'), "
+               "or use source=pool for the pool alone")),
+        (form(), (422, EMPTY_POOL.format(set_id=set_id))),  # no file: the pool, which is empty
+        (form(source="pool"), (422, EMPTY_POOL.format(set_id=set_id))),
+        (form([upload(1)], iterations=51), (422, "iterations must be at most 50")),
+    ]
+    for f, want in cases:
+        assert refusal(submit, db, settings, store, f, set_id) == want
+    assert refusal(submit, db, settings, store, form([upload(1)]), set_id, caller=Caller("someone-else")) == (
+        404, "exemplar set not found")
+    assert refusal(submit, db, settings, store, form([upload(1)]), uuid.uuid4()) == (404, "exemplar set not found")
+    refused = Remote(InferenceRefused(409, "the bundle file was replaced", {"X-Why": "sha"}))
+    assert refusal(submit, db, settings, store, form([upload(1)]), set_id, remote=refused) == (
+        409, "the bundle file was replaced")
+    assert refused.checked == [("b", "a" * 64, 2)]  # the set's bundle, file digest and prototype size
+    with db() as s:
+        assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
+    assert not store.root.exists() or not any(p.is_file() for p in store.root.rglob("*"))
+
+
+def test_a_job_is_stored_with_its_defaults_sent_then_stamped(db, settings, store):
+    set_id = new_set(db)
+    queue = Queue()
+    job, headers = submit(db, settings, store, form([upload(1), upload(2)], iterations=50), set_id, queue=queue)
+    assert queue.sent == [job.id] and headers["Location"] == f"/v1/adaptations/{job.id}"
+    assert (job.status, job.exemplar_set_id, job.params.iterations, job.params.learning_rate, job.params.seed,
+            job.params.activate, job.params.num_images, job.params.num_pool_images) == (
+        "queued", set_id, 50, 0.02, 0, "auto", 2, 0)
+    row = job_row(db, job.id)
+    with db() as s:
+        active = s.get_one(ExemplarSet, set_id).active_checkpoint_id
+        images = s.scalars(select(JobImage).where(JobImage.job_id == job.id).order_by(JobImage.position)).all()
+        assert [(i.position, i.filename, i.width, i.height) for i in images] == [(0, "im1.png", 20, 16),
+                                                                                 (1, "im2.png", 20, 16)]
+        assert all(store.exists(i.blob) for i in images)
+    assert row.enqueued_at is not None and row.base_checkpoint_id == active and row.owner == "k"
+    assert row.idempotency_key is None and len(row.request_sha256) == 64
+    # the server's defaults where the form gives none; a seed, a rate and activate as given
+    job, _ = submit(db, settings, store, form([upload(3)], learning_rate=0.5, seed=9, activate="false"), set_id)
+    assert (job.params.iterations, job.params.learning_rate, job.params.seed, job.params.activate) == (
+        7, 0.5, 9, "false")
+
+
+def test_a_job_on_the_pool_takes_the_pool_as_it_is(db, settings, store):
+    set_id = new_set(db)
+    with db() as s:
+        es = s.get_one(ExemplarSet, set_id)
+        add_to_pool(s, store, settings, es, read_images([upload(4), upload(5), upload(6)], settings))
+    job, _ = submit(db, settings, store, form(), set_id)  # no file: the pool
+    assert (job.params.num_images, job.params.num_pool_images) == (3, 3)
+    both, _ = submit(db, settings, store, form([upload(1)], source="both"), set_id)
+    assert (both.params.num_images, both.params.num_pool_images) == (4, 3)
+    files, _ = submit(db, settings, store, form([upload(1)]), set_id)  # files given: the files alone
+    assert (files.params.num_images, files.params.num_pool_images) == (1, 0)
+
+
+def test_the_same_key_replays_its_job_and_another_request_with_it_is_409(db, settings, store):
+    set_id = new_set(db)
+    queue = Queue()
+    first, _ = submit(db, settings, store, form([upload(1)], key="k-1"), set_id, queue=queue)
+    again, headers = submit(db, settings, store, form([upload(1)], key="k-1"), set_id, queue=queue)
+    assert again.id == first.id and queue.sent == [first.id]  # not a second job, not sent again
+    assert headers["Idempotent-Replayed"] == "true" and headers["Location"] == f"/v1/adaptations/{first.id}"
+    # a replay answers the job it made even where the request would be refused now (past a lowered limit)
+    lowered = settings.model_copy(update={"max_iterations": 1})
+    assert submit(db, lowered, store, form([upload(1)], key="k-1"), set_id)[0].id == first.id
+    for other in (form([upload(2)], key="k-1"), form([upload(1)], seed=1, key="k-1"),
+                  form([upload(1)], source="both", key="k-1")):
+        assert refusal(submit, db, settings, store, other, set_id) == (
+            409, "Idempotency-Key already used for a different request")
+    # keys are per API key: another owner's same key is a new job
+    other_set = new_set(db, owner="k2")
+    theirs, _ = submit(db, settings, store, form([upload(1)], key="k-1"), other_set, caller=Caller("k2"))
+    assert theirs.id != first.id
+
+
+def test_a_send_that_fails_answers_503_and_fails_the_job_unless_a_reaper_sent_it(db, settings, store, monkeypatch):
+    set_id = new_set(db)
+    status, detail = refusal(submit, db, settings, store, form([upload(1)], key="k-9"), set_id,
+                             queue=Queue(ConnectionError("down")))
+    assert (status, detail) == (503, "the job queue is unreachable; retry later")
+    with db() as s:
+        (failed,) = s.scalars(select(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id)).all()
+        assert (failed.status, failed.error, failed.idempotency_key) == (
+            "failed", "could not enqueue the job: ConnectionError", None)  # the key is free for the retry
+    retried, _ = submit(db, settings, store, form([upload(1)], key="k-9"), set_id)
+    assert retried.id != failed.id and retried.status == "queued"
+
+    class SentByAReaper(Queue):  # the send fails here, but a reaper sent the job (and stamped it) meanwhile
+        def enqueue_adaptation(self, job_id: uuid.UUID) -> None:
+            with db.begin() as s:
+                s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id)
+                          .values(enqueued_at=job_row(db, retried.id).enqueued_at))
+            raise ConnectionError("down")
+
+    job, headers = submit(db, settings, store, form([upload(2)]), set_id, queue=SentByAReaper())
+    assert job.status == "queued" and headers["Location"] == f"/v1/adaptations/{job.id}"
+    assert job_row(db, job.id).status == "queued"
+
+
+def test_a_send_not_stamped_still_answers_the_job(db, settings, store, monkeypatch):
+    """Sent, but the stamp's write fails: the job is answered (the reaper sends it again: a harmless duplicate)."""
+    import app.routes.adaptations as routes
+
+    def broken(session, *, job_id):  # noqa: ANN001, ANN202
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(routes.crud, "mark_enqueued", broken)
+    set_id = new_set(db)
+    queue = Queue()
+    job, headers = submit(db, settings, store, form([upload(1)]), set_id, queue=queue)
+    assert queue.sent == [job.id] and headers["Location"] == f"/v1/adaptations/{job.id}"
+    row = job_row(db, job.id)
+    assert row.status == "queued" and row.enqueued_at is None
