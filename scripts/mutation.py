@@ -221,9 +221,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # a job's creation (source, idempotency, the checks before anything is stored, the outbox's send and stamp) and
     # a set's (boxes, crops, negatives, the all-or-none write), change and deletion: the routes' bodies, undecorated
     "adaptation_routes": ("app/routes/adaptations.py", [
-        "tests/app/test_adaptation_routes_units.py", "tests/app/test_app_adaptations.py", "tests/app/test_app_pool.py",
-        "tests/app/test_app_auth.py",
-        "tests/worker/test_worker_outbox.py", "tests/worker/test_worker_job_activation.py"]),
+        "tests/app/test_adaptation_routes_units.py", "tests/app/test_app_adaptations.py",
+        "tests/worker/test_worker_outbox.py"]),
     # Label Studio's backend routes: /setup's record, /predict's tasks, the webhook's job (its image fetching and
     # label config: module labelstudio)
     "labelstudio_routes": ("app/routes/labelstudio.py", [
