@@ -228,9 +228,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "labelstudio_routes": ("app/routes/labelstudio.py", [
         "tests/app/test_labelstudio.py", "tests/app/test_labelstudio_units.py"]),
     "set_routes": ("app/routes/exemplar_sets.py", [
-        "tests/app/test_app_exemplar_sets.py", "tests/app/test_app_exemplar_boxes.py",
-        "tests/app/test_app_set_reads.py", "tests/app/test_app_bad_input.py", "tests/app/test_app_text_fields.py",
-        "tests/app/test_app_bundle_identity.py", "tests/app/test_app_auth.py"]),
+        "tests/app/test_set_routes_units.py", "tests/app/test_app_exemplar_sets.py",
+        "tests/app/test_app_exemplar_boxes.py"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

@@ -1,0 +1,229 @@
+"""``app.routes.exemplar_sets``' route bodies by value, on SQLite and PostgreSQL with a real ``BlobStore``: a set's
+creation (``add_exemplar_set``: what the prototype is made from -- crops, crops cut from boxes, labeled examples,
+negatives --, what is stored, all or none), its change (``change_set``) and its deletion (``delete_set``: the 409 that
+names unfinished jobs and what to do). The prototype comes from a workers-mode stand-in (``prototype``), which records
+what it is given; the local model's side is ``app.calibration``'s and the HTTP tests' (``test_app_exemplar_sets.py``,
+``test_app_exemplar_boxes.py``)."""
+
+from __future__ import annotations
+
+import io
+import math
+import uuid
+
+import pytest
+from fastapi import Response
+from PIL import Image
+from service_fixtures import make_test_settings, new_set, refusal
+from sqlalchemy import select, update
+from starlette.datastructures import Headers, UploadFile
+
+from app import crud
+from app.deps import Caller
+from app.remote import MadePrototype
+from app.routes.exemplar_sets import SetForm, add_exemplar_set, change_set, delete_set
+from app.schemas import ExemplarSetChange
+from app.serving import InferenceRefused
+from app.storage import BlobStore, exemplar_set_prefix
+from app.tables import AdaptationJob, Exemplar, ExemplarSet
+
+OWNER = Caller("k")
+
+
+def upload(w: int, h: int, value: int = 90, name: str = "a.png") -> UploadFile:
+    buf = io.BytesIO()
+    im = Image.new("L", (w, h), value)
+    im.putpixel((0, 0), 255)
+    im.save(buf, "PNG")
+    return UploadFile(io.BytesIO(buf.getvalue()), filename=name, headers=Headers({"content-type": "image/png"}))
+
+
+class Remote:
+    """Workers mode's prototype (``WorkerInference.prototype``): records what it is given, answers ``made``."""
+
+    def __init__(self, made: MadePrototype | None = None, refused: InferenceRefused | None = None):
+        self.made = made or MadePrototype("mnist-general", "f" * 64, b"\0" * 8, 2, {"platt": [1.0, 0.0]}, b"\1" * 8, 1)
+        self.refused = refused
+        self.calls: list[dict] = []
+
+    def prototype(self, bundle, crops, *, explicit, examples=None, threshold=None, negatives=None):  # type: ignore[no-untyped-def]
+        self.calls.append({"bundle": bundle, "crops": [c.size for c in crops], "explicit": explicit,
+                           "examples": [(im.size, box) for im, box in examples or []], "threshold": threshold,
+                           "negatives": [c.size for c in negatives or []]})
+        if self.refused is not None:
+            raise self.refused
+        return self.made
+
+
+@pytest.fixture
+def settings(tmp_path, bundle_dir):  # type: ignore[no-untyped-def]
+    return make_test_settings(tmp_path, bundle_dir)
+
+
+@pytest.fixture
+def store(tmp_path) -> BlobStore:
+    return BlobStore(tmp_path / "blobs")
+
+
+def add(db, settings, store, form, remote, caller=OWNER):  # type: ignore[no-untyped-def]
+    response = Response()
+    with db() as s:
+        public = add_exemplar_set(form, response, s, settings, store, None, caller, remote)  # type: ignore[arg-type]
+    return public, response.headers
+
+
+def files_of(store: BlobStore, set_id: uuid.UUID) -> list[str]:
+    root = store.path(exemplar_set_prefix(set_id))
+    return sorted(p.name for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def test_a_set_of_crops_is_made_from_them_and_stored_with_the_prototype_it_was_given(db, settings, store):
+    remote = Remote()
+    form = SetForm([upload(20, 16, name="one.png"), upload(30, 30, name="two.png")], "cats", None, None,
+                   [upload(8, 9, name="neg.png")], -0.0)
+    public, headers = add(db, settings, store, form, remote)
+    assert headers["Location"] == f"/v1/exemplar-sets/{public.id}"
+    assert remote.calls == [{"bundle": settings.default_bundle, "crops": [(20, 16), (30, 30)], "explicit": False,
+                             "examples": [], "threshold": 0.0, "negatives": [(8, 9)]}]
+    assert (public.name, public.bundle, public.num_exemplars, public.num_labeled, public.num_negatives) == (
+        "cats", "mnist-general", 2, 0, 1)
+    assert public.threshold == 0.0 and math.copysign(1.0, public.threshold) == 1.0  # -0 is stored as 0
+    with db() as s:
+        es = s.get_one(ExemplarSet, public.id)
+        assert (es.owner, es.bundle_sha256, es.prototype, es.prototype_dim, es.calibration, es.negatives) == (
+            "k", "f" * 64, b"\0" * 8, 2, {"platt": [1.0, 0.0]}, b"\1" * 8)
+        rows = s.scalars(select(Exemplar).where(Exemplar.exemplar_set_id == public.id)
+                         .order_by(Exemplar.position)).all()
+        assert [(r.filename, r.width, r.height, r.box) for r in rows] == [("one.png", 20, 16, None),
+                                                                          ("two.png", 30, 30, None)]
+    assert files_of(store, public.id) == ["000.png", "001.png"]  # the crops, not the negatives
+
+
+def test_a_set_of_boxes_cuts_its_crops_and_keeps_its_images_as_labeled_examples(db, settings, store):
+    remote = Remote(MadePrototype("mnist-general", "f" * 64, b"\0" * 8, 2))  # no calibration asked back
+    form = SetForm([upload(40, 30), upload(24, 24)], None, "mnist-general", "[[2, 3, 12, 13.4], [0, 0, 24, 24]]",
+                   [], 0.5)
+    public, _ = add(db, settings, store, form, remote)
+    (call,) = remote.calls
+    assert call["explicit"] is True and call["bundle"] == "mnist-general"
+    assert call["crops"] == [(10, 10), (24, 24)]  # edges rounded to the nearest pixel
+    assert call["examples"] == [((40, 30), (2.0, 3.0, 12.0, 13.4)), ((24, 24), (0.0, 0.0, 24.0, 24.0))]
+    assert (public.num_exemplars, public.num_labeled, public.num_negatives, public.calibrated) == (2, 2, 0, False)
+    with db() as s:
+        rows = s.scalars(select(Exemplar).where(Exemplar.exemplar_set_id == public.id)
+                         .order_by(Exemplar.position)).all()
+        assert [list(r.box) for r in rows] == [[2.0, 3.0, 12.0, 13.4], [0.0, 0.0, 24.0, 24.0]]
+        assert s.get_one(ExemplarSet, public.id).calibration is None
+
+
+def test_what_is_refused_is_refused_before_anything_is_made_or_stored(db, settings, store):
+    remote, caller = Remote(), Caller(uuid.uuid4().hex)  # the database is the module's: an owner of its own
+    cases = [
+        (SetForm([upload(20, 16)], "ca\x00t", None, None, [], 0.5),
+         (422, "name contains a NUL byte (\\x00); remove it")),
+        (SetForm([upload(1, 16, name="thin.png")], None, None, None, [], 0.5), (422, (
+            "files: file 1 of 1 ('thin.png') is 1x16 pixels; a crop needs at least 2 pixels on each side (or send the "
+            "whole image with its box in `boxes`)"))),
+        (SetForm([upload(20, 16)], None, None, None, [upload(20, 1, name="flat.png")], 0.5), (422, (
+            "negative_files: file 1 of 1 ('flat.png') is 20x1 pixels; a crop needs at least 2 pixels on each side "
+            "(or send the whole image with its box in `boxes`)"))),
+        (SetForm([upload(20, 16, name="one.png")], None, None, "[[0, 0, 21, 10]]", [], 0.5), (422, (
+            "boxes[0], for file 1 of 1 ('one.png', 20x16 pixels): [0, 0, 21, 10] is not inside the image: "
+            "0 <= x1 < x2 <= 20 and 0 <= y1 < y2 <= 16 are needed"))),
+    ]
+    for form, want in cases:
+        assert refusal(add, db, settings, store, form, remote, caller) == want
+    assert remote.calls == []
+    refused = Remote(refused=InferenceRefused(503, "no localize worker answered", {"Retry-After": "5"}))
+    assert refusal(add, db, settings, store, SetForm([upload(20, 16)], None, None, None, [], 0.5), refused,
+                   caller) == (503, "no localize worker answered")
+    with db() as s:
+        assert s.scalar(select(ExemplarSet.id).where(ExemplarSet.owner == caller.owner)) is None
+    assert not store.root.exists() or not any(p.is_file() for p in store.root.rglob("*"))
+
+
+def test_a_write_that_fails_leaves_no_row_and_no_file(db, settings, store, monkeypatch):
+    puts = []
+    real = BlobStore.put
+
+    def second_fails(self, key, data):  # noqa: ANN001, ANN202
+        puts.append(key)
+        if len(puts) == 2:
+            raise OSError("disk full")
+        return real(self, key, data)
+
+    monkeypatch.setattr(BlobStore, "put", second_fails)
+    form = SetForm([upload(20, 16), upload(20, 16, 40), upload(20, 16, 60)], None, None, None, [], 0.5)
+    caller = Caller(uuid.uuid4().hex)
+    with pytest.raises(OSError, match="disk full"):
+        add(db, settings, store, form, Remote(), caller)
+    with db() as s:
+        assert s.scalar(select(ExemplarSet.id).where(ExemplarSet.owner == caller.owner)) is None
+    assert puts[0].startswith("exemplar-sets/") and files_of(store, uuid.UUID(puts[0].split("/")[1])) == []
+
+
+def test_a_change_names_or_thresholds_only_what_it_gives(db):
+    set_id = new_set(db, threshold=0.5)
+    with db() as s:
+        assert refusal(change_set, set_id, ExemplarSetChange(), s, OWNER) == (
+            422, "nothing to change: send a JSON object with `name` and/or `threshold`")
+        assert refusal(change_set, set_id, ExemplarSetChange(name="a\x00b"), s, OWNER) == (
+            422, "name contains a NUL byte (\\x00); remove it")
+        assert refusal(change_set, set_id, ExemplarSetChange(threshold=0.2), s, Caller("other")) == (
+            404, "exemplar set not found")
+    with db() as s:
+        shown = change_set(set_id, ExemplarSetChange(threshold=0.2), s, OWNER)
+        assert (shown.name, shown.threshold) == ("s", 0.2)
+    with db() as s:
+        shown = change_set(set_id, ExemplarSetChange(name="dogs"), s, OWNER)
+        assert (shown.name, shown.threshold) == ("dogs", 0.2)
+    with db() as s:
+        shown = change_set(set_id, ExemplarSetChange(name=None), s, OWNER)  # null clears it
+        assert shown.name is None
+    with db() as s:
+        assert (s.get_one(ExemplarSet, set_id).name, s.get_one(ExemplarSet, set_id).threshold) == (None, 0.2)
+
+
+def new_job(db, set_id: uuid.UUID, *, cancel_requested: bool = False) -> uuid.UUID:  # type: ignore[no-untyped-def]
+    job_id = uuid.uuid4()
+    with db.begin() as s:
+        crud.create_job(s, job_id=job_id, exemplar_set=s.get_one(ExemplarSet, set_id), owner="k",
+                        idempotency_key=None, request_sha256="r" * 64, iterations=5, learning_rate=0.1, seed=0,
+                        activate="false", images=[])
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(cancel_requested=cancel_requested))
+    return job_id
+
+
+def test_a_set_with_unfinished_jobs_is_not_deleted_and_the_409_says_what_to_do(db, store):
+    set_id = new_set(db)
+    store.put(f"{exemplar_set_prefix(set_id)}/exemplars/000.png", b"png")
+    one = new_job(db, set_id)
+    with db() as s:
+        assert refusal(delete_set, set_id, s, store, OWNER) == (409, (
+            f"the set has 1 queued or running adaptation job ({one}): cancel it "
+            "(POST /v1/adaptations/{job_id}/cancel) and wait until it has ended, then delete again"))
+    with db.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.id == one).values(cancel_requested=True))
+    with db() as s:
+        assert refusal(delete_set, set_id, s, store, OWNER) == (409, (
+            f"the set has 1 queued or running adaptation job ({one} (cancel requested: ending)): wait until it has "
+            "ended (GET /v1/adaptations/{job_id}), then delete again"))
+    more = [new_job(db, set_id) for _ in range(5)]
+    with db() as s:
+        status, detail = refusal(delete_set, set_id, s, store, OWNER)
+    assert status == 409 and detail.startswith("the set has 6 queued or running adaptation jobs (")
+    assert detail.endswith(", and 1 more): cancel them (POST /v1/adaptations/{job_id}/cancel) and wait until they "
+                           "have ended, then delete again")
+    assert sum(str(j) in detail for j in [one, *more]) == 5
+    with db() as s:
+        assert refusal(delete_set, set_id, s, store, Caller("other")) == (404, "exemplar set not found")
+        assert s.get(ExemplarSet, set_id) is not None
+    assert files_of(store, set_id) == ["000.png"]
+    with db.begin() as s:
+        s.execute(update(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id).values(status="canceled"))
+    with db() as s:
+        delete_set(set_id, s, store, OWNER)
+    with db() as s:
+        assert s.get(ExemplarSet, set_id) is None
+        assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
+    assert files_of(store, set_id) == []
