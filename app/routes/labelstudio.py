@@ -405,7 +405,7 @@ def start_training(set_id: uuid.UUID, event: WebhookEvent, response: Response, s
             "no image to adapt on: the project's images could not be read (" + "; ".join(problems[:3]) +
             ") and the set's image pool is empty"))
     source = "pool" if not uploads else ("both" if es.num_pool_images else "files")
-    session.commit()  # end the read transaction: create_adaptation reads the set again
+    session.commit()  # end the read transaction: submit_adaptation reads the set again
     job = submit_adaptation(set_id, JobForm(uploads, source, None, None, None, "auto", None), Response(), session,
                             settings, store, queue, bundles, caller, remote)
     response.status_code = status.HTTP_201_CREATED
