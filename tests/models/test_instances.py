@@ -53,9 +53,24 @@ def test_instances_are_separate_best_first_and_inside_the_image(use_prototype):
         assert (b[:, :2] >= 0).all() and (b[:, 2:] <= size).all() and (b[:, 2:] > b[:, :2]).all()
         assert torch.all(d[~torch.isinf(d)] >= 0)
     assert torch.isinf(inst.distances[~inst.valid]).all()
+    # every instance carries its own box's distance (windows, visited boxes and the answer alike)
+    with torch.no_grad():
+        feats = loc.embedder.features(normalize(x, loc.spec))
+        true = (loc.embedder.embed(feats, inst.boxes) - proto).norm(dim=-1)
+    assert torch.allclose(true[inst.valid], inst.distances[inst.valid], atol=1e-4)
+    # the compute: each coarse window once, then each episode's every box (start included)
+    windows = len(coarse_windows(size, loc.bundle.config.env.min_side, cfg))
+    steps = loc.bundle.config.env.steps + 1
+    assert inst.evaluations == windows + min(cfg.starts, windows) * steps
+    _, single = run_instances(loc, x, proto, 5, InstanceConfig(starts=1))
+    assert single.evaluations == windows + steps  # one episode per image
+    _, again = run_instances(loc, x, proto, 5, cfg)  # greedy episodes: the same search twice
+    assert torch.equal(again.boxes, inst.boxes) and torch.equal(again.distances, inst.distances)
     # k=1 is the agent's answer
     _, one = run_instances(loc, x, proto, 1, cfg)
     assert torch.equal(one.boxes[:, 0], ro.boxes[-1]) and one.evaluations == 0
+    assert one.boxes.shape == (6, 1, 4) and torch.equal(one.distances, ro.distances[-1][:, None])
+    assert one.valid.shape == (6, 1) and one.valid.dtype == torch.bool and one.valid.all()
     # answer_first keeps the answer in row 0 whatever its distance
     _, first = run_instances(loc, x, proto, 5, InstanceConfig(answer_first=True))
     assert torch.equal(first.boxes[:, 0], ro.boxes[-1])
