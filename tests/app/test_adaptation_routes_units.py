@@ -220,3 +220,29 @@ def test_a_send_not_stamped_still_answers_the_job(db, settings, store, monkeypat
     assert queue.sent == [job.id] and headers["Location"] == f"/v1/adaptations/{job.id}"
     row = job_row(db, job.id)
     assert row.status == "queued" and row.enqueued_at is None
+
+
+def test_a_job_is_shown_with_everything_its_row_holds_and_a_phase_only_while_it_runs():
+    """``to_public`` of a finished and of a running job (the selected HTTP tests show queued ones). Its validation is
+    the guard's report, shown as stored (``tests/models/test_probes_guard.py`` pins the report)."""
+    from datetime import UTC, datetime
+
+    from app.routes.adaptations import to_public
+
+    at = [datetime(2026, 12, 7, h, tzinfo=UTC) for h in (1, 2, 3)]
+    row = AdaptationJob(id=uuid.uuid4(), exemplar_set_id=uuid.uuid4(), status="succeeded", progress_iteration=40,
+                        iterations=40, mean_reward=-0.25, phase="finishing", checkpoint_id=uuid.uuid4(), error=None,
+                        learning_rate=0.002, seed=3, activate="auto", num_images=12, num_pool_images=5,
+                        base_checkpoint_id=uuid.uuid4(), verdict="improved", validation=None, attempts=2,
+                        cancel_requested=False, created_at=at[0], started_at=at[1], finished_at=at[2])
+    shown = to_public(row).model_dump()
+    assert shown == {
+        "id": row.id, "exemplar_set_id": row.exemplar_set_id, "status": "succeeded",
+        "progress": {"iteration": 40, "total": 40, "mean_reward": -0.25, "phase": None},  # not running: no phase
+        "checkpoint_id": row.checkpoint_id, "error": None,
+        "params": {"iterations": 40, "learning_rate": 0.002, "seed": 3, "activate": "auto", "num_images": 12,
+                   "num_pool_images": 5, "base_checkpoint_id": row.base_checkpoint_id},
+        "verdict": "improved", "validation": None, "attempts": 2, "cancel_requested": False,
+        "created_at": at[0], "started_at": at[1], "finished_at": at[2]}
+    row.status, row.finished_at, row.phase = "running", None, "adapting"
+    assert to_public(row).progress.phase == "adapting"
