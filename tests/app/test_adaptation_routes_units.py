@@ -151,6 +151,13 @@ def test_a_job_is_stored_with_its_defaults_sent_then_stamped(db, settings, store
 
 def test_a_job_on_the_pool_takes_the_pool_as_it_is(db, settings, store):
     set_id = new_set(db)
+    empty, _ = submit(db, settings, store, form([upload(1)], source="both"), set_id)  # both, on an empty pool
+    assert (empty.params.num_images, empty.params.num_pool_images) == (1, 0)
+    with db() as s:
+        add_to_pool(s, store, settings, s.get_one(ExemplarSet, set_id), read_images([upload(7)], settings))
+    one, _ = submit(db, settings, store, form(), set_id)  # a pool of one image is a pool
+    assert (one.params.num_images, one.params.num_pool_images) == (1, 1)
+    set_id = new_set(db)
     with db() as s:
         es = s.get_one(ExemplarSet, set_id)
         add_to_pool(s, store, settings, es, read_images([upload(4), upload(5), upload(6)], settings))
@@ -176,6 +183,9 @@ def test_the_same_key_replays_its_job_and_another_request_with_it_is_409(db, set
                   form([upload(1)], source="both", key="k-1")):
         assert refusal(submit, db, settings, store, other, set_id) == (
             409, "Idempotency-Key already used for a different request")
+    # the same key, files and fields for another set of the same owner: another request
+    assert refusal(submit, db, settings, store, form([upload(1)], key="k-1"), new_set(db)) == (
+        409, "Idempotency-Key already used for a different request")
     # keys are per API key: another owner's same key is a new job
     other_set = new_set(db, owner="k2")
     theirs, _ = submit(db, settings, store, form([upload(1)], key="k-1"), other_set, caller=Caller("k2"))
