@@ -17,12 +17,13 @@ from service_fixtures import make_test_settings, new_set, refusal
 from sqlalchemy import select, update
 from starlette.datastructures import Headers, UploadFile
 
+from app import pool
 from app.deps import Caller
 from app.routes.adaptations import EMPTY_POOL, JobForm, submit_adaptation
 from app.routes.pool import add_to_pool
 from app.routes.uploads import read_images
 from app.serving import InferenceRefused
-from app.storage import BlobStore
+from app.storage import BlobStore, job_image_key, job_prefix
 from app.tables import AdaptationJob, ExemplarSet, JobImage
 
 OWNER = Caller("k")
@@ -140,6 +141,7 @@ def test_a_job_is_stored_with_its_defaults_sent_then_stamped(db, settings, store
         images = s.scalars(select(JobImage).where(JobImage.job_id == job.id).order_by(JobImage.position)).all()
         assert [(i.position, i.filename, i.width, i.height) for i in images] == [(0, "im1.png", 20, 16),
                                                                                  (1, "im2.png", 20, 16)]
+        assert [i.blob for i in images] == [job_image_key(set_id, job.id, k, ".png") for k in range(2)]
         assert all(store.exists(i.blob) for i in images)
     assert row.enqueued_at is not None and row.base_checkpoint_id == active and row.owner == "k"
     assert row.idempotency_key is None and len(row.request_sha256) == 64
@@ -256,3 +258,51 @@ def test_a_job_is_shown_with_everything_its_row_holds_and_a_phase_only_while_it_
         "created_at": at[0], "started_at": at[1], "finished_at": at[2]}
     row.status, row.finished_at, row.phase = "running", None, "adapting"
     assert to_public(row).progress.phase == "adapting"
+
+
+def test_a_pool_emptied_before_the_job_takes_the_sets_lock_is_a_422_that_stores_nothing(db, settings, store,
+                                                                                       monkeypatch):
+    set_id = new_set(db)
+    with db() as s:
+        add_to_pool(s, store, settings, s.get_one(ExemplarSet, set_id), read_images([upload(4)], settings))
+    real, emptied = pool.lock, []
+
+    def emptied_first(session, sid):  # noqa: ANN001, ANN202 -- another request empties the pool meanwhile
+        if not emptied:
+            emptied.append(sid)
+            with db() as other:
+                pool.delete_images(other, set_id=sid)  # (it takes the lock too: this one, then the real one)
+                other.commit()
+        real(session, sid)
+
+    monkeypatch.setattr(pool, "lock", emptied_first)
+    assert refusal(submit, db, settings, store, form(), set_id) == (422, EMPTY_POOL.format(set_id=set_id))
+    with db() as s:
+        assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
+
+
+def test_a_request_that_loses_the_race_for_its_key_answers_the_winners_job_and_leaves_no_file(db, settings, store,
+                                                                                             monkeypatch):
+    """Two requests with one Idempotency-Key at once: both find no job under it, the second's insert breaks the key's
+    uniqueness; it answers the first one's job (a replay) and its own files go."""
+    import app.routes.adaptations as routes
+
+    set_id = new_set(db)
+    first, _ = submit(db, settings, store, form([upload(1)], key="race"), set_id)
+    looks = []
+    real = routes.crud.get_job_by_idempotency_key
+
+    def not_yet_there_at_first(session, *, owner, key):  # noqa: ANN001, ANN202
+        looks.append(key)
+        return None if len(looks) == 1 else real(session, owner=owner, key=key)
+
+    monkeypatch.setattr(routes.crud, "get_job_by_idempotency_key", not_yet_there_at_first)
+    queue = Queue()
+    job, headers = submit(db, settings, store, form([upload(1)], key="race"), set_id, queue=queue)
+    assert job.id == first.id and headers["Idempotent-Replayed"] == "true" and queue.sent == []
+    assert looks == ["race", "race"]
+    with db() as s:
+        jobs = s.scalars(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)).all()
+    assert jobs == [first.id]
+    jobs_root = store.path(job_prefix(set_id, first.id)).parent
+    assert sorted(p.name for p in jobs_root.iterdir()) == [str(first.id)]  # the loser's folder went
