@@ -306,3 +306,27 @@ def test_a_request_that_loses_the_race_for_its_key_answers_the_winners_job_and_l
     assert jobs == [first.id]
     jobs_root = store.path(job_prefix(set_id, first.id)).parent
     assert sorted(p.name for p in jobs_root.iterdir()) == [str(first.id)]  # the loser's folder went
+
+
+def test_a_set_deleted_before_the_job_takes_its_lock_is_a_404_that_leaves_no_file(db, settings, store, monkeypatch):
+    from app import crud
+    from app.storage import exemplar_set_prefix
+
+    set_id = new_set(db)
+    real, deleted = pool.lock, []
+
+    def deleted_first(session, sid):  # noqa: ANN001, ANN202 -- another request deletes the set meanwhile
+        if not deleted:
+            deleted.append(sid)
+            with db.begin() as other:
+                crud.delete_exemplar_set(other, set_id=sid)
+            store.delete_tree(exemplar_set_prefix(sid))
+        real(session, sid)
+
+    monkeypatch.setattr(pool, "lock", deleted_first)
+    queue = Queue()
+    assert refusal(submit, db, settings, store, form([upload(1), upload(2)]), set_id, queue=queue) == (
+        404, "exemplar set not found (deleted during this request)")
+    assert queue.sent == [] and not store.path(exemplar_set_prefix(set_id)).exists()
+    with db() as s:
+        assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
