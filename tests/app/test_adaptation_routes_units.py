@@ -321,6 +321,7 @@ def test_a_set_deleted_before_the_job_takes_its_lock_is_a_404_that_leaves_no_fil
             with db.begin() as other:
                 crud.delete_exemplar_set(other, set_id=sid)
             store.delete_tree(exemplar_set_prefix(sid))
+            store.put(f"{exemplar_set_prefix(sid)}/jobs/late/images/000.png", b"a write that re-made the folders")
         real(session, sid)
 
     monkeypatch.setattr(pool, "lock", deleted_first)
