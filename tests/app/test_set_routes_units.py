@@ -21,7 +21,8 @@ from starlette.datastructures import Headers, UploadFile
 from app import crud
 from app.deps import Caller
 from app.remote import MadePrototype
-from app.routes.exemplar_sets import SetForm, add_exemplar_set, change_set, delete_set
+from app.routes.exemplar_sets import SetForm, add_exemplar_set, change_set, delete_set, parse_boxes
+from app.routes.uploads import read_images
 from app.schemas import ExemplarSetChange
 from app.serving import InferenceRefused
 from app.storage import BlobStore, exemplar_set_prefix
@@ -208,7 +209,17 @@ def test_a_set_with_unfinished_jobs_is_not_deleted_and_the_409_says_what_to_do(d
         assert refusal(delete_set, set_id, s, store, OWNER) == (409, (
             f"the set has 1 queued or running adaptation job ({one} (cancel requested: ending)): wait until it has "
             "ended (GET /v1/adaptations/{job_id}), then delete again"))
-    more = [new_job(db, set_id) for _ in range(5)]
+    two = new_job(db, set_id, cancel_requested=True)  # two jobs, both ending: plural, and nothing to cancel
+    with db() as s:
+        assert refusal(delete_set, set_id, s, store, OWNER) == (409, (
+            f"the set has 2 queued or running adaptation jobs ({one} (cancel requested: ending), {two} (cancel "
+            "requested: ending)): wait until they have ended (GET /v1/adaptations/{job_id}), then delete again"))
+    three_more = [new_job(db, set_id) for _ in range(3)]
+    with db() as s:  # five: each named, none left out
+        status, detail = refusal(delete_set, set_id, s, store, OWNER)
+    assert status == 409 and detail.startswith("the set has 5 queued or running adaptation jobs (")
+    assert "more" not in detail and all(str(j) in detail for j in [one, two, *three_more])
+    more = [two, *three_more, new_job(db, set_id)]
     with db() as s:
         status, detail = refusal(delete_set, set_id, s, store, OWNER)
     assert status == 409 and detail.startswith("the set has 6 queued or running adaptation jobs (")
@@ -227,3 +238,13 @@ def test_a_set_with_unfinished_jobs_is_not_deleted_and_the_409_says_what_to_do(d
         assert s.get(ExemplarSet, set_id) is None
         assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
     assert files_of(store, set_id) == []
+
+
+def test_a_flat_list_of_numbers_for_boxes_is_shown_cut_after_eight(settings):
+    im = read_images([upload(20, 16)], settings)[0]
+    for numbers, shown in (([1, 2, 3, 4, 5, 6, 7, 8], "[1, 2, 3, 4, 5, 6, 7, 8]"),
+                           ([1, 2, 3, 4, 5, 6, 7, 8, 9], "[1, 2, 3, 4, 5, 6, 7, 8, ...]")):
+        assert refusal(parse_boxes, str(numbers), [im]) == (422, (
+            f"boxes is a list of numbers, {shown}: it must be a JSON list of [x1, y1, x2, y2] (4 numbers, in the "
+            "pixels of the uploaded image), one per file, a list of boxes even for one file (for one file: "
+            f"[{shown}])"))
