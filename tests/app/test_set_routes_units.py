@@ -8,6 +8,7 @@ what it is given; the local model's side is ``app.calibration``'s and the HTTP t
 from __future__ import annotations
 
 import io
+import json
 import math
 import uuid
 
@@ -248,3 +249,20 @@ def test_a_flat_list_of_numbers_for_boxes_is_shown_cut_after_eight(settings):
             f"boxes is a list of numbers, {shown}: it must be a JSON list of [x1, y1, x2, y2] (4 numbers, in the "
             "pixels of the uploaded image), one per file, a list of boxes even for one file (for one file: "
             f"[{shown}])"))
+
+
+def test_what_boxes_that_do_not_fit_their_files_are_told(settings):
+    im = read_images([upload(20, 16)], settings)[0]
+    nameless = read_images([upload(20, 16, name=None)], settings)[0]  # type: ignore[arg-type]
+    assert refusal(parse_boxes, "[[0, 0, 5, 5], [0, 0, 5, 5]]", [im]) == (
+        422, "boxes has 2 boxes for 1 file: it must have one box per file, in upload order")
+    assert refusal(parse_boxes, "[[0, 0, 5, 5]]", [im, im]) == (
+        422, "boxes has 1 box for 2 files: it must have one box per file, in upload order")
+    short = refusal(parse_boxes, '[[0, 0, "5", 5]]', [nameless])
+    assert short == (422, "boxes[0], for file 1 of 1 ('upload', 20x16 pixels): must be [x1, y1, x2, y2], 4 finite "
+                          'numbers; got [0, 0, "5", 5]')
+    long = [1000000 + i for i in range(12)]
+    shown = json.dumps(long)[:77] + "..."  # an item shown longer than 80 characters is cut
+    assert refusal(parse_boxes, json.dumps([long]), [im]) == (
+        422, f"boxes[0], for file 1 of 1 ('a.png', 20x16 pixels): must be [x1, y1, x2, y2], 4 finite numbers; got "
+             f"{shown}")
