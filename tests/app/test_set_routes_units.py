@@ -266,3 +266,23 @@ def test_what_boxes_that_do_not_fit_their_files_are_told(settings):
     assert refusal(parse_boxes, json.dumps([long]), [im]) == (
         422, f"boxes[0], for file 1 of 1 ('a.png', 20x16 pixels): must be [x1, y1, x2, y2], 4 finite numbers; got "
              f"{shown}")
+
+
+def test_a_bundle_is_refused_with_the_status_its_cause_calls_for(bundle_dir):
+    """``get_bundle``: the set's bundle file replaced (409, the registry's words), an unknown name the client gave
+    (422) or the server's (503, the set's or the default one named), and the file itself for its own set."""
+    from app.inference import BundleRegistry
+    from app.routes.exemplar_sets import get_bundle, set_bundle
+
+    reg = BundleRegistry(bundle_dir, "cpu")
+    loaded = reg.get("test-digits")
+    es = ExemplarSet(bundle="test-digits", bundle_sha256=loaded.sha256, prototype_dim=loaded.bundle.prototype_dim)
+    assert set_bundle(reg, es) is loaded and get_bundle(reg, "test-digits", explicit=True) is loaded
+    replaced = ExemplarSet(bundle="test-digits", bundle_sha256="0" * 64, prototype_dim=loaded.bundle.prototype_dim)
+    status, detail = refusal(set_bundle, reg, replaced)
+    assert status == 409 and "test-digits" in detail and "Re-create" in detail, detail
+    gone = ExemplarSet(bundle="no-such", bundle_sha256="0" * 64, prototype_dim=8)
+    unknown = "unknown bundle 'no-such'; available: ['test-digits', 'test-other']"
+    assert refusal(set_bundle, reg, gone) == (503, f"the set's bundle unavailable: {unknown}")
+    assert refusal(get_bundle, reg, "no-such", explicit=True) == (422, unknown)
+    assert refusal(get_bundle, reg, "no-such", explicit=False) == (503, f"default bundle unavailable: {unknown}")
