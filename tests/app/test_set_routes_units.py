@@ -268,9 +268,10 @@ def test_what_boxes_that_do_not_fit_their_files_are_told(settings):
              f"{shown}")
 
 
-def test_a_bundle_is_refused_with_the_status_its_cause_calls_for(bundle_dir):
+def test_a_bundle_is_refused_with_the_status_its_cause_calls_for(bundle_dir, tmp_path):
     """``get_bundle``: the set's bundle file replaced (409, the registry's words), an unknown name the client gave
-    (422) or the server's (503, the set's or the default one named), and the file itself for its own set."""
+    (422) or the server's (503, the set's or the default one named), a file that does not load (503), and the file
+    itself for its own set."""
     from app.inference import BundleRegistry
     from app.routes.exemplar_sets import get_bundle, set_bundle
 
@@ -286,3 +287,6 @@ def test_a_bundle_is_refused_with_the_status_its_cause_calls_for(bundle_dir):
     assert refusal(set_bundle, reg, gone) == (503, f"the set's bundle unavailable: {unknown}")
     assert refusal(get_bundle, reg, "no-such", explicit=True) == (422, unknown)
     assert refusal(get_bundle, reg, "no-such", explicit=False) == (503, f"default bundle unavailable: {unknown}")
+    (tmp_path / "broken.pt").write_bytes(b"not a bundle")  # a file of that name that does not load
+    assert refusal(get_bundle, BundleRegistry(tmp_path, "cpu"), "broken", explicit=True) == (
+        503, "bundle 'broken' cannot be loaded")
