@@ -28,7 +28,7 @@ import pytest
 from alembic import command
 from alembic.config import Config
 from PIL import Image
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from app import crud
 from app.config import Settings
@@ -259,6 +259,19 @@ def new_set(db, owner: str = "k", exemplars: list[crud.NewBlob] | None = None, *
         crud.create_exemplar_set(s, set_id=set_id, owner=owner, name="s", bundle="b", bundle_sha256="a" * 64,
                                  prototype=b"\1" * 8, prototype_dim=2, exemplars=exemplars or [blob(0)], **values)
     return set_id
+
+
+def new_job(db, set_id: uuid.UUID, **values: Any) -> uuid.UUID:  # type: ignore[no-untyped-def]
+    """A job of the set made through ``app.crud`` (queued, unsent, no image) in the sessions ``db`` makes, then given
+    ``values`` (``status=...``, ``cancel_requested=...``) -> its id."""
+    job_id = uuid.uuid4()
+    with db.begin() as s:
+        crud.create_job(s, job_id=job_id, exemplar_set=s.get_one(ExemplarSet, set_id), owner="k",
+                        idempotency_key=None, request_sha256="r" * 64, iterations=5, learning_rate=0.1, seed=0,
+                        activate="false", images=[])
+        if values:
+            s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(**values))
+    return job_id
 
 
 def refusal(call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:

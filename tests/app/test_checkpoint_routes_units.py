@@ -63,13 +63,18 @@ def adapted(db, store: BlobStore, set_id: uuid.UUID, parent: uuid.UUID, iteratio
         return c.id
 
 
-def test_each_checkpoint_routes_body_answers_its_owner_and_refuses_another_key(db, store):
-    owner, other = Caller("k"), Caller("someone-else")
+def lineage(db, store: BlobStore) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID, uuid.UUID]:  # type: ignore[no-untyped-def]
+    """A set with its base checkpoint (active) and two adapted ones after it -> (set, base, two, four)."""
     set_id = new_set(db)
     with db() as s:
         base = s.get_one(ExemplarSet, set_id).active_checkpoint_id
     two = adapted(db, store, set_id, base, 2)
-    four = adapted(db, store, set_id, two, 4)
+    return set_id, base, two, adapted(db, store, set_id, two, 4)
+
+
+def test_each_checkpoint_routes_body_answers_its_owner_and_refuses_another_key(db, store):
+    owner, other = Caller("k"), Caller("someone-else")
+    set_id, base, two, four = lineage(db, store)
     with db() as s:
         page = checkpoints_of(set_id, s, owner, 50, 0)
         assert [(c.id, c.kind, c.active) for c in page.data] == [(base, "base", True), (two, "adapted", False),
@@ -98,11 +103,7 @@ def test_each_checkpoint_routes_body_answers_its_owner_and_refuses_another_key(d
 
 def test_a_checkpoint_is_deleted_row_then_file_unless_in_use_and_only_by_its_owner(db, store):
     owner = Caller("k")
-    set_id = new_set(db)
-    with db() as s:
-        base = s.get_one(ExemplarSet, set_id).active_checkpoint_id
-    two = adapted(db, store, set_id, base, 2)
-    four = adapted(db, store, set_id, two, 4)
+    set_id, base, two, four = lineage(db, store)
     with db() as s:
         blob_two = s.get_one(Checkpoint, two).blob
         activated(four, s, owner)

@@ -13,10 +13,10 @@ from datetime import timedelta
 
 import pytest
 import torch
-from service_fixtures import new_set
+from service_fixtures import new_job, new_set
 from sqlalchemy import select, update
 
-from app import crud, retention
+from app import retention
 from app.jobstates import JobState
 from app.storage import BlobStore, checkpoint_key, head_key, heads_prefix
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
@@ -25,16 +25,6 @@ from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
 @pytest.fixture
 def store(tmp_path) -> BlobStore:
     return BlobStore(tmp_path / "blobs")
-
-
-def new_job(db, set_id: uuid.UUID, status: JobState = JobState.QUEUED) -> uuid.UUID:  # type: ignore[no-untyped-def]
-    job_id = uuid.uuid4()
-    with db.begin() as s:
-        crud.create_job(s, job_id=job_id, exemplar_set=s.get_one(ExemplarSet, set_id), owner="k",
-                        idempotency_key=None, request_sha256="r" * 64, iterations=5, learning_rate=0.1, seed=0,
-                        activate="false", images=[])
-        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(status=status))
-    return job_id
 
 
 def head(store: BlobStore, set_id: uuid.UUID, name: str, *, age_s: float = 0.0) -> str:
@@ -135,7 +125,7 @@ def test_heads_written_since_an_unfinished_job_began_are_kept_with_a_clock_margi
     unfinished job was created (less ``HEAD_CLOCK_MARGIN_S``) stay; older unused ones go."""
     sid, other = new_set(db), new_set(db)
     assert retention.HEAD_CLOCK_MARGIN_S == 60.0
-    done = new_job(db, sid, JobState.SUCCEEDED)  # finished jobs do not hold heads, however long ago they began
+    done = new_job(db, sid, status=JobState.SUCCEEDED)  # finished jobs do not hold heads, however long ago they began
     with db.begin() as s:
         s.execute(update(AdaptationJob).where(AdaptationJob.id == done)
                   .values(created_at=utcnow() - timedelta(hours=2)))
@@ -145,7 +135,7 @@ def test_heads_written_since_an_unfinished_job_began_are_kept_with_a_clock_margi
     assert remove(db, store, sid, [ckpt]) == 1 and heads_left(store, sid) == set()
 
     ckpt = new_checkpoint(db, store, sid, done, 2)
-    job = new_job(db, sid, JobState.RUNNING)
+    job = new_job(db, sid, status=JobState.RUNNING)
     with db.begin() as s:  # the unfinished job began ten minutes ago
         s.execute(update(AdaptationJob).where(AdaptationJob.id == job)
                   .values(created_at=utcnow() - timedelta(seconds=600)))
@@ -189,8 +179,8 @@ def test_drop_unused_heads_on_its_own(db, store, caplog):
 
 def test_keep_only_keeps_what_was_chosen_and_what_is_in_use(db, store, caplog):
     sid = new_set(db)
-    job = new_job(db, sid, JobState.SUCCEEDED)
-    earlier = new_job(db, sid, JobState.SUCCEEDED)
+    job = new_job(db, sid, status=JobState.SUCCEEDED)
+    earlier = new_job(db, sid, status=JobState.SUCCEEDED)
     for name in ("h2", "h4", "h6", "h8"):
         head(store, sid, name, age_s=3600)
     mine = {i: new_checkpoint(db, store, sid, job, i, heads=(f"h{i}",)) for i in (2, 4, 6, 8)}
@@ -211,7 +201,7 @@ def test_keep_only_keeps_what_was_chosen_and_what_is_in_use(db, store, caplog):
 
 def test_keep_only_never_raises(db, store, caplog, monkeypatch):
     sid = new_set(db)
-    job = new_job(db, sid, JobState.SUCCEEDED)
+    job = new_job(db, sid, status=JobState.SUCCEEDED)
     new_checkpoint(db, store, sid, job, 2)
     retention.keep_only(db, store, set_id=uuid.uuid4(), job_id=job, chosen=set())  # a set deleted meanwhile
     assert checkpoints(db, sid) == {2}

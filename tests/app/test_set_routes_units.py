@@ -15,11 +15,10 @@ import uuid
 import pytest
 from fastapi import Response
 from PIL import Image
-from service_fixtures import make_test_settings, new_set, refusal
+from service_fixtures import make_test_settings, new_job, new_set, refusal
 from sqlalchemy import select, update
 from starlette.datastructures import Headers, UploadFile
 
-from app import crud
 from app.deps import Caller
 from app.remote import MadePrototype
 from app.routes.exemplar_sets import SetForm, add_exemplar_set, change_set, delete_set, parse_boxes
@@ -184,16 +183,6 @@ def test_a_change_names_or_thresholds_only_what_it_gives(db):
         assert shown.name is None
     with db() as s:
         assert (s.get_one(ExemplarSet, set_id).name, s.get_one(ExemplarSet, set_id).threshold) == (None, 0.2)
-
-
-def new_job(db, set_id: uuid.UUID, *, cancel_requested: bool = False) -> uuid.UUID:  # type: ignore[no-untyped-def]
-    job_id = uuid.uuid4()
-    with db.begin() as s:
-        crud.create_job(s, job_id=job_id, exemplar_set=s.get_one(ExemplarSet, set_id), owner="k",
-                        idempotency_key=None, request_sha256="r" * 64, iterations=5, learning_rate=0.1, seed=0,
-                        activate="false", images=[])
-        s.execute(update(AdaptationJob).where(AdaptationJob.id == job_id).values(cancel_requested=cancel_requested))
-    return job_id
 
 
 def test_a_set_with_unfinished_jobs_is_not_deleted_and_the_409_says_what_to_do(db, store):
