@@ -194,7 +194,7 @@ def test_the_same_key_replays_its_job_and_another_request_with_it_is_409(db, set
     assert theirs.id != first.id
 
 
-def test_a_send_that_fails_answers_503_and_fails_the_job_unless_a_reaper_sent_it(db, settings, store, monkeypatch):
+def test_a_send_that_fails_answers_503_and_fails_the_job_unless_a_reaper_sent_it(db, settings, store):
     set_id = new_set(db)
     status, detail = refusal(submit, db, settings, store, form([upload(1)], key="k-9"), set_id,
                              queue=Queue(ConnectionError("down")))
