@@ -415,6 +415,13 @@ def test_baselines_return_at_most_k_boxes_best_first():
     dist = box_distances(loc.bundle, feats, cands, proto)
     per_image = torch.stack([box_distances(loc.bundle, feats[i:i + 1], cands, proto)[0] for i in range(3)])
     assert torch.allclose(dist, per_image, atol=1e-4)
+    # by value: each box's embedding distance to the prototype, and with one prototype per image each image's own
+    with torch.inference_mode():
+        emb = loc.embedder.embed(feats, cands.expand(3, -1, -1))  # [3, C, D]
+    assert torch.allclose(dist, (emb - proto).norm(dim=-1), atol=1e-4)
+    protos = torch.randn(3, proto.shape[0], generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(box_distances(loc.bundle, feats, cands, protos, max_boxes=50),
+                          (emb - protos[:, None]).norm(dim=-1), atol=1e-4)
     best = nms_detections(cands, dist, 1)
     assert torch.equal(best.boxes[:, 0], cands[dist.argmin(dim=1)])  # K = 1: the ranking baseline's answer
 
