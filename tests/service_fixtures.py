@@ -29,6 +29,7 @@ from alembic import command
 from alembic.config import Config
 from PIL import Image
 from sqlalchemy import func, select, update
+from starlette.datastructures import Headers, UploadFile
 
 from app import crud
 from app.config import Settings
@@ -44,6 +45,11 @@ TEST_BUNDLES = ("test-digits", "test-other")
 
 
 # --- images
+
+
+def upload_file(data: bytes, filename: str | None = "a.png", ctype: str = "image/png") -> UploadFile:
+    """Bytes as a route receives an uploaded file (Starlette's ``UploadFile``), for calling route bodies directly."""
+    return UploadFile(io.BytesIO(data), filename=filename, headers=Headers({"content-type": ctype}))
 
 
 def png_bytes(width: int = 84, height: int = 84, mode: str = "L", seed: int = 0, square: bool = True) -> bytes:

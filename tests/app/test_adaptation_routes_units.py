@@ -7,15 +7,12 @@ is the registry's (``test_registry_units.py``). Through HTTP, with real queues a
 
 from __future__ import annotations
 
-import io
 import uuid
 
 import pytest
 from fastapi import Response
-from PIL import Image
-from service_fixtures import make_test_settings, new_set, refusal
+from service_fixtures import make_test_settings, new_set, png_bytes, refusal, upload_file
 from sqlalchemy import select, update
-from starlette.datastructures import Headers, UploadFile
 
 from app import pool
 from app.deps import Caller
@@ -29,14 +26,8 @@ from app.tables import AdaptationJob, ExemplarSet, JobImage
 OWNER = Caller("k")
 
 
-def png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("L", (20, 16), 10 * seed).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def upload(seed: int) -> UploadFile:
-    return UploadFile(io.BytesIO(png(seed)), filename=f"im{seed}.png", headers=Headers({"content-type": "image/png"}))
+def upload(seed: int):  # type: ignore[no-untyped-def]
+    return upload_file(png_bytes(20, 16, seed=seed), f"im{seed}.png")
 
 
 class Queue:

@@ -7,17 +7,14 @@ what it is given; the local model's side is ``app.calibration``'s and the HTTP t
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import uuid
 
 import pytest
 from fastapi import Response
-from PIL import Image
-from service_fixtures import make_test_settings, new_job, new_set, refusal
+from service_fixtures import make_test_settings, new_job, new_set, png_bytes, refusal, upload_file
 from sqlalchemy import select, update
-from starlette.datastructures import Headers, UploadFile
 
 from app.deps import Caller
 from app.remote import MadePrototype
@@ -31,12 +28,8 @@ from app.tables import AdaptationJob, Exemplar, ExemplarSet
 OWNER = Caller("k")
 
 
-def upload(w: int, h: int, value: int = 90, name: str = "a.png") -> UploadFile:
-    buf = io.BytesIO()
-    im = Image.new("L", (w, h), value)
-    im.putpixel((0, 0), 255)
-    im.save(buf, "PNG")
-    return UploadFile(io.BytesIO(buf.getvalue()), filename=name, headers=Headers({"content-type": "image/png"}))
+def upload(w: int, h: int, value: int = 90, name: str | None = "a.png"):  # type: ignore[no-untyped-def]
+    return upload_file(png_bytes(w, h, seed=value, square=False), name)
 
 
 class Remote:

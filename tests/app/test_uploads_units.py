@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 from service_fixtures import make_test_settings, refusal
-from starlette.datastructures import Headers, UploadFile
+from service_fixtures import upload_file as upload
+from starlette.datastructures import UploadFile
 
 from app.routes.uploads import (
     check_file_count,
@@ -35,10 +36,6 @@ def png(w: int, h: int) -> bytes:
     buf = io.BytesIO()
     Image.new("L", (w, h), 128).save(buf, "PNG")
     return buf.getvalue()
-
-
-def upload(data: bytes, filename: str | None = "a.png", ctype: str = "image/png") -> UploadFile:
-    return UploadFile(io.BytesIO(data), filename=filename, headers=Headers({"content-type": ctype}))
 
 
 def test_text_with_a_nul_byte_is_refused_naming_where_it_is():
