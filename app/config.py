@@ -47,7 +47,13 @@ class Settings(BaseSettings):
     """Every ``<name>.pt`` here can be served as bundle ``<name>``."""
     default_bundle: str = "mnist-general"
     """The bundle of a set created without ``bundle``: the cMNIST bundle trained on all ten digits, chosen over the
-    one-digit ``mnist-digit4`` on kinds of objects neither saw (BENCHMARKS.md, "A general cMNIST bundle")."""
+    one-digit ``mnist-digit4`` on kinds of objects neither saw (BENCHMARKS.md, "A general cMNIST bundle"). Exemplars
+    in color get ``default_color_bundle`` instead."""
+    default_color_bundle: str = Field("photo-general", pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,99})?$")
+    """The bundle of a set created without ``bundle`` whose exemplar crops are in color (``app.bundle_choice``: the
+    median of their colorfulness at least 3; gray images score 0), when it is installed; otherwise, and for gray
+    crops, ``default_bundle``. On color photos the gray cMNIST default answers nothing right (CorLoc 0 on the real
+    photographs, 52-58 with ``photo-general``). Empty: every set that names no bundle gets ``default_bundle``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs, in the API (``inference=local``) and on the workers: ``auto``, a CUDA GPU when torch
     finds one, else the CPU."""

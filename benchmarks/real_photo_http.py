@@ -2,6 +2,7 @@
 
     ./scripts/run &                      # wait for http://127.0.0.1:8000/readyz
     .venv/bin/python benchmarks/real_photo_http.py --bundle photo-general --out runs/real_photo_http.json
+    .venv/bin/python benchmarks/real_photo_http.py --bundle auto       # sets that name no bundle
 
 For each class of the real-photo benchmark (``models.data.realphotos``; ``qloc fetch-real-photos``) one
 exemplar set is made of the exemplar photos' boxes cut from their photos (sent as PNG crops), then each val
@@ -47,21 +48,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
-    p.add_argument("--bundle", default="photo-general")
+    p.add_argument("--bundle", default="photo-general", help="`auto`: name none (the server picks by the crops)")
     p.add_argument("--out")
     a = p.parse_args()
     with client(a.url, a.api_key) as c:
         c.get("/readyz").raise_for_status()
         times: dict[str, list[float]] = {"all": [], "<=1024px": [], ">1024px": []}
         hits: dict[str, list[bool]] = {"val": [], "test": []}
-        warm, create = 2, []
+        warm, create, got = 2, [], {}
         for cls in realphotos.classes():
             crops = [_png(ex.image.crop(tuple(round(v) for v in ex.box))) for ex in realphotos.load("exemplar", cls)]
             t0 = time.perf_counter()
-            r = c.post("/v1/exemplar-sets", data={"name": cls, "bundle": a.bundle},
+            fields = {"name": cls} if a.bundle == "auto" else {"name": cls, "bundle": a.bundle}
+            r = c.post("/v1/exemplar-sets", data=fields,
                        files=[("files", (f"{i}.png", b, "image/png")) for i, b in enumerate(crops)])
             create.append(time.perf_counter() - t0)
             r.raise_for_status()
+            got[cls] = r.json()["bundle"]
             url = f"/v1/exemplar-sets/{r.json()['id']}/localize"
             for split in ("val", "test"):
                 for photo in realphotos.load(split, cls):
@@ -78,7 +81,7 @@ def main() -> None:
                         times["<=1024px" if max(photo.image.size) <= 1024 else ">1024px"].append(dt)
                     iou = paired_iou(torch.tensor(box), torch.tensor(photo.box, dtype=torch.float32))
                     hits[split].append(bool(iou >= 0.5))
-    emit({"url": a.url, "bundle": a.bundle,
+    emit({"url": a.url, "bundle": a.bundle, "sets_got": got,
           "latency": {k: percentiles(v) for k, v in times.items() if v},
           "set_creation_s": [round(t, 1) for t in create],
           "corloc": {s: {"n": len(h), "corloc": round(100 * sum(h) / len(h), 2)} for s, h in hits.items()}}, a.out)

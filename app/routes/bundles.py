@@ -13,17 +13,22 @@ router = APIRouter(prefix="/v1", tags=["bundles"], responses=UNAUTHORIZED)
 
 class BundlePublic(BaseModel):
     name: str = Field(description="The bundle's name: a set's `bundle` form field")
-    default: bool = Field(description="The bundle a new exemplar set gets when it names none")
+    default: bool = Field(description="The bundle a new exemplar set gets when it names none (gray crops)")
 
 
 class BundlesPublic(BaseModel):
     data: list[BundlePublic] = Field(description="The bundles installed now, by name (files are not loaded)")
     default: str = Field(description="The server's default bundle (QLOC_DEFAULT_BUNDLE); it may be missing")
+    default_color: str | None = Field(description=(
+        "The bundle a set naming none gets when its exemplar crops are in color (QLOC_DEFAULT_COLOR_BUNDLE), if "
+        "installed; null: none is (such sets get `default`)"))
 
 
 @router.get("/bundles", response_model=BundlesPublic)
 def list_bundles(settings: SettingsDep, bundles: BundlesDep, caller: CallerDep) -> BundlesPublic:
     """The bundles installed in the server's bundle directory (read at each request), and the default."""
     del caller  # authenticates only: every caller sees the same bundles
-    return BundlesPublic(data=[BundlePublic(name=n, default=n == settings.default_bundle) for n in bundles.names()],
-                         default=settings.default_bundle)
+    names = bundles.names()
+    color = settings.default_color_bundle
+    return BundlesPublic(data=[BundlePublic(name=n, default=n == settings.default_bundle) for n in names],
+                         default=settings.default_bundle, default_color=color if color in names else None)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, File, Form, HTTPException, Response, UploadFile, 
 from sqlalchemy.orm import Session
 
 from app import crud
+from app.bundle_choice import bundle_of_new_set
 from app.calibration import NewSetCalibration, calibrate_new_set
 from app.config import Settings
 from app.deps import BundlesDep, Caller, CallerDep, Limit, Offset, SessionDep, SetId, SettingsDep, StoreDep
@@ -62,6 +63,9 @@ NEGATIVES_DESCRIPTION = (
     "(pasted into its backgrounds as wrong answers) and, through it, every answer's `confidence`: a box nearer a "
     "look-alike than the exemplars gets a lower one; `rerank=true` on localize also picks the visited box the "
     "calibration likes best. The agent's policy itself is not trained on them.")
+BUNDLE_DESCRIPTION = (
+    "Model bundle (`GET /v1/bundles`). Default: the server's (`default`), or for exemplar crops in color its color "
+    "default (`default_color`, a photo bundle) when installed: the set's `bundle` says which it got.")
 THRESHOLD_DESCRIPTION = (
     "Calibrated confidence in [0, 1] from which an answer is `found` (default 0.5: more likely right than "
     "wrong). Localize's `min_confidence` can only raise it per request.")
@@ -178,7 +182,7 @@ def create_exemplar_set(
         "that show it"))],
     name: Annotated[str | None, Form(max_length=200, description=(
         "A name for the set (trimmed; COCO's category and Label Studio's label default to it)"))] = None,
-    bundle: Annotated[str | None, Form(max_length=100, description="Model bundle (default: the server's)")] = None,
+    bundle: Annotated[str | None, Form(max_length=100, description=BUNDLE_DESCRIPTION)] = None,
     boxes: Annotated[str | None, Form(max_length=65_536, description=BOXES_DESCRIPTION)] = None,
     negative_files: Annotated[list[UploadFile] | None, File(min_length=1, description=NEGATIVES_DESCRIPTION)] = None,
     threshold: Annotated[float, Form(ge=0.0, le=1.0, allow_inf_nan=False, description=THRESHOLD_DESCRIPTION)] = 0.5,
@@ -214,11 +218,13 @@ def add_exemplar_set(form: SetForm, response: Response, session: Session, settin
     labels: list[Box | None] = list(parse_boxes(boxes, images)) if boxes else check_crops(images, "files")
     negative_images = read_images(negative_files, settings, keep_data=False) if negative_files else []
     check_crops(negative_images, "negative_files")
-    if remote is None:  # QLOC_INFERENCE=local: the bundle is loaded here; workers: the worker checks it
-        loaded = get_bundle(bundles, bundle or settings.default_bundle, explicit=bundle is not None)
     # A crop from a box is cut from a decode fine enough for it, one image at a time (app.images).
     crops = [im.image if box is None else im.crop(box, max_side=settings.decode_max_side)
              for im, box in zip(images, labels, strict=True)]
+    name_of_bundle = bundle_of_new_set(bundle, crops, default=settings.default_bundle,
+                                       color_default=settings.default_color_bundle, installed=bundles.names())
+    if remote is None:  # QLOC_INFERENCE=local: the bundle is loaded here; workers: the worker checks it
+        loaded = get_bundle(bundles, name_of_bundle, explicit=bundle is not None)
     examples = [(im.image, im.box_to_decoded(box)) for im, box in zip(images, labels, strict=True) if box]
     if remote is None:
         prototype = loaded.localizer.prototype(crops)  # [D]
@@ -228,7 +234,7 @@ def add_exemplar_set(form: SetForm, response: Response, session: Session, settin
                                        samples=settings.calibration_samples)
     else:  # no model here: the worker makes the prototype and fits the calibration, as above
         try:
-            made = remote.prototype(bundle or settings.default_bundle, crops, explicit=bundle is not None,
+            made = remote.prototype(name_of_bundle, crops, explicit=bundle is not None,
                                     examples=examples, threshold=threshold,
                                     negatives=[im.image for im in negative_images])
         except InferenceRefused as e:

@@ -234,8 +234,12 @@ async function loadBundles() {
   await act("Loading the bundles", null, async () => {
     const res = await api("GET", "/v1/bundles");
     const sel = $("#bundle-select");
-    sel.replaceChildren(...res.data.map((b) => el("option", { value: b.name, text: b.default ? `${b.name} (default)` : b.name })));
-    if (res.data.some((b) => b.name === res.default)) sel.value = res.default;
+    const options = res.data.map((b) => el("option", { value: b.name, text: b.default ? `${b.name} (default)` : b.name }));
+    // No bundle sent: the server picks its default, or its color default for crops in color.
+    if (res.default_color) options.unshift(el("option", { value: "", text: `auto: ${res.default}, or ${res.default_color} for crops in color` }));
+    sel.replaceChildren(...options);
+    if (res.default_color) sel.value = "";
+    else if (res.data.some((b) => b.name === res.default)) sel.value = res.default;
   });
 }
 
@@ -384,7 +388,7 @@ function initCreate() {
       if (name) form.append("name", name);
       if ($("#bundle-select").value) form.append("bundle", $("#bundle-select").value);
       const created = await api("POST", "/v1/exemplar-sets", { form });
-      say(`Created set ${created.name || ""} ${shortId(created.id)} from ${created.num_exemplars} exemplar(s).`);
+      say(`Created set ${created.name || ""} ${shortId(created.id)} from ${created.num_exemplars} exemplar(s), on bundle ${created.bundle}.`);
       state.exemplars.forEach((x) => URL.revokeObjectURL(x.url));
       state.exemplars = [];
       renderExemplars();

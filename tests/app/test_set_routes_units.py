@@ -7,16 +7,20 @@ what it is given; the local model's side is ``app.calibration``'s and the HTTP t
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import uuid
 
+import numpy as np
 import pytest
 from fastapi import Response
+from PIL import Image
 from service_fixtures import make_test_settings, new_job, new_set, png_bytes, refusal, upload_file
 from sqlalchemy import select, update
 
 from app.deps import Caller
+from app.inference import BundleRegistry
 from app.remote import MadePrototype
 from app.routes.exemplar_sets import SetForm, add_exemplar_set, change_set, delete_set, parse_boxes
 from app.routes.uploads import read_images
@@ -62,7 +66,8 @@ def store(tmp_path) -> BlobStore:
 def add(db, settings, store, form, remote, caller=OWNER):  # type: ignore[no-untyped-def]
     response = Response()
     with db() as s:
-        public = add_exemplar_set(form, response, s, settings, store, None, caller, remote)  # type: ignore[arg-type]
+        public = add_exemplar_set(form, response, s, settings, store, BundleRegistry(settings.bundle_dir, "cpu"),
+                                  caller, remote)
     return public, response.headers
 
 
@@ -91,6 +96,36 @@ def test_a_set_of_crops_is_made_from_them_and_stored_with_the_prototype_it_was_g
         assert [(r.filename, r.width, r.height, r.box) for r in rows] == [("one.png", 20, 16, None),
                                                                           ("two.png", 30, 30, None)]
     assert files_of(store, public.id) == ["000.png", "001.png"]  # the crops, not the negatives
+
+
+def color_upload(w: int, h: int, name: str = "c.png"):  # type: ignore[no-untyped-def]
+    """A crop in color: red, green and blue bands (colorfulness far above ``COLOR_MIN``)."""
+    rgb = np.zeros((h, w, 3), np.uint8)
+    for c in range(3):
+        rgb[:, c * w // 3:(c + 1) * w // 3, c] = 200
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "PNG")
+    return upload_file(buf.getvalue(), name)
+
+
+@pytest.mark.parametrize(("crops", "named", "color_default", "expected", "explicit"), [
+    ("color", None, "test-other", "test-other", False),  # crops in color, the color default installed
+    ("color gray color", None, "test-other", "test-other", False),  # the median crop is in color
+    ("gray color gray", None, "test-other", "test-digits", False),  # the median crop is gray
+    ("gray", None, "test-other", "test-digits", False),
+    ("color", "test-digits", "test-other", "test-digits", True),  # a named bundle is never replaced
+    ("color", None, "photo-general", "test-digits", False),  # the color default is not installed
+    ("color", None, "", "test-digits", False),  # no color default
+])
+def test_a_set_naming_no_bundle_gets_the_color_default_for_crops_in_color(db, tmp_path, bundle_dir, store, crops,
+                                                                           named, color_default, expected, explicit):
+    settings = make_test_settings(tmp_path, bundle_dir, default_color_bundle=color_default)
+    assert settings.default_bundle == "test-digits"
+    remote = Remote(MadePrototype(expected, "f" * 64, b"\0" * 8, 2))
+    files = [color_upload(30, 24) if kind == "color" else upload(30, 24) for kind in crops.split()]
+    public, _ = add(db, settings, store, SetForm(files, None, named, None, [], 0.5), remote)
+    (call,) = remote.calls
+    assert (call["bundle"], call["explicit"], public.bundle) == (expected, explicit, expected)
 
 
 def test_a_set_of_boxes_cuts_its_crops_and_keeps_its_images_as_labeled_examples(db, settings, store):

@@ -6,12 +6,15 @@ errors on the page."""
 from __future__ import annotations
 
 import base64
+import io
 import uuid
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from service_fixtures import Stack, files, png_bytes
 
 from app.client import QlocClient
@@ -52,8 +55,9 @@ def attr_box(locator) -> list[float]:  # type: ignore[no-untyped-def]
 def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_path: Path) -> None:
     open_page(page)
     options = page.locator("#bundle-select option")
-    assert options.all_inner_texts() == ["test-digits (default)", "test-other"]
-    assert page.input_value("#bundle-select") == "test-digits"
+    assert options.all_inner_texts() == ["auto: test-digits, or test-other for crops in color",
+                                         "test-digits (default)", "test-other"]
+    assert page.input_value("#bundle-select") == ""  # auto: no bundle sent, the server picks
 
     name = f"fours-{uuid.uuid4().hex[:6]}"
     page.fill("#set-name", name)
@@ -100,6 +104,26 @@ def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_pa
         boxed = qloc.get_exemplar_set(page.get_attribute("#set-info", "data-set-id"))
     assert boxed.num_exemplars == 1 and boxed.num_labeled == 1
     assert boxed.name is None and boxed.bundle == "test-other"  # the name field was emptied, the bundle kept
+
+
+def test_auto_sends_no_bundle_and_the_server_picks_by_the_crops_colors(page, stack: Stack, tmp_path: Path) -> None:
+    open_page(page)
+    for mode, expected in (("RGB", "test-other"), ("L", "test-digits")):  # the stack's color default, its default
+        pixels = np.zeros((28, 28, 3), np.uint8)
+        pixels[:, :14, 0] = pixels[:, 14:, 2] = 220  # red | blue
+        buf = io.BytesIO()
+        Image.fromarray(pixels).convert(mode).save(buf, "PNG")
+        page.set_input_files("#exemplar-files", [write(tmp_path, f"{mode}.png", buf.getvalue())])
+        previews(page, 1)
+        before = page.get_attribute("#set-info", "data-set-id") or ""  # the set shown: one made before, or none
+        with page.expect_request(lambda r: r.url.endswith("/v1/exemplar-sets") and r.method == "POST") as sent:
+            page.click("#create-btn")
+        assert 'name="bundle"' not in sent.value.post_data
+        page.wait_for_function(f"!['', {before!r}].includes(document.querySelector('#set-info').dataset.setId)")
+        assert f"on bundle {expected}." in page.inner_text("#status")
+        with QlocClient(stack.base_url) as qloc:
+            assert qloc.get_exemplar_set(page.get_attribute("#set-info", "data-set-id")).bundle == expected
+        assert page.input_value("#bundle-select") == ""  # auto stays chosen
 
 
 def test_localize_draws_the_apis_boxes_and_plays_the_trajectory(page, stack: Stack, tmp_path: Path) -> None:
