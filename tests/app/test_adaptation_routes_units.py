@@ -7,6 +7,7 @@ is the registry's (``test_registry_units.py``). Through HTTP, with real queues a
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 import pytest
@@ -16,7 +17,7 @@ from sqlalchemy import select, update
 
 from app import pool
 from app.deps import Caller
-from app.routes.adaptations import EMPTY_POOL, JobForm, submit_adaptation
+from app.routes.adaptations import EMPTY_POOL, JobForm, request_digest, submit_adaptation
 from app.routes.pool import add_to_pool
 from app.routes.uploads import read_images
 from app.serving import InferenceRefused
@@ -322,3 +323,63 @@ def test_a_set_deleted_before_the_job_takes_its_lock_is_a_404_that_leaves_no_fil
     assert queue.sent == [] and not store.path(exemplar_set_prefix(set_id)).exists()
     with db() as s:
         assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
+
+
+def test_the_request_digest_is_pinned_by_value():
+    """Every job row stores it (``request_sha256``): changed by an upgrade, a retry of a job made before would be
+    answered 409. The JSON it hashes, written out: keys sorted, the set id, the parameters, each file's name and
+    sha256, in order."""
+    set_id = uuid.UUID(int=1)
+    body = ('{"activate": "auto", "exemplar_set_id": "00000000-0000-0000-0000-000000000001", "files": [["a.png", '
+            '"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"], ["b.png", '
+            '"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"]], "iterations": 5}')
+    files = [upload_file(b"abc", "a.png"), upload_file(b"", "b.png")]
+    assert request_digest(set_id, {"iterations": 5, "activate": "auto"}, files, [b"abc", b""]) == (
+        hashlib.sha256(body.encode()).hexdigest())
+
+
+def test_a_job_stores_the_digest_of_its_request_with_its_source_unless_it_is_files(db, settings, store):
+    set_id = new_set(db)
+    params = {"iterations": 7, "seed": 0, "activate": "auto", "learning_rate": 0.02}  # the stored defaults
+    raw = [png_bytes(20, 16, seed=1)]
+    for source in (None, "files"):  # files given: source=files or none is the same request
+        job, _ = submit(db, settings, store, form([upload(1)], source=source), set_id)
+        assert job_row(db, job.id).request_sha256 == request_digest(set_id, params, [upload(1)], raw)
+    with db() as s:
+        add_to_pool(s, store, settings, s.get_one(ExemplarSet, set_id), read_images([upload(4)], settings))
+    for source in (None, "pool"):  # no file: the pool, named or not
+        job, _ = submit(db, settings, store, form(source=source), set_id)
+        assert job_row(db, job.id).request_sha256 == request_digest(set_id, {**params, "source": "pool"}, [], [])
+    job, _ = submit(db, settings, store, form([upload(1)], source="both"), set_id)
+    assert job_row(db, job.id).request_sha256 == request_digest(set_id, {**params, "source": "both"}, [upload(1)],
+                                                                raw)
+
+
+def test_an_empty_pool_is_refused_before_the_bundle_check(db, settings, store):
+    set_id = new_set(db)
+    refused = Remote(InferenceRefused(409, "the bundle file was replaced"))
+    for f in (form(), form(source="pool")):
+        assert refusal(submit, db, settings, store, f, set_id, remote=refused) == (
+            422, EMPTY_POOL.format(set_id=set_id))
+    assert refused.checked == []
+
+
+def test_a_failed_write_leaves_no_job_and_none_of_its_files_and_says_why(db, settings, store, monkeypatch):
+    """A disk that fills up at the second image, the set still there: the error is the write's (a 500 by the app's
+    handler), not a 404, and the first image is removed with the job's folder."""
+    set_id = new_set(db)
+    real, written = store.put, []
+
+    def full_at_the_second(key: str, data: bytes) -> str:
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(key)
+        return real(key, data)
+
+    monkeypatch.setattr(store, "put", full_at_the_second)
+    with pytest.raises(OSError, match="No space left"):
+        submit(db, settings, store, form([upload(1), upload(2)]), set_id)
+    assert len(written) == 1 and not store.exists(written[0])
+    with db() as s:
+        assert s.scalar(select(AdaptationJob.id).where(AdaptationJob.exemplar_set_id == set_id)) is None
+    assert not any(p.is_file() for p in store.root.rglob("*"))
