@@ -226,6 +226,14 @@ def test_a_send_not_stamped_still_answers_the_job(db, settings, store, monkeypat
     assert row.status == "queued" and row.enqueued_at is None
 
 
+SCORE = {"corloc": 50.0, "mean_iou": 0.5, "n": 8}
+VALIDATION = {"probes": {"select": 8, "held": 8}, "faithfulness": {"ordacc": 90.0},
+              "base": {"select": SCORE, "held": SCORE, "labeled": None}, "best": None, "checkpoints": [],
+              "stopped_early": False,
+              "activated_iteration": None, "message": "the verdict in words"}
+"""A guard's report as a job row holds it (the fields a report of a job without checkpoints has)."""
+
+
 def test_a_job_is_shown_with_everything_its_row_holds_and_a_phase_only_while_it_runs():
     """``to_public`` of a finished and of a running job (the selected HTTP tests show queued ones). Its validation is
     the guard's report, shown as stored (``tests/models/test_probes_guard.py`` pins the report)."""
@@ -237,7 +245,7 @@ def test_a_job_is_shown_with_everything_its_row_holds_and_a_phase_only_while_it_
     row = AdaptationJob(id=uuid.uuid4(), exemplar_set_id=uuid.uuid4(), status="succeeded", progress_iteration=40,
                         iterations=40, mean_reward=-0.25, phase="finishing", checkpoint_id=uuid.uuid4(), error=None,
                         learning_rate=0.002, seed=3, activate="auto", num_images=12, num_pool_images=5,
-                        base_checkpoint_id=uuid.uuid4(), verdict="improved", validation=None, attempts=2,
+                        base_checkpoint_id=uuid.uuid4(), verdict="improved", validation=VALIDATION, attempts=2,
                         cancel_requested=False, created_at=at[0], started_at=at[1], finished_at=at[2])
     shown = to_public(row).model_dump()
     assert shown == {
@@ -246,7 +254,9 @@ def test_a_job_is_shown_with_everything_its_row_holds_and_a_phase_only_while_it_
         "checkpoint_id": row.checkpoint_id, "error": None,
         "params": {"iterations": 40, "learning_rate": 0.002, "seed": 3, "activate": "auto", "num_images": 12,
                    "num_pool_images": 5, "base_checkpoint_id": row.base_checkpoint_id},
-        "verdict": "improved", "validation": None, "attempts": 2, "cancel_requested": False,
+        "verdict": "improved", "validation": {**VALIDATION, "activated_checkpoint_id": None, "reward": None,
+                                              "repair": None, "reward_choice": None},
+        "attempts": 2, "cancel_requested": False,
         "created_at": at[0], "started_at": at[1], "finished_at": at[2]}
     row.status, row.finished_at, row.phase = "running", None, "adapting"
     assert to_public(row).progress.phase == "adapting"
