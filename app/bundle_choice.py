@@ -32,8 +32,6 @@ THUMBNAIL = 64
 
 def colorfulness(image: Image.Image) -> float:
     """Hasler-Suesstrunk colorfulness of ``image`` (any mode; 0 for gray), read on a thumbnail."""
-    if image.mode in ("1", "L", "LA", "I", "I;16", "F"):
-        return 0.0
     small = image.convert("RGB")
     small.thumbnail((THUMBNAIL, THUMBNAIL))
     rgb = np.asarray(small, dtype=np.float64)  # [H, W, 3]

@@ -75,6 +75,8 @@ def test_a_set_is_in_color_by_the_median_of_its_crops():
     assert colorfulness(barely) < COLOR_MIN
     assert in_color([color]) and in_color([gray, color, color]) and in_color([gray, color])  # median of 2: the mean
     assert not in_color([gray]) and not in_color([color, gray, gray]) and not in_color([barely])
+    exactly = rgb([[(100, 100, 103), (100, 100, 97)]])  # yb = (-3, 3): std 3, mean 0
+    assert colorfulness(exactly) == COLOR_MIN == 3.0 and in_color([exactly])  # the bar is inclusive
     assert not in_color([])
 
 
