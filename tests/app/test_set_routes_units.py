@@ -285,6 +285,63 @@ def test_what_boxes_that_do_not_fit_their_files_are_told(settings):
              f"{shown}")
 
 
+def test_an_item_is_shown_whole_up_to_80_characters_and_a_box_is_told_its_size(settings):
+    im = read_images([upload(20, 16)], settings)[0]
+    where = "boxes[0], for file 1 of 1 ('a.png', 20x16 pixels)"
+    for n, cut in ((80, False), (81, True)):
+        item = ["x" * (n - 4)]  # json.dumps: ["xx...x"], n characters
+        assert len(json.dumps(item)) == n
+        shown = json.dumps(item)[:77] + "..." if cut else json.dumps(item)
+        assert refusal(parse_boxes, json.dumps([item]), [im]) == (
+            422, f"{where}: must be [x1, y1, x2, y2], 4 finite numbers; got {shown}")
+    assert refusal(parse_boxes, "[[2, 5, 12, 5]]", [im]) == (  # no height: not a box (before its size is told)
+        422, f"{where}: [2, 5, 12, 5] is not a box: x1 < x2 and y1 < y2 are needed")
+    assert refusal(parse_boxes, "[[3, 2, 4.5, 12]]", [im]) == (
+        422, f"{where}: [3, 2, 4.5, 12] is 1.5x10 pixels; a box needs at least 2 pixels on each side")
+
+
+def test_a_crop_too_small_is_told_by_its_position_and_name(db, settings, store):
+    cases = [(upload(1, 5, name=None), "files: file 2 of 2 ('upload') is 1x5 pixels"),  # type: ignore[arg-type]
+             (upload(5, 1, name="thin.png"), "files: file 2 of 2 ('thin.png') is 5x1 pixels")]
+    for small, told in cases:
+        form = SetForm([upload(20, 16), small], None, None, None, [], 0.5)
+        assert refusal(add, db, settings, store, form, Remote()) == (
+            422, f"{told}; a crop needs at least 2 pixels on each side (or send the whole image with its box in "
+                 "`boxes`)")
+
+
+def test_a_local_set_is_calibrated_on_its_crops_examples_and_negatives_with_the_bundles_verifier(
+        db, settings, store, monkeypatch):
+    """``QLOC_INFERENCE=local``: the prototype from the loaded bundle, the calibration (``calibrate_new_set``,
+    recorded here; ``test_app_calibration.py`` pins what it fits) given everything the set has."""
+    import app.routes.exemplar_sets as routes
+    from app.calibration import NewSetCalibration
+
+    calls, checker = [], object()
+
+    def calibrate(loaded, prototype, crops, labeled, negative_crops, *, threshold, verifier, samples):  # noqa: ANN001, ANN202
+        calls.append((loaded.name, tuple(prototype.shape), [c.size for c in crops],
+                      [(im.size, box) for im, box in labeled], [c.size for c in negative_crops], threshold,
+                      verifier, samples))
+        return NewSetCalibration({"platt": [2.0, -1.0]}, b"\2" * 8, 3)
+
+    monkeypatch.setattr(routes, "calibrate_new_set", calibrate)
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: checker if name == "test-digits" else None)
+    form = SetForm([upload(40, 30), upload(24, 24)], None, None, "[[2, 3, 12, 13], [0, 0, 24, 24]]",
+                   [upload(9, 8, name="neg.png")], 0.25)
+    with db() as s:
+        public = add_exemplar_set(form, Response(), s, settings, store, BundleRegistry(settings.bundle_dir, "cpu"),
+                                  OWNER, None)
+    (call,) = calls
+    assert call[0] == "test-digits" and len(call[1]) == 1
+    assert call[2:] == ([(10, 10), (24, 24)], [((40, 30), (2.0, 3.0, 12.0, 13.0)), ((24, 24), (0.0, 0.0, 24.0, 24.0))],
+                        [(9, 8)], 0.25, checker, settings.calibration_samples)
+    assert (public.bundle, public.calibrated, public.num_negatives) == ("test-digits", True, 3)
+    with db() as s:
+        es = s.get_one(ExemplarSet, public.id)
+        assert (es.calibration, es.negatives, es.prototype_dim) == ({"platt": [2.0, -1.0]}, b"\2" * 8, call[1][0])
+
+
 def test_a_bundle_is_refused_with_the_status_its_cause_calls_for(bundle_dir, tmp_path):
     """``get_bundle``: the set's bundle file replaced (409, the registry's words), an unknown name the client gave
     (422) or the server's (503, the set's or the default one named), a file that does not load (503), and the file
