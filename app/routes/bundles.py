@@ -26,7 +26,8 @@ class BundlesPublic(BaseModel):
 
 @router.get("/bundles", response_model=BundlesPublic)
 def list_bundles(settings: SettingsDep, bundles: BundlesDep, caller: CallerDep) -> BundlesPublic:
-    """The bundles installed in the server's bundle directory (read at each request), and the default."""
+    """The bundles installed in the server's bundle directory (read at each request), and the defaults a set naming
+    none gets (``app.bundle_choice``)."""
     del caller  # authenticates only: every caller sees the same bundles
     names = bundles.names()
     color = settings.default_color_bundle
