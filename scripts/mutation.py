@@ -226,7 +226,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # Label Studio's backend routes: /setup's record, /predict's tasks, the webhook's job (its image fetching and
     # label config: module labelstudio)
     "labelstudio_routes": ("app/routes/labelstudio.py", [
-        "tests/app/test_labelstudio.py", "tests/app/test_labelstudio_units.py"]),
+        "tests/app/test_labelstudio_routes_units.py", "tests/app/test_labelstudio.py",
+        "tests/app/test_labelstudio_units.py"]),
     "set_routes": ("app/routes/exemplar_sets.py", [
         "tests/app/test_set_routes_units.py", "tests/app/test_app_exemplar_sets.py",
         "tests/app/test_app_exemplar_boxes.py"]),
