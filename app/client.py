@@ -232,7 +232,7 @@ class QlocClient:
         return self.request("GET", "/readyz", ok=(503,), on_503=lambda: None).json()
 
     def bundles(self) -> dict[str, Any]:
-        """``GET /v1/bundles``: ``{"data": [{"name", "default"}], "default": name, "default_color": name or None}``."""
+        """``GET /v1/bundles``: ``{"data": [{"name", "default"}], "default": name, "default_photo": name or None}``."""
         return self.request("GET", "/v1/bundles").json()
 
     # ------------------------------------------------------------ exemplar sets
@@ -243,9 +243,9 @@ class QlocClient:
                             negatives: ImageInput | Sequence[ImageInput] | None = None,
                             threshold: float | None = None) -> ExemplarSet:
         """Register exemplar crops; with ``boxes`` (one ``[x1, y1, x2, y2]`` per image), whole images whose
-        boxes are cut out, kept as the set's labeled examples. ``bundle``: none, the server's default, or its color
-        default for crops in color (the set's ``bundle`` says which). ``negatives``: crops of look-alikes to avoid;
-        ``threshold``: the calibrated confidence at which an answer counts as found."""
+        boxes are cut out, kept as the set's labeled examples. ``bundle``: none, the server's default, or its photo
+        default for crops that look like color photos (the set's ``bundle`` says which). ``negatives``: crops of
+        look-alikes to avoid; ``threshold``: the calibrated confidence at which an answer counts as found."""
         import json
 
         data = {"name": name, "bundle": bundle,

@@ -13,15 +13,15 @@ router = APIRouter(prefix="/v1", tags=["bundles"], responses=UNAUTHORIZED)
 
 class BundlePublic(BaseModel):
     name: str = Field(description="The bundle's name: a set's `bundle` form field")
-    default: bool = Field(description="The bundle a new exemplar set gets when it names none (gray crops)")
+    default: bool = Field(description="The bundle a new exemplar set gets when it names none (but for photos)")
 
 
 class BundlesPublic(BaseModel):
     data: list[BundlePublic] = Field(description="The bundles installed now, by name (files are not loaded)")
     default: str = Field(description="The server's default bundle (QLOC_DEFAULT_BUNDLE); it may be missing")
-    default_color: str | None = Field(description=(
-        "The bundle a set naming none gets when its exemplar crops are in color (QLOC_DEFAULT_COLOR_BUNDLE), if "
-        "installed; null: none is (such sets get `default`)"))
+    default_photo: str | None = Field(description=(
+        "The bundle a set naming none gets when its exemplar crops look like color photos (in color, and 100 pixels "
+        "or more; QLOC_DEFAULT_PHOTO_BUNDLE), if installed; null: none is (such sets get `default`)"))
 
 
 @router.get("/bundles", response_model=BundlesPublic)
@@ -30,6 +30,6 @@ def list_bundles(settings: SettingsDep, bundles: BundlesDep, caller: CallerDep) 
     none gets (``app.bundle_choice``)."""
     del caller  # authenticates only: every caller sees the same bundles
     names = bundles.names()
-    color = settings.default_color_bundle
+    photo = settings.default_photo_bundle
     return BundlesPublic(data=[BundlePublic(name=n, default=n == settings.default_bundle) for n in names],
-                         default=settings.default_bundle, default_color=color if color in names else None)
+                         default=settings.default_bundle, default_photo=photo if photo in names else None)

@@ -64,8 +64,9 @@ NEGATIVES_DESCRIPTION = (
     "look-alike than the exemplars gets a lower one; `rerank=true` on localize also picks the visited box the "
     "calibration likes best. The agent's policy itself is not trained on them.")
 BUNDLE_DESCRIPTION = (
-    "Model bundle (`GET /v1/bundles`). Default: the server's (`default`), or for exemplar crops in color its color "
-    "default (`default_color`, a photo bundle) when installed: the set's `bundle` says which it got.")
+    "Model bundle (`GET /v1/bundles`). Default: the server's (`default`), or for exemplar crops that look like color "
+    "photos (in color, and 100 pixels or more) its photo default (`default_photo`) when installed: the set's `bundle` "
+    "says which it got.")
 THRESHOLD_DESCRIPTION = (
     "Calibrated confidence in [0, 1] from which an answer is `found` (default 0.5: more likely right than "
     "wrong). Localize's `min_confidence` can only raise it per request.")
@@ -222,7 +223,7 @@ def add_exemplar_set(form: SetForm, response: Response, session: Session, settin
     crops = [im.image if box is None else im.crop(box, max_side=settings.decode_max_side)
              for im, box in zip(images, labels, strict=True)]
     name_of_bundle = bundle_of_new_set(bundle, crops, default=settings.default_bundle,
-                                       color_default=settings.default_color_bundle, installed=bundles.names())
+                                       photo_default=settings.default_photo_bundle, installed=bundles.names())
     if remote is None:  # QLOC_INFERENCE=local: the bundle is loaded here; workers: the worker checks it
         loaded = get_bundle(bundles, name_of_bundle, explicit=bundle is not None)
     examples = [(im.image, im.box_to_decoded(box)) for im, box in zip(images, labels, strict=True) if box]

@@ -33,7 +33,7 @@ def test_every_call_round_trips_through_the_api(qloc: QlocClient, tmp_path) -> N
     assert qloc.health() == {"status": "ok"}
     assert qloc.ready()["status"] == "ok"
     bundles = qloc.bundles()
-    assert (bundles["default"], bundles["default_color"]) == ("test-digits", None)  # photo-general: not installed
+    assert (bundles["default"], bundles["default_photo"]) == ("test-digits", None)  # photo-general: not installed
     assert {b["name"]: b["default"] for b in bundles["data"]} == {"test-digits": True, "test-other": False}
 
     # images as a path, bytes, a PIL image, a uint8 array and a float array

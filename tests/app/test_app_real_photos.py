@@ -1,5 +1,5 @@
 """Real photographs through the HTTP API with the service's defaults (issue 15): a user's first try, naming no bundle
-(the exemplars are in color: the set gets the photo bundle, ``app.bundle_choice``).
+(the exemplars are color photos: the set gets the photo bundle, ``app.bundle_choice``).
 
 Three photos of the real-photo benchmark's test split (``models.data.realphotos``, fetched by
 ``qloc fetch-real-photos``, which ``./scripts/test`` runs), of three classes, each queried with its class's
@@ -60,9 +60,9 @@ def client(tmp_path):
     from app.main import create_app
 
     # a set's "not found" calibration is not what this test is about: fit it on fewer samples (20 s -> a few)
-    # the service's own defaults: a gray cMNIST default bundle, a photo bundle for exemplars in color
+    # the service's own defaults: a gray cMNIST default bundle, a photo bundle for exemplars like color photos
     defaults = Settings()
-    assert (defaults.default_bundle, defaults.default_color_bundle) == ("mnist-general", "photo-general")
+    assert (defaults.default_bundle, defaults.default_photo_bundle) == ("mnist-general", "photo-general")
     s = make_test_settings(tmp_path, SHIPPED, default_bundle=defaults.default_bundle, max_file_bytes=16_000_000,
                            max_image_pixels=25_000_000, max_files_per_request=16, **SMALL_CALIBRATIONS)
     migrate(s.database_url)
@@ -79,7 +79,7 @@ def test_three_real_photos_through_the_api(client):
         r = client.post("/v1/exemplar-sets", data={"name": cls, "boxes": json.dumps([list(p.box) for p in ex])},
                         files=[("files", _upload(p, f"ex{i}")) for i, p in enumerate(ex)])
         assert r.status_code == 201, r.text
-        assert r.json()["bundle"] == "photo-general"  # named by no one: the exemplars are in color
+        assert r.json()["bundle"] == "photo-general"  # named by no one: the exemplars are color photos
         photo = test[name]
         r = client.post(f"/v1/exemplar-sets/{r.json()['id']}/localize",
                         files=[("files", _upload(photo, "photo"))])

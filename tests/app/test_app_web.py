@@ -43,16 +43,16 @@ def test_bundles_lists_the_installed_files_and_the_default(tmp_path, bundle_dir)
     installed = tmp_path / "bundles"
     installed.mkdir()
     shutil.copy(bundle_dir / "test-digits.pt", installed / "test-digits.pt")
-    settings = make_test_settings(tmp_path, installed, default_bundle="test-digits", default_color_bundle="test-other",
+    settings = make_test_settings(tmp_path, installed, default_bundle="test-digits", default_photo_bundle="test-other",
                                   api_keys=["k" * 16])
     migrate(settings.database_url)
     with TestClient(create_app(settings)) as c:
         assert c.get("/v1/bundles").status_code == 401
         key = {"X-API-Key": "k" * 16}
         assert c.get("/v1/bundles", headers=key).json() == {
-            "data": [{"name": "test-digits", "default": True}], "default": "test-digits", "default_color": None}
+            "data": [{"name": "test-digits", "default": True}], "default": "test-digits", "default_photo": None}
         shutil.copy(bundle_dir / "test-other.pt", installed / "test-other.pt")  # seen at the next request
         (installed / "notes.txt").write_text("not a bundle")
         listed = c.get("/v1/bundles", headers=key).json()
         assert [b["name"] for b in listed["data"]] == ["test-digits", "test-other"]
-        assert listed["default_color"] == "test-other"  # installed now: color crops get it
+        assert listed["default_photo"] == "test-other"  # installed now: color photos get it

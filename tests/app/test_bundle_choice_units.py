@@ -1,4 +1,5 @@
-"""``app.bundle_choice``: the colorfulness of an exemplar, by value, and the bundle a new set that names none gets."""
+"""``app.bundle_choice``: the colorfulness of an exemplar by value, whether a set's crops look like color photos,
+and the bundle a new set that names none gets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from app.bundle_choice import COLOR_MIN, THUMBNAIL, bundle_of_new_set, colorfulness, in_color
+from app.bundle_choice import COLOR_MIN, PHOTO_MIN_SIDE, THUMBNAIL, bundle_of_new_set, colorfulness, like_photos
 
 
 def rgb(pixels: list[list[tuple[int, int, int]]]) -> Image.Image:
@@ -67,26 +68,46 @@ def test_a_gray_image_saved_as_an_rgb_jpeg_stays_gray_and_a_sepia_print_is_in_co
     assert colorfulness(Image.fromarray((sepia * 255).astype(np.uint8))) > 10 * COLOR_MIN
 
 
-def test_a_set_is_in_color_by_the_median_of_its_crops():
-    gray = Image.new("RGB", (8, 8), (90, 90, 90))
-    color = rgb([[(255, 0, 0), (0, 0, 255)]] * 2)
-    barely = rgb([[(100, 100, 100), (100, 100, 100 - 4)]])  # yb = (0, 4): std 2, mean 2 -> 2.6
+def grown(image: Image.Image, side: int = PHOTO_MIN_SIDE) -> Image.Image:
+    """``image`` resized to a longer side of ``side`` pixels (nearest: its colors kept)."""
+    w, h = image.size
+    return image.resize((side, max(1, round(side * h / w))) if w >= h else (max(1, round(side * w / h)), side),
+                        Image.Resampling.NEAREST)
+
+
+def test_a_set_looks_like_color_photos_by_the_medians_of_its_crops_colors_and_sizes():
+    gray = Image.new("RGB", (PHOTO_MIN_SIDE, 60), (90, 90, 90))
+    color = grown(rgb([[(255, 0, 0), (0, 0, 255)]] * 2))
+    barely = grown(rgb([[(100, 100, 100), (100, 100, 100 - 4)]]))  # yb = (0, 4): std 2, mean 2 -> 2.6
     assert colorfulness(barely) == pytest.approx(2 + 0.3 * 2)
     assert colorfulness(barely) < COLOR_MIN
-    assert in_color([color]) and in_color([gray, color, color]) and in_color([gray, color])  # median of 2: the mean
-    assert not in_color([gray]) and not in_color([color, gray, gray]) and not in_color([barely])
-    exactly = rgb([[(100, 100, 103), (100, 100, 97)]])  # yb = (-3, 3): std 3, mean 0
-    assert colorfulness(exactly) == COLOR_MIN == 3.0 and in_color([exactly])  # the bar is inclusive
-    assert not in_color([])
+    assert like_photos([color]) and like_photos([gray, color, color]) and like_photos([gray, color])  # 2: the mean
+    assert not like_photos([gray]) and not like_photos([color, gray, gray]) and not like_photos([barely])
+    exactly = grown(rgb([[(100, 100, 103), (100, 100, 97)]]))  # yb = (-3, 3): std 3, mean 0
+    assert colorfulness(exactly) == COLOR_MIN == 3.0 and like_photos([exactly])  # the bar is inclusive
+    assert not like_photos([])
+
+
+def test_color_crops_smaller_than_a_photos_are_not_photos():
+    """cMNIST-style objects in color (28-px crops of 84-px images) stay on the gray default: it answers them right."""
+    color = rgb([[(255, 0, 0), (0, 0, 255)]] * 2)
+    assert like_photos([grown(color, PHOTO_MIN_SIDE)]) and like_photos([grown(color, 400)])
+    assert not like_photos([grown(color, PHOTO_MIN_SIDE - 1)]) and not like_photos([grown(color, 28)])
+    tall = grown(rgb([[(255, 0, 0), (0, 0, 255)]]).transpose(Image.Transpose.ROTATE_90))  # the longer side counts
+    assert tall.size == (PHOTO_MIN_SIDE // 2, PHOTO_MIN_SIDE) and like_photos([tall])
+    assert like_photos([grown(color, 28), grown(color), grown(color, 900)])  # the median crop's side
+    assert not like_photos([grown(color, 28), grown(color, 28), grown(color, 900)])
 
 
 def test_the_bundle_of_a_new_set():
-    color, gray = [Image.new("RGB", (4, 4), (250, 10, 10))], [Image.new("L", (4, 4), 99)]
-    choose = {"default": "digits", "color_default": "photos", "installed": ["digits", "photos"]}
-    assert bundle_of_new_set(None, color, **choose) == "photos"
+    photo, gray = [Image.new("RGB", (120, 90), (250, 10, 10))], [Image.new("L", (120, 90), 99)]
+    small = [Image.new("RGB", (28, 28), (250, 10, 10))]
+    choose = {"default": "digits", "photo_default": "photos", "installed": ["digits", "photos"]}
+    assert bundle_of_new_set(None, photo, **choose) == "photos"
     assert bundle_of_new_set(None, gray, **choose) == "digits"
-    assert bundle_of_new_set("digits", color, **choose) == "digits"
+    assert bundle_of_new_set(None, small, **choose) == "digits"
+    assert bundle_of_new_set("digits", photo, **choose) == "digits"
     assert bundle_of_new_set("other", gray, **choose) == "other"  # named: taken as given (unknown: the caller's 422)
-    assert bundle_of_new_set(None, color, **{**choose, "installed": ["digits"]}) == "digits"
-    assert bundle_of_new_set(None, color, **{**choose, "color_default": ""}) == "digits"
-    assert bundle_of_new_set(None, color, **{**choose, "color_default": None}) == "digits"
+    assert bundle_of_new_set(None, photo, **{**choose, "installed": ["digits"]}) == "digits"
+    assert bundle_of_new_set(None, photo, **{**choose, "photo_default": ""}) == "digits"
+    assert bundle_of_new_set(None, photo, **{**choose, "photo_default": None}) == "digits"

@@ -108,22 +108,27 @@ def color_upload(w: int, h: int, name: str = "c.png"):  # type: ignore[no-untype
     return upload_file(buf.getvalue(), name)
 
 
-@pytest.mark.parametrize(("crops", "named", "color_default", "expected", "explicit"), [
-    ("color", None, "test-other", "test-other", False),  # crops in color, the color default installed
-    ("color gray color", None, "test-other", "test-other", False),  # the median crop is in color
-    ("gray color gray", None, "test-other", "test-digits", False),  # the median crop is gray
-    ("gray", None, "test-other", "test-digits", False),
-    ("color", "test-digits", "test-other", "test-digits", True),  # a named bundle is never replaced
-    ("color", None, "photo-general", "test-digits", False),  # the color default is not installed
-    ("color", None, "", "test-digits", False),  # no color default
+@pytest.mark.parametrize(("crops", "boxes", "named", "photo_default", "expected", "explicit"), [
+    ("photo", None, None, "test-other", "test-other", False),  # like a color photo, the photo default installed
+    ("photo gray photo", None, None, "test-other", "test-other", False),  # the median crop is a photo's
+    ("gray photo gray", None, None, "test-other", "test-digits", False),  # the median crop is gray
+    ("photo small small", None, None, "test-other", "test-digits", False),  # in color, cMNIST-sized: the default
+    ("gray", None, None, "test-other", "test-digits", False),
+    ("photo photo", "[[0, 0, 120, 90], [10, 5, 110, 85]]", None, "test-other", "test-other", False),  # cut: 120, 100
+    ("photo photo", "[[0, 0, 120, 90], [10, 5, 40, 35]]", None, "test-other", "test-digits", False),  # median 75 px
+    ("photo", None, "test-digits", "test-other", "test-digits", True),  # a named bundle is never replaced
+    ("photo", None, None, "photo-general", "test-digits", False),  # the photo default is not installed
+    ("photo", None, None, "", "test-digits", False),  # no photo default
 ])
-def test_a_set_naming_no_bundle_gets_the_color_default_for_crops_in_color(db, tmp_path, bundle_dir, store, crops,
-                                                                           named, color_default, expected, explicit):
-    settings = make_test_settings(tmp_path, bundle_dir, default_color_bundle=color_default)
+def test_a_set_naming_no_bundle_gets_the_photo_default_for_crops_like_color_photos(  # noqa: PLR0913
+        db, tmp_path, bundle_dir, store, crops, boxes, named, photo_default, expected, explicit):
+    settings = make_test_settings(tmp_path, bundle_dir, default_photo_bundle=photo_default)
     assert settings.default_bundle == "test-digits"
     remote = Remote(MadePrototype(expected, "f" * 64, b"\0" * 8, 2))
-    files = [color_upload(30, 24) if kind == "color" else upload(30, 24) for kind in crops.split()]
-    public, _ = add(db, settings, store, SetForm(files, None, named, None, [], 0.5), remote)
+    made = {"photo": lambda: color_upload(120, 90), "small": lambda: color_upload(30, 24),
+            "gray": lambda: upload(120, 90)}
+    files = [made[kind]() for kind in crops.split()]
+    public, _ = add(db, settings, store, SetForm(files, None, named, boxes, [], 0.5), remote)
     (call,) = remote.calls
     assert (call["bundle"], call["explicit"], public.bundle) == (expected, explicit, expected)
 

@@ -35,8 +35,8 @@ def _unavailable(why: str) -> None:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, bundle_dir: Path) -> Iterator[Stack]:  # noqa: F811
     root = tmp_path_factory.mktemp("browser-stack")
-    # a color default installed: the page offers "auto" (no bundle sent) first
-    settings = make_test_settings(root, bundle_dir, synthetic_probes=8, default_color_bundle="test-other")
+    # a photo default installed: the page offers "auto" (no bundle sent) first
+    settings = make_test_settings(root, bundle_dir, synthetic_probes=8, default_photo_bundle="test-other")
     migrate(settings.database_url)
     with started(settings, root) as st:
         yield st

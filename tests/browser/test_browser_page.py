@@ -55,7 +55,7 @@ def attr_box(locator) -> list[float]:  # type: ignore[no-untyped-def]
 def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_path: Path) -> None:
     open_page(page)
     options = page.locator("#bundle-select option")
-    assert options.all_inner_texts() == ["auto: test-digits, or test-other for crops in color",
+    assert options.all_inner_texts() == ["auto: test-digits, or test-other for color photos",
                                          "test-digits (default)", "test-other"]
     assert page.input_value("#bundle-select") == ""  # auto: no bundle sent, the server picks
 
@@ -106,11 +106,11 @@ def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_pa
     assert boxed.name is None and boxed.bundle == "test-other"  # the name field was emptied, the bundle kept
 
 
-def test_auto_sends_no_bundle_and_the_server_picks_by_the_crops_colors(page, stack: Stack, tmp_path: Path) -> None:
+def test_auto_sends_no_bundle_and_the_server_picks_by_the_crops(page, stack: Stack, tmp_path: Path) -> None:
     open_page(page)
-    for mode, expected in (("RGB", "test-other"), ("L", "test-digits")):  # the stack's color default, its default
-        pixels = np.zeros((28, 28, 3), np.uint8)
-        pixels[:, :14, 0] = pixels[:, 14:, 2] = 220  # red | blue
+    for mode, expected in (("RGB", "test-other"), ("L", "test-digits")):  # the stack's photo default, its default
+        pixels = np.zeros((120, 120, 3), np.uint8)  # a color photo's size (a 28-px color crop: the default)
+        pixels[:, :60, 0] = pixels[:, 60:, 2] = 220  # red | blue
         buf = io.BytesIO()
         Image.fromarray(pixels).convert(mode).save(buf, "PNG")
         page.set_input_files("#exemplar-files", [write(tmp_path, f"{mode}.png", buf.getvalue())])
