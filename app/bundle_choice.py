@@ -56,12 +56,16 @@ def like_photos(crops: Sequence[Image.Image]) -> bool:
             and statistics.median(colorfulness(c) for c in crops) >= COLOR_MIN)
 
 
+def installed_photo_default(photo_default: str | None, installed: Sequence[str]) -> str | None:
+    """The photo default (``QLOC_DEFAULT_PHOTO_BUNDLE``) when one is set and installed, else ``None``."""
+    return photo_default if photo_default and photo_default in installed else None
+
+
 def bundle_of_new_set(named: str | None, crops: Sequence[Image.Image], *, default: str, photo_default: str | None,
                       installed: Sequence[str]) -> str:
     """The bundle a new set is made with: ``named`` when the client gave one; else ``photo_default`` for crops that
     look like color photos when it is ``installed``; else ``default``."""
     if named is not None:
         return named
-    if photo_default and photo_default in installed and like_photos(crops):
-        return photo_default
-    return default
+    photo = installed_photo_default(photo_default, installed)
+    return photo if photo is not None and like_photos(crops) else default

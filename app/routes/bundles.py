@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
+from app.bundle_choice import installed_photo_default
 from app.deps import BundlesDep, CallerDep, SettingsDep
 from app.routes.errors import UNAUTHORIZED
 
@@ -30,6 +31,6 @@ def list_bundles(settings: SettingsDep, bundles: BundlesDep, caller: CallerDep) 
     none gets (``app.bundle_choice``)."""
     del caller  # authenticates only: every caller sees the same bundles
     names = bundles.names()
-    photo = settings.default_photo_bundle
     return BundlesPublic(data=[BundlePublic(name=n, default=n == settings.default_bundle) for n in names],
-                         default=settings.default_bundle, default_photo=photo if photo in names else None)
+                         default=settings.default_bundle,
+                         default_photo=installed_photo_default(settings.default_photo_bundle, names))
