@@ -244,7 +244,7 @@ class QlocClient:
                             threshold: float | None = None) -> ExemplarSet:
         """Register exemplar crops; with ``boxes`` (one ``[x1, y1, x2, y2]`` per image), whole images whose
         boxes are cut out, kept as the set's labeled examples. ``bundle``: none, the server's default, or its photo
-        default for crops that look like color photos (the set's ``bundle`` says which). ``negatives``: crops of
+        default for crops that look like photos (the set's ``bundle`` says which). ``negatives``: crops of
         look-alikes to avoid; ``threshold``: the calibrated confidence at which an answer counts as found."""
         import json
 

@@ -48,13 +48,15 @@ class Settings(BaseSettings):
     default_bundle: str = "mnist-general"
     """The bundle of a set created without ``bundle``: the cMNIST bundle trained on all ten digits, chosen over the
     one-digit ``mnist-digit4`` on kinds of objects neither saw (BENCHMARKS.md, "A general cMNIST bundle"). Exemplars
-    that look like color photos get ``default_photo_bundle`` instead."""
+    that look like photos get ``default_photo_bundle`` instead."""
     default_photo_bundle: str = Field("photo-general", pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,99})?$")
-    """The bundle of a set created without ``bundle`` whose exemplar crops look like color photos
-    (``app.bundle_choice``: the medians of their colorfulness at least 3 and of their longer sides at least 100
-    pixels), when it is installed; otherwise ``default_bundle``. On color photos the gray cMNIST default answers
-    nothing right (CorLoc 0 on the real photographs, 52-58 with ``photo-general``); on color cMNIST-style images (28-px
-    crops) it stays the better one. Empty: every set that names no bundle gets ``default_bundle``."""
+    """The bundle of a set created without ``bundle`` whose exemplar crops look like photos (``app.bundle_choice``:
+    the median of their mid-tone shares at least 0.2, in color or gray and at any size; or the medians of their
+    colorfulness at least 3 and of their longer sides at least 100 pixels), when it is installed; otherwise
+    ``default_bundle``. On photos the gray cMNIST default
+    answers nothing right (CorLoc 0 on the real photographs in color, in gray and as thumbnails, 48-58 with
+    ``photo-general``); on cMNIST-style images, also in color, it stays the better one. Empty: every set that names
+    no bundle gets ``default_bundle``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs, in the API (``inference=local``) and on the workers: ``auto``, a CUDA GPU when torch
     finds one, else the CPU."""

@@ -21,8 +21,8 @@ class BundlesPublic(BaseModel):
     data: list[BundlePublic] = Field(description="The bundles installed now, by name (files are not loaded)")
     default: str = Field(description="The server's default bundle (QLOC_DEFAULT_BUNDLE); it may be missing")
     default_photo: str | None = Field(description=(
-        "The bundle a set naming none gets when its exemplar crops look like color photos (in color, and 100 pixels "
-        "or more; QLOC_DEFAULT_PHOTO_BUNDLE), if installed; null: none is (such sets get `default`)"))
+        "The bundle a set naming none gets when its exemplar crops look like photos (in continuous tones, or in color "
+        "and 100 pixels or more; QLOC_DEFAULT_PHOTO_BUNDLE), if installed; null: none is (such sets get `default`)"))
 
 
 @router.get("/bundles", response_model=BundlesPublic)

@@ -64,9 +64,9 @@ NEGATIVES_DESCRIPTION = (
     "look-alike than the exemplars gets a lower one; `rerank=true` on localize also picks the visited box the "
     "calibration likes best. The agent's policy itself is not trained on them.")
 BUNDLE_DESCRIPTION = (
-    "Model bundle (`GET /v1/bundles`). Default: the server's (`default`), or for exemplar crops that look like color "
-    "photos (in color, and 100 pixels or more) its photo default (`default_photo`) when installed: the set's `bundle` "
-    "says which it got.")
+    "Model bundle (`GET /v1/bundles`). Default: the server's (`default`), or for exemplar crops that look like photos "
+    "(in continuous tones, in color or gray, at any size; or in color and 100 pixels or more) its photo default "
+    "(`default_photo`) when installed: the set's `bundle` says which it got.")
 THRESHOLD_DESCRIPTION = (
     "Calibrated confidence in [0, 1] from which an answer is `found` (default 0.5: more likely right than "
     "wrong). Localize's `min_confidence` can only raise it per request.")

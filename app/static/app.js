@@ -235,8 +235,8 @@ async function loadBundles() {
     const res = await api("GET", "/v1/bundles");
     const sel = $("#bundle-select");
     const options = res.data.map((b) => el("option", { value: b.name, text: b.default ? `${b.name} (default)` : b.name }));
-    // No bundle sent: the server picks its default, or its photo default for crops that look like color photos.
-    if (res.default_photo) options.unshift(el("option", { value: "", text: `auto: ${res.default}, or ${res.default_photo} for color photos` }));
+    // No bundle sent: the server picks its default, or its photo default for crops that look like photos.
+    if (res.default_photo) options.unshift(el("option", { value: "", text: `auto: ${res.default}, or ${res.default_photo} for photos` }));
     sel.replaceChildren(...options);
     if (res.default_photo) sel.value = "";
     else if (res.data.some((b) => b.name === res.default)) sel.value = res.default;

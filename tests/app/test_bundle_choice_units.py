@@ -1,5 +1,5 @@
-"""``app.bundle_choice``: the colorfulness of an exemplar by value, whether a set's crops look like color photos,
-and the bundle a new set that names none gets."""
+"""``app.bundle_choice``: the colorfulness and the mid-tones of an exemplar by value, whether a set's crops look like
+photos, and the bundle a new set that names none gets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,18 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from app.bundle_choice import COLOR_MIN, PHOTO_MIN_SIDE, THUMBNAIL, bundle_of_new_set, colorfulness, like_photos
+from app.bundle_choice import (
+    COLOR_MIN,
+    MIDTONES_MIN,
+    PHOTO_MIN_SIDE,
+    THUMBNAIL,
+    bundle_of_new_set,
+    colorfulness,
+    like_photos,
+    midtones,
+)
+from models.data.types import exemplar_crops
+from models.experiments.cmnist import cmnist
 
 
 def rgb(pixels: list[list[tuple[int, int, int]]]) -> Image.Image:
@@ -106,8 +117,51 @@ def test_the_bundle_of_a_new_set():
     assert bundle_of_new_set(None, photo, **choose) == "photos"
     assert bundle_of_new_set(None, gray, **choose) == "digits"
     assert bundle_of_new_set(None, small, **choose) == "digits"
+    assert bundle_of_new_set(None, [Image.fromarray(data.camera())], **choose) == "photos"  # a gray photograph
     assert bundle_of_new_set("digits", photo, **choose) == "digits"
     assert bundle_of_new_set("other", gray, **choose) == "other"  # named: taken as given (unknown: the caller's 422)
     assert bundle_of_new_set(None, photo, **{**choose, "installed": ["digits"]}) == "digits"
     assert bundle_of_new_set(None, photo, **{**choose, "photo_default": ""}) == "digits"
     assert bundle_of_new_set(None, photo, **{**choose, "photo_default": None}) == "digits"
+
+
+def gray(pixels: list[int]) -> Image.Image:
+    return Image.fromarray(np.array([pixels], np.uint8), "L")
+
+
+def test_midtones_is_the_share_of_pixels_in_the_middle_half_of_the_images_own_range():
+    # 50 pixels: the 2nd and 98th percentiles are the darkest and the brightest (10 each), 0 and 200; the middle
+    # half is (50, 150), ends excluded: 120 and 100 are in it, 50, 150, 20 and 180 are not
+    image = gray([0] * 10 + [200] * 10 + [120] * 7 + [100] * 5 + [50, 150] * 4 + [20, 180] * 5)
+    assert midtones(image) == pytest.approx(12 / 50)
+    assert midtones(gray([v // 2 + 40 for v in [0] * 10 + [200] * 10 + [120] * 7 + [100] * 5 + [50, 150] * 4
+                          + [20, 180] * 5])) == pytest.approx(12 / 50)  # any contrast, any brightness
+    assert midtones(gray([90] * 30)) == 0.0  # one level: no tones
+    assert midtones(gray([0, 255] * 20)) == 0.0  # two levels: strokes on a ground
+    assert midtones(Image.new("RGB", (40, 30), (200, 30, 30))) == 0.0
+
+
+def test_midtones_tell_photographs_from_strokes_in_gray_and_in_color_at_any_size():
+    for photo in (data.camera(), data.chelsea(), data.coffee(), data.astronaut()):
+        image = Image.fromarray(photo)
+        small = image.copy()
+        small.thumbnail((48, 48))
+        for variant in (image, image.convert("L"), small):
+            assert midtones(variant) > MIDTONES_MIN
+    digits = [Image.fromarray((c[0].numpy() * 255).astype(np.uint8)) for c in exemplar_crops(cmnist(7, "train", 5))]
+    assert max(midtones(d) for d in digits) < MIDTONES_MIN / 2 < MIDTONES_MIN
+    assert max(midtones(d.resize((84, 84), Image.Resampling.BICUBIC)) for d in digits) < MIDTONES_MIN  # enlarged
+
+
+def test_a_set_of_gray_or_small_photographs_looks_like_photos_and_strokes_in_color_do_not():
+    camera = Image.fromarray(data.camera()).resize((120, 120))  # gray, colorfulness 0
+    thumb = Image.fromarray(data.chelsea())
+    thumb.thumbnail((48, 48))  # in color, under PHOTO_MIN_SIDE
+    assert colorfulness(camera) == 0 and max(thumb.size) < PHOTO_MIN_SIDE
+    assert like_photos([camera]) and like_photos([thumb]) and like_photos([camera, thumb, Image.new("L", (9, 9))])
+    strokes = np.zeros((200, 200, 3), np.uint8)
+    strokes[40:160, 90:110, 0] = strokes[90:110, 40:160, 2] = 250  # a red and a blue bar: in color, photo-sized
+    assert colorfulness(Image.fromarray(strokes)) > COLOR_MIN and midtones(Image.fromarray(strokes)) < MIDTONES_MIN
+    assert like_photos([Image.fromarray(strokes)])  # by the color rule, as before
+    assert not like_photos([Image.fromarray(strokes).resize((50, 50), Image.Resampling.NEAREST)])  # 50 px: not
+    assert not like_photos([Image.new("L", (9, 9)), Image.new("L", (9, 9)), camera])  # the median crop is flat

@@ -17,6 +17,7 @@ import pytest
 from fastapi import Response
 from PIL import Image
 from service_fixtures import make_test_settings, new_job, new_set, png_bytes, refusal, upload_file
+from skimage import data
 from sqlalchemy import select, update
 
 from app.deps import Caller
@@ -108,25 +109,49 @@ def color_upload(w: int, h: int, name: str = "c.png"):  # type: ignore[no-untype
     return upload_file(buf.getvalue(), name)
 
 
+def tinted_upload(w: int, h: int):  # type: ignore[no-untyped-def]
+    """A small crop like a cMNIST digit in color: a red square on a dark ground (two tones, strongly colored)."""
+    rgb = np.zeros((h, w, 3), np.uint8)
+    rgb[h // 4:3 * h // 4, w // 4:3 * w // 4, 0] = 230
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "PNG")
+    return upload_file(buf.getvalue(), "t.png")
+
+
+def photo_upload(pixels: np.ndarray, side: int):  # type: ignore[no-untyped-def]
+    """A photograph (``skimage.data``) at a longer side of ``side`` pixels."""
+    image = Image.fromarray(pixels)
+    image.thumbnail((side, side))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return upload_file(buf.getvalue(), "p.png")
+
+
 @pytest.mark.parametrize(("crops", "boxes", "named", "photo_default", "expected", "explicit"), [
     ("photo", None, None, "test-other", "test-other", False),  # like a color photo, the photo default installed
     ("photo gray photo", None, None, "test-other", "test-other", False),  # the median crop is a photo's
     ("gray photo gray", None, None, "test-other", "test-digits", False),  # the median crop is gray
     ("photo small small", None, None, "test-other", "test-digits", False),  # in color, cMNIST-sized: the default
     ("gray", None, None, "test-other", "test-digits", False),
+    ("grayphoto", None, None, "test-other", "test-other", False),  # in gray levels, continuous tones: a photo's
+    ("smallphoto smallphoto gray", None, None, "test-other", "test-other", False),  # a photo's, 48 px
+    ("noise", None, None, "test-other", "test-other", False),  # tones throughout its range (as a photo's)
     ("photo photo", "[[0, 0, 120, 90], [10, 5, 110, 85]]", None, "test-other", "test-other", False),  # cut: 120, 100
     ("photo photo", "[[0, 0, 120, 90], [10, 5, 40, 35]]", None, "test-other", "test-digits", False),  # median 75 px
     ("photo", None, "test-digits", "test-other", "test-digits", True),  # a named bundle is never replaced
     ("photo", None, None, "photo-general", "test-digits", False),  # the photo default is not installed
     ("photo", None, None, "", "test-digits", False),  # no photo default
 ])
-def test_a_set_naming_no_bundle_gets_the_photo_default_for_crops_like_color_photos(  # noqa: PLR0913
+def test_a_set_naming_no_bundle_gets_the_photo_default_for_crops_like_photos(  # noqa: PLR0913
         db, tmp_path, bundle_dir, store, crops, boxes, named, photo_default, expected, explicit):
     settings = make_test_settings(tmp_path, bundle_dir, default_photo_bundle=photo_default)
     assert settings.default_bundle == "test-digits"
     remote = Remote(MadePrototype(expected, "f" * 64, b"\0" * 8, 2))
-    made = {"photo": lambda: color_upload(120, 90), "small": lambda: color_upload(30, 24),
-            "gray": lambda: upload(120, 90)}
+    made = {"photo": lambda: color_upload(120, 90), "small": lambda: tinted_upload(30, 24),
+            "gray": lambda: upload_file(png_bytes(120, 90, seed=90), "a.png"),  # a bright square on a dark ground
+            "grayphoto": lambda: photo_upload(data.camera(), 120),
+            "smallphoto": lambda: photo_upload(data.chelsea(), 48),
+            "noise": lambda: upload(120, 90)}
     files = [made[kind]() for kind in crops.split()]
     public, _ = add(db, settings, store, SetForm(files, None, named, boxes, [], 0.5), remote)
     (call,) = remote.calls

@@ -55,7 +55,7 @@ def attr_box(locator) -> list[float]:  # type: ignore[no-untyped-def]
 def test_create_a_set_from_crops_and_from_a_drawn_box(page, stack: Stack, tmp_path: Path) -> None:
     open_page(page)
     options = page.locator("#bundle-select option")
-    assert options.all_inner_texts() == ["auto: test-digits, or test-other for color photos",
+    assert options.all_inner_texts() == ["auto: test-digits, or test-other for photos",
                                          "test-digits (default)", "test-other"]
     assert page.input_value("#bundle-select") == ""  # auto: no bundle sent, the server picks
 
