@@ -234,7 +234,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # which bundle a set that names none gets (its crops like color photos or not)
     "bundle_choice": ("app/bundle_choice.py", [
         "tests/app/test_bundle_choice_units.py",
-        "tests/app/test_set_routes_units.py::test_a_set_naming_no_bundle_gets_the_photo_default_for_crops_like_color_photos"]),
+        "tests/app/test_set_routes_units.py::test_a_set_naming_no_bundle_gets_the_photo_default_for_crops_like_photos"]),
     "agent_net": ("models/nets/agent.py", NET_TESTS),
     "embedding_net": ("models/nets/embedding.py", NET_TESTS),
 }

@@ -4,6 +4,7 @@ photos, and the bundle a new set that names none gets."""
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -165,3 +166,33 @@ def test_a_set_of_gray_or_small_photographs_looks_like_photos_and_strokes_in_col
     assert like_photos([Image.fromarray(strokes)])  # by the color rule, as before
     assert not like_photos([Image.fromarray(strokes).resize((50, 50), Image.Resampling.NEAREST)])  # 50 px: not
     assert not like_photos([Image.new("L", (9, 9)), Image.new("L", (9, 9)), camera])  # the median crop is flat
+
+
+def test_midtones_reads_gray_levels_the_darkest_and_brightest_two_percent_left_out():
+    # in color, the gray levels count (ITU-R 601 luma): red 76 and green 150 sit in the middle of black..white, though
+    # every channel of every pixel is 0 or 255
+    colors = [(0, 0, 0)] * 10 + [(255, 255, 255)] * 10 + [(255, 0, 0)] * 3 + [(0, 255, 0)] * 2
+    assert midtones(rgb([colors])) == pytest.approx(5 / 25)
+    # the range is the 2nd to 98th percentile (numpy's linear interpolation), the rest of the thumbnail counted
+    camera = Image.fromarray(data.camera())  # 512 x 512: read at 64 x 64
+    small = camera.copy()
+    small.thumbnail((THUMBNAIL, THUMBNAIL))
+    pixels = np.asarray(small, np.float64)
+    lo, hi = np.percentile(pixels, 2), np.percentile(pixels, 98)
+    assert (lo, hi) != (np.percentile(pixels, 3), np.percentile(pixels, 99))
+    expected = float(((pixels > lo + (hi - lo) / 4) & (pixels < lo + 3 * (hi - lo) / 4)).mean())
+    assert midtones(camera) == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_flat_crop_has_no_midtones_and_no_division_by_zero():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 0 / 0 would warn
+        assert midtones(Image.new("L", (30, 20), 77)) == 0.0
+
+
+def test_the_midtones_bar_is_inclusive():
+    exactly = gray([0] * 10 + [200] * 10 + [120] * 10 + [20] * 20)  # 10 of 50 in the middle half: 0.2
+    assert midtones(exactly) == MIDTONES_MIN == 0.2
+    assert colorfulness(exactly) == 0 and max(exactly.size) < PHOTO_MIN_SIDE  # only the mid-tones can say photo
+    assert like_photos([exactly])
+    assert not like_photos([gray([0] * 10 + [200] * 10 + [120] * 9 + [20] * 21)])  # 0.18
