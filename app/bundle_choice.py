@@ -43,7 +43,7 @@ printed characters), below the real-photo benchmark's exemplar sets' (0.28-0.72 
 thumbnails; sets of 5 other crops of one class of its exemplar and val photos 0.17-0.72, tools and household lowest:
 in color and photo-sized those are photos by the other rule). Its test photos were not read to choose it."""
 THUMBNAIL = 64
-"""Longer side an exemplar is read at (enough for its colors; the cost does not grow with the upload)."""
+"""Longer side an exemplar is read at (enough for its colors and tones; the cost does not grow with the upload)."""
 
 
 def colorfulness(image: Image.Image) -> float:
@@ -59,7 +59,7 @@ def colorfulness(image: Image.Image) -> float:
 def midtones(image: Image.Image) -> float:
     """The share of ``image``'s pixels in the middle half of its own gray range (its 2nd to 98th percentile), read
     on a thumbnail: near 0 for strokes on a flat ground (digits, characters, line art: their pixels sit at the two
-    ends), a third to four fifths for photographs (their tones run through the range)."""
+    ends), mostly 0.3-0.8 for photographs (their tones run through the range)."""
     small = image.convert("L")
     small.thumbnail((THUMBNAIL, THUMBNAIL))
     gray = np.asarray(small, dtype=np.float64)  # [H, W]

@@ -53,10 +53,9 @@ class Settings(BaseSettings):
     """The bundle of a set created without ``bundle`` whose exemplar crops look like photos (``app.bundle_choice``:
     the median of their mid-tone shares at least 0.2, in color or gray and at any size; or the medians of their
     colorfulness at least 3 and of their longer sides at least 100 pixels), when it is installed; otherwise
-    ``default_bundle``. On photos the gray cMNIST default
-    answers nothing right (CorLoc 0 on the real photographs in color, in gray and as thumbnails, 48-58 with
-    ``photo-general``); on cMNIST-style images, also in color, it stays the better one. Empty: every set that names
-    no bundle gets ``default_bundle``."""
+    ``default_bundle``. On photos the gray cMNIST default answers nothing right (CorLoc 0 on the real photographs in
+    color, in gray and as thumbnails, 48-58 with ``photo-general``); on cMNIST-style images, also in color, it stays
+    the better one. Empty: every set that names no bundle gets ``default_bundle``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs, in the API (``inference=local``) and on the workers: ``auto``, a CUDA GPU when torch
     finds one, else the CPU."""
