@@ -90,6 +90,34 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+class RecordingQueue:
+    """The job queue (``app.queue.JobQueue``) as the routes use it: records each send; ``error`` makes every send
+    fail."""
+
+    def __init__(self, error: Exception | None = None):
+        self.sent: list[uuid.UUID] = []
+        self.error = error
+
+    def enqueue_adaptation(self, job_id: uuid.UUID) -> None:
+        if self.error is not None:
+            raise self.error
+        self.sent.append(job_id)
+
+
+class BundleCheck:
+    """Workers mode's bundle check (``WorkerInference.check_bundle``): records each; ``refused`` (an
+    ``InferenceRefused``) answers it."""
+
+    def __init__(self, refused: Exception | None = None):
+        self.checked: list[tuple] = []
+        self.refused = refused
+
+    def check_bundle(self, name: str, *, sha256: str, prototype_dim: int) -> None:
+        self.checked.append((name, sha256, prototype_dim))
+        if self.refused is not None:
+            raise self.refused
+
+
 def make_test_settings(root: Path, bundle_dir: Path, **overrides: Any) -> Settings:
     """Embedded-default settings under ``root``, with short job timings."""
     values: dict[str, Any] = dict(

@@ -12,6 +12,8 @@ import uuid
 
 import pytest
 from fastapi import Response
+from service_fixtures import BundleCheck as Remote
+from service_fixtures import RecordingQueue as Queue
 from service_fixtures import make_test_settings, new_set, png_bytes, refusal, upload_file
 from sqlalchemy import select, update
 
@@ -29,32 +31,6 @@ OWNER = Caller("k")
 
 def upload(seed: int):  # type: ignore[no-untyped-def]
     return upload_file(png_bytes(20, 16, seed=seed), f"im{seed}.png")
-
-
-class Queue:
-    """The job queue: records each send; ``error`` makes every send fail."""
-
-    def __init__(self, error: Exception | None = None):
-        self.sent: list[uuid.UUID] = []
-        self.error = error
-
-    def enqueue_adaptation(self, job_id: uuid.UUID) -> None:
-        if self.error is not None:
-            raise self.error
-        self.sent.append(job_id)
-
-
-class Remote:
-    """Workers mode's bundle check (``WorkerInference.check_bundle``): records each; ``refused`` answers it."""
-
-    def __init__(self, refused: InferenceRefused | None = None):
-        self.checked: list[tuple] = []
-        self.refused = refused
-
-    def check_bundle(self, name: str, *, sha256: str, prototype_dim: int) -> None:
-        self.checked.append((name, sha256, prototype_dim))
-        if self.refused is not None:
-            raise self.refused
 
 
 @pytest.fixture
