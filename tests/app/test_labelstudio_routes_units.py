@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from fastapi import Response
 from labelstudio_fake import FakeLabelStudio
+from pydantic import ValidationError
 from service_fixtures import (
     BundleCheck,
     RecordingQueue,
@@ -119,6 +120,12 @@ def test_each_task_is_read_or_skipped_with_its_reason_up_to_the_limit():
         "task 1"]
     neither = Fetcher(listing({"count": 0}))
     assert _project_images(neither, {"id": 7, "label_config": CONFIG}, SET, 8) == ([], [])
+    not_a_list = Fetcher(listing({"tasks": "abc"}))
+    assert _project_images(not_a_list, {"id": 7, "label_config": CONFIG}, SET, 8) == ([], [])
+    long_id = "x" * 45  # named by its first 40 characters
+    named = Fetcher({**listing([{"id": long_id, "data": {"img": "/data/1.png"}}], limit=1), "/data/1.png": PNG})
+    assert [u.filename for u in _project_images(named, {"id": 7, "label_config": CONFIG}, SET, 1)[0]] == [
+        "task " + "x" * 40]
 
 
 def test_the_unfinished_job_answered_is_the_sets_latest(db):
@@ -214,6 +221,12 @@ def test_predict_without_tasks_answers_the_active_checkpoint_and_a_task_without_
     tasks = [{"id": 5, "data": {"img": "data:,"}}, {"data": {"picture": "/data/1.png"}}]
     assert refusal(annotate, db, settings, set_id, predict_body(tasks)) == (
         422, 'task #2 has no data.img (the image of <Image value="$img"> in the label config)')
+    assert refusal(annotate, db, settings, set_id, PredictRequest(tasks=[])) == (422, (
+        "the labeling config is empty (/setup's `schema`, a task's `label_config`): Label Studio sends the project's; "
+        "it needs a <RectangleLabels> tag on an <Image>"))
+    with pytest.raises(ValidationError) as e:
+        PredictRequest(tasks=[], project="1\x002")
+    assert [err["msg"] for err in e.value.errors()] == ["Value error, project contains a NUL byte (\\x00); remove it"]
 
 
 def test_predict_fetches_within_the_hosts_and_the_time_it_is_given(db, tmp_path, bundle_dir, fake_ls):
@@ -263,10 +276,10 @@ def test_the_webhook_with_no_image_to_adapt_on_says_why(db, tmp_path, bundle_dir
             "`schema`, a task's `label_config`): Label Studio sends the project's; it needs a <RectangleLabels> tag on "
             "an <Image>) and the set's image pool is empty"))
         event = {"action": "START_TRAINING", "project": {"id": 3, "label_config": LS_CONFIG}}
-        status, detail = refusal(train, db, known, store, set_id, event)
-        assert status == 422 and detail.startswith("no image to adapt on: the project's images could not be read (")
-        assert detail.count("task ") == 3 and "task 4" not in detail  # the first three of five reasons
-        assert detail.count("; ") == 2 and detail.endswith(") and the set's image pool is empty")
+        not_an_image = "not a PNG, JPEG or WebP image"
+        assert refusal(train, db, known, store, set_id, event) == (422, (  # the first three of five reasons
+            f"no image to adapt on: the project's images could not be read (task 1: {not_an_image}; task 2: "
+            f"{not_an_image}; task 3: {not_an_image}) and the set's image pool is empty"))
     with db() as s:
         assert s.scalars(select(AdaptationJob).where(AdaptationJob.exemplar_set_id == set_id)).all() == []
 
