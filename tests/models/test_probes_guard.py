@@ -492,8 +492,9 @@ def test_faithfulness_is_the_rewards_ranking_on_the_probes_and_follows_a_repaire
 def test_synthetic_probes_erase_where_the_start_answers_and_paste_a_crop_at_its_box():
     """By value, on flat images (image ``i`` all ``i / 10``) and white crops: each probe is one image with its erase
     box covered by another image's pixels (``rect``) or a flat fill from around it (``soft``), and a crop pasted at
-    the box it reports, its long side ``PROBE_SCALE`` times the bundle's exemplar size. Without ``erase`` the boxes
-    covered are the starting policy's answers (``agent_state``: ``None``, the bundle's)."""
+    the box it reports (whole for ``rect``, its inscribed ellipse for ``soft``), its long side ``PROBE_SCALE`` times
+    the bundle's exemplar size. Without ``erase`` the boxes covered are the starting policy's answers
+    (``agent_state``: ``None``, the bundle's)."""
     from models.guard import PROBE_SCALE, synthetic_probes
     from models.inference import Localizer
 
@@ -513,6 +514,8 @@ def test_synthetic_probes_erase_where_the_start_answers_and_paste_a_crop_at_its_
             long = max(x2 - x1, y2 - y1)
             assert PROBE_SCALE[0] * side - 1 <= long <= PROBE_SCALE[1] * side + 1, (long, side)
             assert float(im[(y1 + y2) // 2, (x1 + x2) // 2]) == pytest.approx(1.0, abs=1e-3)  # the crop
+            corner = float(im[y1 + 2, x1 + 2])  # inside the pasted rectangle; outside its inscribed ellipse
+            assert corner == pytest.approx(1.0, abs=1e-3) if style == "rect" else corner < 0.6
             mask = torch.ones(84, 84, dtype=torch.bool)
             mask[max(0, y1 - 3):y2 + 3, max(0, x1 - 3):x2 + 3] = False  # away from the paste and its feather
             below, strip = im[30:][mask[30:]], im[:30][mask[:30]]
