@@ -481,3 +481,37 @@ def test_with_negatives_the_stats_are_those_of_the_negatives_fit():
     p = cal.confidence(d, torch.cat([pos_neg, neg_neg]))
     assert cal.stats["ece"] == round(expected_calibration_error(p, y), 4) and cal.stats["ece"] != round(
         expected_calibration_error(cal.confidence(d), y), 4)
+
+
+def test_score_boxes_gives_each_boxs_distances_and_the_confidence_of_the_richest_fit():
+    """``score_boxes`` by value against its parts: the distance to the prototype, the nearest negative's (inf
+    without negatives), and ``Calibration.box_confidence`` given the negatives' distances only when the calibration
+    has their fit; float32 out."""
+    from models.calibration import box_distances, score_boxes
+    from models.core.platt import PlattFit
+
+    loc = _random_localizer()
+    g = torch.Generator().manual_seed(8)
+    images = torch.rand(3, 1, 84, 84, generator=g)
+    boxes = torch.tensor([[[4.0, 4.0, 40.0, 40.0], [30.0, 20.0, 80.0, 70.0]]]).repeat(3, 1, 1)
+    boxes[1] += 2.0
+    proto = loc.prototype(_crops(3))
+    negatives = torch.stack([loc.prototype(_crops(1, first=10 + i)) for i in range(3)])  # [3, D]
+    d = box_distances(loc, images, boxes, torch.cat([proto[None], negatives]))  # [3, 2, 4]
+    near_neg = d[..., 1:].min(-1).values
+    assert not torch.equal(near_neg, d[..., 1]) and not torch.equal(near_neg, d[..., 3])  # the min of three
+    score = PlattFit(["log_score"], [-1.6], [0.05], [-2.0], 0.3)  # these distances: 0.18-0.23, none saturated
+    with_neg = Calibration(score, PlattFit(["log_score", "log_ratio"], [-1.6, 0.1], [0.05, 0.05], [-2.0, 3.0], 0.1))
+    full = _full_calibration()  # templates: the NCC fits
+    for cal in (Calibration(score), with_neg, full):
+        d_p, d_n, conf = score_boxes(loc, images, boxes, proto, negatives, cal)
+        assert torch.allclose(d_p, d[..., 0]) and torch.allclose(d_n, near_neg)
+        given = near_neg if cal.negatives is not None else None
+        assert conf.dtype == torch.float32
+        assert torch.allclose(conf, cal.box_confidence(images, boxes, d[..., 0], given).float())
+        for none in (None, negatives[:0]):
+            d_p, d_n, conf = score_boxes(loc, images, boxes, proto, none, cal)
+            assert torch.allclose(d_p, d[..., 0]) and bool(torch.isinf(d_n).all()) and d_n.shape == (3, 2)
+            assert torch.allclose(conf, cal.box_confidence(images, boxes, d[..., 0], None).float())
+    assert not torch.allclose(with_neg.box_confidence(images, boxes, d[..., 0], near_neg),
+                              with_neg.box_confidence(images, boxes, d[..., 0], None))  # the negatives count
