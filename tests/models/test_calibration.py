@@ -513,5 +513,8 @@ def test_score_boxes_gives_each_boxs_distances_and_the_confidence_of_the_richest
             d_p, d_n, conf = score_boxes(loc, images, boxes, proto, none, cal)
             assert torch.allclose(d_p, d[..., 0]) and bool(torch.isinf(d_n).all()) and d_n.shape == (3, 2)
             assert torch.allclose(conf, cal.box_confidence(images, boxes, d[..., 0], None).float())
+    one = score_boxes(loc, images, boxes, proto, negatives[:1], with_neg)  # a single negative is one
+    assert torch.allclose(one[1], d[..., 1]) and torch.allclose(
+        one[2], with_neg.box_confidence(images, boxes, d[..., 0], d[..., 1]).float())
     assert not torch.allclose(with_neg.box_confidence(images, boxes, d[..., 0], near_neg),
                               with_neg.box_confidence(images, boxes, d[..., 0], None))  # the negatives count
