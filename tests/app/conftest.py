@@ -19,6 +19,13 @@ from service_fixtures import (  # noqa: F401 -- fixtures are used by name
 )
 
 from app.db import make_engine, make_sessionmaker
+from app.storage import BlobStore
+
+
+@pytest.fixture
+def store(tmp_path) -> BlobStore:  # type: ignore[no-untyped-def]
+    """A blob store in the test's own directory (the routes' by-value tests)."""
+    return BlobStore(tmp_path / "blobs")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from app.routes.adaptations import EMPTY_POOL, JobForm, request_digest, submit_a
 from app.routes.pool import add_to_pool
 from app.routes.uploads import read_images
 from app.serving import InferenceRefused
-from app.storage import BlobStore, job_image_key, job_prefix
+from app.storage import job_image_key, job_prefix
 from app.tables import AdaptationJob, ExemplarSet, JobImage
 
 OWNER = Caller("k")
@@ -37,11 +37,6 @@ def upload(seed: int):  # type: ignore[no-untyped-def]
 def settings(tmp_path, bundle_dir):  # type: ignore[no-untyped-def]
     return make_test_settings(tmp_path, bundle_dir, default_iterations=7, default_learning_rate=0.02,
                               max_iterations=50)
-
-
-@pytest.fixture
-def store(tmp_path) -> BlobStore:
-    return BlobStore(tmp_path / "blobs")
 
 
 def form(files=(), source=None, iterations=None, learning_rate=None, seed=None, activate="auto", key=None):  # type: ignore[no-untyped-def]

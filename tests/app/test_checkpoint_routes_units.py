@@ -9,7 +9,6 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-import pytest
 from service_fixtures import new_set, refusal
 from sqlalchemy import delete
 
@@ -44,11 +43,6 @@ def test_a_set_deleted_under_a_checkpoint_call_is_the_checkpoints_404(db):
     with db() as s:
         locked(s, set_id)  # there: its row lock is taken, nothing raised
         s.rollback()
-
-
-@pytest.fixture
-def store(tmp_path) -> BlobStore:
-    return BlobStore(tmp_path / "blobs")
 
 
 def adapted(db, store: BlobStore, set_id: uuid.UUID, parent: uuid.UUID, iteration: int) -> uuid.UUID:  # type: ignore[no-untyped-def]

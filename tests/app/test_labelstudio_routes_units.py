@@ -41,7 +41,6 @@ from app.routes.labelstudio import (
 )
 from app.routes.pool import add_to_pool
 from app.routes.uploads import read_images
-from app.storage import BlobStore
 from app.tables import AdaptationJob, ExemplarSet, LabelStudioSetup
 
 CONFIG = ('<View><Image name="i" value="$img"/><RectangleLabels name="l" toName="i"><Label value="x"/>'
@@ -159,11 +158,6 @@ LS_CONFIG = ('<View><Image name="i" value="$picture"/><RectangleLabels name="l" 
 @pytest.fixture
 def settings(tmp_path, bundle_dir):  # type: ignore[no-untyped-def]
     return make_test_settings(tmp_path, bundle_dir)
-
-
-@pytest.fixture
-def store(tmp_path) -> BlobStore:
-    return BlobStore(tmp_path / "blobs")
 
 
 def active_checkpoint(db, set_id: uuid.UUID) -> str:  # type: ignore[no-untyped-def]

@@ -23,11 +23,6 @@ def settings(tmp_path, bundle_dir):  # type: ignore[no-untyped-def]
     return make_test_settings(tmp_path, bundle_dir, max_pool_images=2, max_pool_bytes=10_000)
 
 
-@pytest.fixture
-def store(tmp_path) -> BlobStore:
-    return BlobStore(tmp_path / "blobs")
-
-
 def image(seed: int = 0):  # type: ignore[no-untyped-def]
     buf = io.BytesIO()
     Image.new("L", (8, 8), seed).save(buf, "PNG")

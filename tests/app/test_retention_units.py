@@ -11,7 +11,6 @@ import time
 import uuid
 from datetime import timedelta
 
-import pytest
 import torch
 from service_fixtures import new_job, new_set
 from sqlalchemy import select, update
@@ -20,11 +19,6 @@ from app import retention
 from app.jobstates import JobState
 from app.storage import BlobStore, checkpoint_key, head_key, heads_prefix
 from app.tables import AdaptationJob, Checkpoint, ExemplarSet, utcnow
-
-
-@pytest.fixture
-def store(tmp_path) -> BlobStore:
-    return BlobStore(tmp_path / "blobs")
 
 
 def head(store: BlobStore, set_id: uuid.UUID, name: str, *, age_s: float = 0.0) -> str:

@@ -59,11 +59,6 @@ def settings(tmp_path, bundle_dir):  # type: ignore[no-untyped-def]
     return make_test_settings(tmp_path, bundle_dir)
 
 
-@pytest.fixture
-def store(tmp_path) -> BlobStore:
-    return BlobStore(tmp_path / "blobs")
-
-
 def add(db, settings, store, form, remote, caller=OWNER):  # type: ignore[no-untyped-def]
     response = Response()
     with db() as s:
