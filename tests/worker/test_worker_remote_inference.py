@@ -573,11 +573,14 @@ def test_the_localize_task_batches_concurrent_calls_with_the_same_answers(bundle
     calls.append(_call(raws[1], dim, images[1] + images[2], samples=3))
     calls.append(replace(calls[0], bundle_sha256="0" * 64))  # another bundle file made this "set"
     got: list = [None] * len(calls)
+    # each call on the wire before the threads start: from the barrier to its submit a thread only decodes it (on a
+    # loaded 2-core machine, encoding it there too once took a greedy call past the 1 s window: 4 batches)
+    wire = [json.loads(json.dumps(encode_call(call))) for call in calls]
     barrier = threading.Barrier(len(calls))
 
     def run(i: int) -> None:
         barrier.wait()
-        got[i] = on_worker.localize(ctx, json.loads(json.dumps(encode_call(calls[i]))))
+        got[i] = on_worker.localize(ctx, wire[i])
 
     try:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
