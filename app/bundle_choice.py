@@ -46,11 +46,16 @@ THUMBNAIL = 64
 """Longer side an exemplar is read at (enough for its colors and tones; the cost does not grow with the upload)."""
 
 
+def _thumbnail(image: Image.Image, mode: str) -> np.ndarray:
+    """``image`` in ``mode``, shrunk to a longer side of at most ``THUMBNAIL`` -> its pixels as float64."""
+    small = image.convert(mode)
+    small.thumbnail((THUMBNAIL, THUMBNAIL))
+    return np.asarray(small, dtype=np.float64)
+
+
 def colorfulness(image: Image.Image) -> float:
     """Hasler-Suesstrunk colorfulness of ``image`` (any mode; 0 for gray), read on a thumbnail."""
-    small = image.convert("RGB")
-    small.thumbnail((THUMBNAIL, THUMBNAIL))
-    rgb = np.asarray(small, dtype=np.float64)  # [H, W, 3]
+    rgb = _thumbnail(image, "RGB")  # [H, W, 3]
     rg = rgb[..., 0] - rgb[..., 1]
     yb = 0.5 * (rgb[..., 0] + rgb[..., 1]) - rgb[..., 2]
     return float(np.hypot(rg.std(), yb.std()) + 0.3 * np.hypot(rg.mean(), yb.mean()))
@@ -60,9 +65,7 @@ def midtones(image: Image.Image) -> float:
     """The share of ``image``'s pixels in the middle half of its own gray range (its 2nd to 98th percentile), read
     on a thumbnail: near 0 for strokes on a flat ground (digits, characters, line art: their pixels sit at the two
     ends), mostly 0.3-0.8 for photographs (their tones run through the range)."""
-    small = image.convert("L")
-    small.thumbnail((THUMBNAIL, THUMBNAIL))
-    gray = np.asarray(small, dtype=np.float64)  # [H, W]
+    gray = _thumbnail(image, "L")  # [H, W]
     lo, hi = np.percentile(gray, (2, 98))
     if hi <= lo:  # one gray level: no tones at all
         return 0.0

@@ -16,9 +16,13 @@ from torch import Tensor
 def to_png(image01: Tensor) -> bytes:
     """``[C, H, W]`` in [0, 1] -> PNG bytes."""
     arr = (image01.clamp(0, 1).numpy() * 255).round().astype(np.uint8)
-    img = Image.fromarray(arr[0]) if arr.shape[0] == 1 else Image.fromarray(arr.transpose(1, 2, 0))
+    return pil_png(Image.fromarray(arr[0]) if arr.shape[0] == 1 else Image.fromarray(arr.transpose(1, 2, 0)))
+
+
+def pil_png(image: Image.Image) -> bytes:
+    """A PIL image -> PNG bytes."""
     buf = io.BytesIO()
-    img.save(buf, "PNG")
+    image.save(buf, "PNG")
     return buf.getvalue()
 
 

@@ -23,7 +23,6 @@ The color photographs' side through a running server is ``benchmarks/real_photo_
 from __future__ import annotations
 
 import argparse
-import io
 import itertools
 import sys
 import tempfile
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _client import emit  # noqa: E402
+from _client import emit, multipart, pil_png  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from app.config import Settings  # noqa: E402
@@ -56,9 +55,7 @@ def png(image: torch.Tensor, tinted: tuple[float, float, float, float] | None, s
     out = Image.fromarray((rgb * 255).round().astype(np.uint8))
     if scale != 1:
         out = out.resize((out.width * scale, out.height * scale), Image.BICUBIC)
-    buf = io.BytesIO()
-    out.save(buf, "PNG")
-    return buf.getvalue()
+    return pil_png(out)
 
 
 def photo_variant(image: Image.Image, variant: str, small_side: int) -> tuple[Image.Image, float]:
@@ -71,17 +68,10 @@ def photo_variant(image: Image.Image, variant: str, small_side: int) -> tuple[Im
     return image, 1.0
 
 
-def png_of(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
-
-
 def localized(c, set_id: str, images: list[bytes]) -> list[list[float]]:
     boxes = []
     for i in range(0, len(images), 8):
-        r = c.post(f"/v1/exemplar-sets/{set_id}/localize",
-                   files=[("files", (f"{k}.png", b, "image/png")) for k, b in enumerate(images[i:i + 8])])
+        r = c.post(f"/v1/exemplar-sets/{set_id}/localize", files=multipart(images[i:i + 8]))
         r.raise_for_status()
         boxes += [res["box"] for res in r.json()["results"]]
     return boxes
@@ -89,7 +79,7 @@ def localized(c, set_id: str, images: list[bytes]) -> list[list[float]]:
 
 def made_set(c, crops: list[bytes], named: str | None, name: str = "set") -> dict:
     r = c.post("/v1/exemplar-sets", data={"name": name} if named is None else {"name": name, "bundle": named},
-               files=[("files", (f"{i}.png", b, "image/png")) for i, b in enumerate(crops)])
+               files=multipart(crops))
     r.raise_for_status()
     return r.json()
 
@@ -121,12 +111,12 @@ def photo_rows(c, a) -> list[dict]:
             crops = []
             for ex in realphotos.load("exemplar", cls):
                 im, f = photo_variant(ex.image, variant, a.small_side)
-                crops.append(png_of(im.crop(tuple(round(v * f) for v in ex.box))))
+                crops.append(pil_png(im.crop(tuple(round(v * f) for v in ex.box))))
             photos = [p for split in a.splits for p in realphotos.load(split, cls)]
             images, truth = [], []
             for p in photos:
                 im, f = photo_variant(p.image, variant, a.small_side)
-                images.append(png_of(im))
+                images.append(pil_png(im))
                 truth.append([v * f for v in p.box])
             for named in (None, "mnist-general", "photo-general"):
                 made = made_set(c, crops, named, cls)

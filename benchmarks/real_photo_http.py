@@ -16,7 +16,6 @@ photos and over the photos up to 1024 px and above, and the CorLoc of the answer
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from pathlib import Path
@@ -25,16 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from _client import client, emit, percentiles  # noqa: E402
+from _client import client, emit, percentiles, pil_png  # noqa: E402
 
 from models.core.boxes import paired_iou  # noqa: E402
 from models.data import realphotos  # noqa: E402
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
 
 
 def upload(photo: realphotos.RealPhoto) -> tuple[str, bytes, str]:
@@ -57,7 +50,7 @@ def main() -> None:
         hits: dict[str, list[bool]] = {"val": [], "test": []}
         warm, create, got = 2, [], {}
         for cls in realphotos.classes():
-            crops = [_png(ex.image.crop(tuple(round(v) for v in ex.box))) for ex in realphotos.load("exemplar", cls)]
+            crops = [pil_png(ex.image.crop(tuple(round(v) for v in ex.box))) for ex in realphotos.load("exemplar", cls)]
             t0 = time.perf_counter()
             fields = {"name": cls} if a.bundle == "auto" else {"name": cls, "bundle": a.bundle}
             r = c.post("/v1/exemplar-sets", data=fields,
