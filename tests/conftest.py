@@ -25,7 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under mutmut (``scripts/mutation``), every ``functools`` cache emptied: each mutant's tests run in a process
+    """Under mutmut (``scripts/mutation``), every ``functools`` cache emptied, and the action tables
+    (``models.core.actions._TABLES``, the one cache of the models kept by hand): each mutant's tests run in a process
     forked from the one that ran the clean tests, and a cached answer computed there would stand in for the mutated
     function's."""
     if os.environ.get("MUTANT_UNDER_TEST"):
@@ -35,6 +36,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         for obj in gc.get_objects():
             if isinstance(obj, functools._lru_cache_wrapper):
                 obj.cache_clear()
+        actions = sys.modules.get("models.core.actions")
+        if actions is not None:
+            actions._TABLES.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from models.bundle import load_bundle
-from models.core.ordinal import class_batches
 from models.data.types import LabeledImages
 from models.evaluate import localize_boxes, ranking_metrics
 from models.experiments.cmnist import cmnist
@@ -25,19 +24,6 @@ BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "mnist-digit4.pt"
 @pytest.fixture(scope="module")
 def bundle():
     return load_bundle(BUNDLE, "cpu")
-
-
-def test_class_batches_hold_one_kind_each_and_cover_the_data():
-    classes = torch.tensor([0] * 7 + [1] * 5 + [2] * 2)
-    batches = class_batches(classes, 3, drop_last=True, generator=torch.Generator().manual_seed(0))
-    assert [len(b) for b in batches] == [3, 3, 3]  # 7 -> 2 full batches, 5 -> 1, 2 -> none
-    for b in batches:
-        assert len(classes[b].unique()) == 1
-    assert sorted(classes[torch.cat(batches)].tolist()) == [0] * 6 + [1] * 3
-    kept = class_batches(classes, 3, drop_last=False, generator=torch.Generator().manual_seed(0))
-    assert sorted(torch.cat(kept).tolist()) == list(range(14))  # every image, once
-    again = class_batches(classes, 3, drop_last=True, generator=torch.Generator().manual_seed(0))
-    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
 
 
 def test_concat_labels_each_part_and_subset_keeps_the_labels():

@@ -5,7 +5,14 @@ import torch
 from scipy.stats import spearmanr
 
 from models.core.metrics import corloc, spearman
-from models.core.ordinal import group_prototypes, kind_margin_loss, ordinal_accuracy, sample_pairs, triplet_loss
+from models.core.ordinal import (
+    class_batches,
+    group_prototypes,
+    kind_margin_loss,
+    ordinal_accuracy,
+    sample_pairs,
+    triplet_loss,
+)
 from models.core.reinforce import discounted_returns, reinforce_loss
 
 
@@ -71,14 +78,20 @@ def test_ordacc_known_values():
 
 
 def test_kind_margin_loss_known_values():
-    emb = torch.tensor([[0.0, 0], [3.0, 0]])
-    own = torch.tensor([[1.0, 0], [3.0, 4]])  # distances 1 and 4
-    other = torch.tensor([0.0, 2])  # distances 2 and sqrt(13)
-    # image 0: 1 + 1 - 2 = 0; image 1: 1 + 4 - sqrt(13) > 0
-    assert kind_margin_loss(emb, own, other, margin=1.0).item() == pytest.approx((0 + 5 - math.sqrt(13)) / 2)
-    assert kind_margin_loss(emb, own, other, margin=0.0).item() == pytest.approx((4 - math.sqrt(13)) / 2)
-    far = torch.tensor([100.0, 100])
-    assert kind_margin_loss(emb, own, far, margin=1.0).item() == 0.0  # nearer its own kind by the margin: no loss
+    # three images of two dimensions, none of the differences symmetric: a norm over the wrong axis, or the other
+    # kind's prototype added instead of subtracted, gives other numbers
+    emb = torch.tensor([[0.0, 0], [3.0, 0], [1.0, 1]])
+    own = torch.tensor([[1.0, 0], [3.0, 4], [1.0, 3]])  # distances 1, 4, 2
+    other = torch.tensor([0.0, 2])  # distances 2, sqrt(13), sqrt(2)
+    near, far = torch.tensor([1.0, 4.0, 2.0]), torch.tensor([2.0, math.sqrt(13), math.sqrt(2)])
+    for margin in (1.0, 0.0, 3.0):
+        want = float(torch.relu(margin + near - far).mean())
+        assert kind_margin_loss(emb, own, other, margin=margin).item() == pytest.approx(want)
+    # image 0: 1 + 1 - 2 = 0; image 1: 1 + 4 - sqrt(13); image 2: 1 + 2 - sqrt(2)
+    assert kind_margin_loss(emb, own, other, margin=1.0).item() == pytest.approx(
+        (0 + 5 - math.sqrt(13) + 3 - math.sqrt(2)) / 3)
+    far_away = torch.tensor([100.0, 100])
+    assert kind_margin_loss(emb, own, far_away, margin=1.0).item() == 0.0  # nearer its own kind by the margin
 
 
 def test_spearman_matches_scipy():
@@ -122,3 +135,47 @@ def test_shuffle_proto_never_contains_the_image():
     assert bool((protos.diagonal() == 0).all())
     own = group_prototypes(emb, 5, shuffle=False, generator=torch.Generator().manual_seed(0))
     assert bool((own.diagonal() == 20).all())
+
+
+def test_class_batches_hold_one_kind_each_and_cover_the_data():
+    classes = torch.tensor([0] * 7 + [1] * 5 + [2] * 2)
+    batches = class_batches(classes, 3, drop_last=True, generator=torch.Generator().manual_seed(0))
+    assert [len(b) for b in batches] == [3, 3, 3]  # 7 -> 2 full batches, 5 -> 1, 2 -> none
+    for b in batches:
+        assert len(classes[b].unique()) == 1
+    assert sorted(classes[torch.cat(batches)].tolist()) == [0] * 6 + [1] * 3
+    kept = class_batches(classes, 3, drop_last=False, generator=torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(kept).tolist()) == list(range(14))  # every image, once
+    again = class_batches(classes, 3, drop_last=True, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
+    other = class_batches(classes, 3, drop_last=False, generator=torch.Generator().manual_seed(1))
+    assert [b.tolist() for b in other] != [b.tolist() for b in kept]  # the generator draws the order
+
+
+def test_class_batches_by_value_on_one_kind():
+    # one kind of 7 in batches of 3: with drop_last 2 batches (6 images), without 3 (the last of 1); each batch is a
+    # run of the kind's shuffled indices, in order
+    classes = torch.tensor([5, 0, 5, 5, 0, 5, 5, 5, 5])
+    g = torch.Generator().manual_seed(3)
+    perm = torch.tensor([1, 4])[torch.randperm(2, generator=g)]  # kind 0's shuffle, drawn first
+    fives = torch.tensor([0, 2, 3, 5, 6, 7, 8])[torch.randperm(7, generator=g)]
+    batches = class_batches(classes, 3, drop_last=False, generator=torch.Generator().manual_seed(3))
+    want = [perm.tolist(), fives[0:3].tolist(), fives[3:6].tolist(), fives[6:].tolist()]
+    assert sorted(b.tolist() for b in batches) == sorted(want)
+    dropped = class_batches(classes, 3, drop_last=True, generator=torch.Generator().manual_seed(3))
+    assert sorted(b.tolist() for b in dropped) == sorted([fives[0:3].tolist(), fives[3:6].tolist()])
+    exact = class_batches(torch.zeros(6, dtype=torch.long), 3, drop_last=True, generator=torch.Generator())
+    assert sorted(len(b) for b in exact) == [3, 3]  # a kind of exactly two batches keeps both
+    assert class_batches(torch.zeros(2, dtype=torch.long), 3, drop_last=True) == []
+
+
+def test_pair_sampling_with_two_bins_only():
+    # every candidate's IoU with the ground truth falls in bin 9 (the box itself) or bin 0 (far away): two bins are
+    # enough, each pair one of each
+    gt = torch.tensor([[0.0, 0, 10, 10]])
+    cands = torch.tensor([[0.0, 0, 10, 10], [50, 50, 60, 60], [60, 60, 70, 70]])
+    p = sample_pairs(gt, cands, 20, generator=torch.Generator().manual_seed(0))
+    assert bool((p.pos_iou == 1).all()) and bool((p.neg_iou == 0).all())
+    assert bool((p.pos == gt[:, None]).all())
+    with pytest.raises(ValueError, match="at least two IoU bins"):
+        sample_pairs(gt, cands[1:], 5)
