@@ -54,8 +54,9 @@ def prototype(bundle, x):
     return Localizer(bundle, "cpu").prototype([x[0, :, 4:28, 4:28], x[1, :, 2:20, 8:30]])
 
 
-def reference_adapt(bundle, proto, x, cfg, agent_state=None):
-    """Test-time adaptation written out: -> (agent state, per-iteration mean returns)."""
+def reference_adapt(bundle, proto, x, cfg, agent_state=None, scorer=None):
+    """Test-time adaptation written out: -> (agent state, per-iteration mean returns). ``scorer``: the reward's
+    distance (``models.repair``), given each batch's pixels when it reads them."""
     bundle.embedder.eval()
     agent = bundle.new_agent(agent_state)
     ref = None
@@ -70,7 +71,8 @@ def reference_adapt(bundle, proto, x, cfg, agent_state=None):
         idx = torch.randperm(len(x), generator=gen)[:cfg.batch_size]
         agent.train()
         ro = rollout(bundle.embedder, agent, feats[idx], proto.expand(len(idx), -1), bundle.config.env,
-                     (float(S), float(S)), generator=gen, reference=ref, episodes=cfg.episodes)
+                     (float(S), float(S)), generator=gen, reference=ref, episodes=cfg.episodes, scorer=scorer,
+                     images01=x[idx] if scorer is not None and scorer.pixels else None)
         out = reinforce_loss(ro.log_probs, ro.entropies, ro.rewards, cfg.gamma, cfg.entropy_coef,
                              cfg.normalize_advantages, cfg.episodes)
         loss = out.loss if ref is None else out.loss + cfg.kl_coef * ro.kl.mean()
@@ -126,6 +128,42 @@ def test_adapt_is_reinforce_toward_the_given_prototype(tiny):
     for other in (-proto, torch.zeros_like(proto), 2 * proto):
         _, returns = reference_adapt(bundle, other, x, AdaptConfig(**{**CFG, "iterations": 1}))
         assert returns[0] != pytest.approx(want_returns[0], abs=1e-4)
+
+
+class _EdgeScorer:
+    """A reward's distance that is not the embedding's (``models.repair``'s scorers): the boxes' left edge, plus, for
+    one that reads pixels, ten times the mean brightness of each box's image; it records the pixels it was given."""
+
+    name, embedding = "edge", False
+
+    def __init__(self, pixels: bool):
+        self.pixels, self.images = pixels, []
+
+    def env_distance(self, env, roi, emb):  # noqa: ANN001, ANN201
+        self.images.append(env.images01)
+        d = env.boxes[:, 0].clone()
+        return d + 10 * env.images01.mean(dim=(1, 2, 3)) if self.pixels else d
+
+
+@pytest.mark.parametrize("pixels", [True, False])
+def test_adapt_optimizes_the_distance_of_a_scorer_it_is_given(tiny, pixels):
+    """A job's reward chosen on its probes (``scorer``): the policy steps use its distance, not the embedding's, and a
+    scorer that reads pixels gets each batch's images (the same images the features are of)."""
+    bundle, x, proto = tiny
+    cfg = AdaptConfig(**{**CFG, "iterations": 3})
+    scorer = _EdgeScorer(pixels)
+    res, progress, _ = run(bundle, proto, x, cfg, scorer=scorer)
+    want_state, want_returns = reference_adapt(bundle, proto, x, cfg, scorer=_EdgeScorer(pixels))
+    assert [p[2] for p in progress] == pytest.approx(want_returns, abs=1e-6)
+    assert same_state(res.agent_state, want_state)
+    _, embedding_returns = reference_adapt(bundle, proto, x, cfg)
+    assert [p[2] for p in progress] != pytest.approx(embedding_returns, abs=1e-4)  # not the embedding's reward
+    first = x[torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed))[:cfg.batch_size]]
+    if pixels:
+        assert torch.equal(scorer.images[0], first)  # iteration 1's batch, drawn by the job's seed
+        assert all(i.shape == (cfg.batch_size, 1, S, S) for i in scorer.images)
+    else:
+        assert all(i is None for i in scorer.images)
 
 
 def test_the_first_return_is_the_mean_distance_decrease_toward_the_prototype(tiny):
