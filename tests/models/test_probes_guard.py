@@ -461,7 +461,7 @@ def test_the_probes_split_once_by_the_jobs_generator_into_halves_of_the_configur
         Guard(bundle, proto, LabeledImages(probes.images[:1], probes.boxes[:1]), torch.Generator())
     assert Guard(bundle, proto, probes, torch.Generator(), counts={"labeled": 3}).labeled.tolist() == [0, 1, 2]
     assert len(Guard(bundle, proto, probes, torch.Generator(), counts={"labeled": 50}).labeled) == 10
-    with pytest.raises(RuntimeError, match=r"call start\(\) with the starting policy first"):
+    with pytest.raises(RuntimeError, match=r"^call start\(\) with the starting policy first$"):
         g.observe(1, bundle.agent_state)
 
 
@@ -529,3 +529,56 @@ def test_synthetic_probes_erase_where_the_start_answers_and_paste_a_crop_at_its_
     plain = synthetic_probes(bundle, proto, crops, images, None, 16, gen())
     given = synthetic_probes(bundle, proto, crops, images, None, 16, gen(), starts)
     assert torch.equal(plain.images, given.images) and torch.equal(plain.boxes, given.boxes)
+
+
+def test_a_paired_or_consensus_checkpoint_is_scored_as_localize_serves_it(tiny_guard_parts):
+    """``pair_with``: each checkpoint observed from then on is scored by a localizer with the companion (the job's
+    start as served: the two heads' agreement), and with ``members`` (format 5) by the consensus of the start, the
+    checkpoints observed before it and itself; ``None`` scores it alone again. Each record is the served localizer's
+    answers on the probes, by value, and ``served`` hands back that localizer."""
+    from models.companion import Companion
+    from models.core.boxes import paired_iou
+    from models.inference import Localizer
+
+    bundle, probes = tiny_guard_parts
+    proto = torch.randn(bundle.prototype_dim, generator=torch.Generator().manual_seed(1))
+    states = [new_bundle("tiny", mnist_config(), seed=s).agent_state for s in (1, 2, 3)]
+    feats = features_of(bundle, probes.images)
+
+    g = Guard(bundle, proto, probes, torch.Generator().manual_seed(0))
+
+    def scored(loc: Localizer, state: dict) -> dict:  # on the selection half, as the record
+        boxes = loc.run_features(feats, proto, loc.agent(state)).boxes[-1].cpu()
+        iou = paired_iou(boxes, probes.boxes)[g.select]
+        return {"corloc": round(float((iou >= 0.5).float().mean() * 100), 2), "mean_iou": round(float(iou.mean()), 4)}
+
+    g.start(None)
+    alone = Localizer(bundle, "cpu")
+    start = Companion(alone, alone.agent(None), proto, agree=True)
+    g.pair_with(start)
+    assert g._voters is None  # no members: the agreement rule, no votes kept
+    rec = g.observe(1, states[0])
+    paired = Localizer(bundle, "cpu", companion=start)
+    want = scored(paired, states[0])
+    assert {k: rec["select"][k] for k in want} == want != scored(alone, states[0])
+    assert g.served(1).companion is start and g.served(1).bundle is bundle
+
+    g.pair_with(None)
+    rec = g.observe(2, states[0])
+    assert {k: rec["select"][k] for k in want} == scored(alone, states[0]) and g.served(2).companion is None
+
+    voting = Companion(alone, alone.agent(None), proto, members=())
+    g.pair_with(voting)
+    assert g._voters == []
+    first = g.observe(3, states[1])
+    assert g.served(3).companion.members == ()  # the start and the checkpoint itself
+    second = g.observe(4, states[2])
+    members = g.served(4).companion.members  # the checkpoint observed before it votes too
+    assert len(members) == 1 and all(torch.equal(a, b) for a, b in zip(
+        members[0].state_dict().values(), alone.agent(states[1]).state_dict().values(), strict=True))
+    for r, state, before in ((first, states[1], ()), (second, states[2], (alone.agent(states[1]),))):
+        want = scored(Localizer(bundle, "cpu", companion=Companion(alone, alone.agent(None), proto, members=before)),
+                      state)
+        assert {k: r["select"][k] for k in want} == want
+    assert scored(Localizer(bundle, "cpu", companion=Companion(alone, alone.agent(None), proto, members=())),
+                  states[2]) != {k: second["select"][k] for k in want}  # the vote of checkpoint 3 counted
