@@ -518,3 +518,75 @@ def test_score_boxes_gives_each_boxs_distances_and_the_confidence_of_the_richest
         one[2], with_neg.box_confidence(images, boxes, d[..., 0], d[..., 1]).float())
     assert not torch.allclose(with_neg.box_confidence(images, boxes, d[..., 0], near_neg),
                               with_neg.box_confidence(images, boxes, d[..., 0], None))  # the negatives count
+
+
+def test_calibrate_fits_the_served_answers_by_value():
+    """``calibrate`` against its parts: the policy's answers as localize serves them (``nearest`` as given, for the
+    positives and the negatives alike), a hit at IoU >= 0.5 with the pasted box, the nearest of several negative
+    exemplars' distances, then ``fit_calibration``; ``answers`` is the localizer's last box and its distance, chunk
+    by chunk."""
+    from models.calibration import answers, box_distances, calibrate
+    from models.core.boxes import paired_iou
+
+    loc = _random_localizer()
+    crops = _crops(3)
+    proto = loc.prototype(crops)
+    gen = torch.Generator().manual_seed(2)
+    samples = make_samples(crops, synthetic_backgrounds(crops, loc.spec, 12, gen), 12,
+                           object_side=loc.spec.exemplar_size, generator=gen)
+    agent = loc.agent(None)
+    negs = torch.stack([loc.prototype(_crops(1, first=10 + i)) for i in range(3)])  # [3, D]
+    made = {}
+    for nearest in (True, False):
+        ro = loc.run(samples.negatives, proto, agent, nearest=nearest)
+        nb, ns = answers(loc, agent, proto, samples.negatives, nearest=nearest, chunk=5)
+        assert torch.equal(nb, ro.boxes[-1].cpu()) and torch.equal(ns, ro.distances[-1].cpu())
+        pb, ps = answers(loc, agent, proto, samples.positives.images, nearest=nearest)
+        hit = paired_iou(pb, samples.positives.boxes) >= 0.5
+        pos_neg = box_distances(loc, samples.positives.images, pb[:, None], negs)[:, 0].min(-1).values
+        neg_neg = box_distances(loc, samples.negatives, nb[:, None], negs)[:, 0].min(-1).values
+        want = fit_calibration(ps, hit, ns, pos_neg=pos_neg, neg_neg=neg_neg, threshold=0.4)
+        made[nearest] = calibrate(loc, agent, proto, samples, nearest=nearest, negative_embeddings=negs,
+                                  threshold=0.4).to_dict()
+        assert made[nearest] == want.to_dict()
+        assert made[nearest]["negatives"] is not None  # the negatives' fit made
+    assert made[True] != made[False]
+    alone = calibrate(loc, agent, proto, samples, nearest=False).to_dict()
+    assert alone["negatives"] is None and alone["score"] == made[False]["score"]
+    # an episode of one step: its last box is not its first (an untrained agent's longer episodes end standing still)
+    cfg = mnist_config()
+    cfg.env.steps = 1
+    short = Localizer(new_bundle("t1", cfg, seed=0), "cpu")
+    ro = short.run(samples.negatives, proto, short.agent(None))
+    nb, ns = answers(short, short.agent(None), proto, samples.negatives, nearest=False, chunk=5)
+    assert torch.equal(nb, ro.boxes[-1].cpu()) and not torch.equal(nb, ro.boxes[0].cpu())
+    assert torch.equal(ns, ro.distances[-1].cpu()) and not torch.equal(ns, ro.distances[0].cpu())
+
+
+def test_rgb_bundles_get_no_ncc_fit_unless_asked_and_the_kind_check_sees_the_negatives():
+    """``ncc=None``: the NCC fits for grayscale bundles only (``NCC_FOR_GRAY``: pixels mislead on photos); an RGB
+    bundle gets them when asked. The verifier's kind check is given the set's crops and its negative crops."""
+    from types import SimpleNamespace
+
+    from models.presets import photo_config
+    from models.verifier import KindCheck
+
+    torch.manual_seed(0)
+    rgb = Localizer(new_bundle("rgb", photo_config(), seed=0), "cpu")
+    size = rgb.spec.exemplar_size
+    crops = [torch.rand(3, size, size, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    proto = rgb.prototype(crops)
+    plain = calibrate_policy(rgb, proto, crops, nearest=True, n=4, seed=0)
+    assert plain.ncc is None and plain.templates is None
+    asked = calibrate_policy(rgb, proto, crops, nearest=True, n=4, seed=0, ncc=True)
+    assert asked.ncc is not None and asked.templates is not None and asked.templates.channels == 3
+
+    loc = _random_localizer()
+    gray = _crops(3)
+    negatives = _crops(2, first=30)
+    seen = []
+    check = KindCheck([1.0], [[0.0]], "4", 0.95, "sha")
+    verifier = SimpleNamespace(check=lambda c, n: seen.append((c, n)) or check)
+    cal = calibrate_policy(loc, loc.prototype(gray), gray, nearest=False, n=8, seed=0, negative_crops=negatives,
+                           verifier=verifier)
+    assert cal.kind == check and len(seen) == 1 and seen[0][0] is gray and seen[0][1] is negatives
