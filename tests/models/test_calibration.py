@@ -590,3 +590,40 @@ def test_rgb_bundles_get_no_ncc_fit_unless_asked_and_the_kind_check_sees_the_neg
     cal = calibrate_policy(loc, loc.prototype(gray), gray, nearest=False, n=8, seed=0, negative_crops=negatives,
                            verifier=verifier)
     assert cal.kind == check and len(seen) == 1 and seen[0][0] is gray and seen[0][1] is negatives
+
+
+def test_box_confidence_is_the_kind_checks_with_its_verifier_else_the_ncc_fits_else_the_scores():
+    """``box_confidence`` by value: with the verifier the set's kind check was made with, that check's probability
+    of the verifier's embeddings of the very boxes of the very images; with another verifier (or none), the NCC fits
+    on the templates' reads; a calibration without an NCC fit (or without templates), the score's or the negatives'
+    fit."""
+    from dataclasses import replace as copy_with
+    from types import SimpleNamespace
+
+    cal = _full_calibration()
+    g = torch.Generator().manual_seed(6)
+    images = torch.rand(2, 1, 84, 84, generator=g)
+    boxes = torch.tensor([[[4.0, 4.0, 40.0, 40.0], [30.0, 20.0, 80.0, 70.0], [0.0, 0.0, 84.0, 84.0]]]).repeat(2, 1, 1)
+    boxes[1] += torch.tensor([2.0, 1.0, 2.0, 1.0])
+    scores = torch.tensor([[40.0, 60.0, 80.0], [45.0, 65.0, 85.0]])
+
+    def embed_boxes(imgs, bxs):  # a unit vector per box that depends on the image and the box
+        angle = imgs.mean(dim=(1, 2, 3))[:, None] * 3 + bxs[..., 0] / 50 + bxs[..., 3] / 90
+        return torch.stack([angle.cos(), angle.sin()], -1)
+
+    made_with = SimpleNamespace(sha256="sha-of-the-verifier", embed_boxes=embed_boxes)
+    got = cal.box_confidence(images, boxes, scores, verifier=made_with)
+    want = cal.kind.probability(embed_boxes(images, boxes))
+    assert got.shape == (2, 3) and torch.equal(got, want)
+    assert cal.kind_confidence(made_with, images, boxes).equal(want)
+    assert cal.kind_confidence(SimpleNamespace(sha256="another"), images, boxes) is None
+    pos, neg = cal.templates.ncc(images, boxes)
+    ncc = cal.confidence(scores.flatten(), ncc=pos.flatten(), ncc_negatives=neg.flatten()).view(2, 3)
+    for other in (None, SimpleNamespace(sha256="another", embed_boxes=embed_boxes)):
+        assert torch.equal(cal.box_confidence(images, boxes, scores, verifier=other), ncc)
+    assert not torch.allclose(ncc, want)
+    nd = torch.full((2, 3), 70.0)
+    for plain in (copy_with(cal, ncc=None), copy_with(cal, templates=None)):
+        assert torch.equal(plain.box_confidence(images, boxes, scores, nd),
+                           plain.confidence(scores.flatten(), nd.flatten()).view(2, 3))
+        assert torch.equal(plain.box_confidence(images, boxes, scores), plain.confidence(scores.flatten()).view(2, 3))
