@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from pydantic import ValidationError
 from service_fixtures import (
-    FAST_JOB,
+    LIVE_WORKER,
     REDIS_URL,
     SWAPPED,
     VENV_BIN,
@@ -64,7 +64,7 @@ def workers_settings(base: Settings, prefix: str, **overrides) -> Settings:
                   broker_transport_options={"global_keyprefix": prefix}, queue=f"qloc-test-{uuid.uuid4().hex[:8]}",
                   localize_queue=f"qloc-test-localize-{uuid.uuid4().hex[:8]}", inference="workers",
                   default_bundle=base.default_bundle, localize_timeout=90,
-                  **{k: getattr(base, k) for k in FAST_JOB})
+                  **{k: getattr(base, k) for k in LIVE_WORKER})
     values.update(overrides)
     return make_test_settings(base.storage_dir.parent, base.bundle_dir, **values)
 
@@ -80,8 +80,11 @@ def start_localize_worker(st: Stack, hostname: str | None = None, queue: str | N
 
 @pytest.fixture
 def base(tmp_path, versions):
-    """Local-mode settings: SQLite, blobs and a bundle directory of their own (``SWAPPED`` v1 installed)."""
-    return swapped_settings(tmp_path, versions, **FAST_JOB)  # jobs that run, not scored
+    """Local-mode settings: SQLite, blobs and a bundle directory of their own (``SWAPPED`` v1 installed). Jobs that
+    run, not scored, with ``LIVE_WORKER``'s lease: the localize worker process beside them runs a reaper on the same
+    database, and with a 2 s lease it once requeued a job this test ran in-process whose beat was late (CI: the job
+    "lost")."""
+    return swapped_settings(tmp_path, versions, **LIVE_WORKER)
 
 
 @pytest.fixture
