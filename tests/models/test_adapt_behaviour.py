@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+from model_stand_ins import LeftEdgeScorer
 
 from models.adapt import AdaptConfig, AdaptResult, adapt
 from models.bundle import new_bundle
@@ -130,30 +131,15 @@ def test_adapt_is_reinforce_toward_the_given_prototype(tiny):
         assert returns[0] != pytest.approx(want_returns[0], abs=1e-4)
 
 
-class _EdgeScorer:
-    """A reward's distance that is not the embedding's (``models.repair``'s scorers): the boxes' left edge, plus, for
-    one that reads pixels, ten times the mean brightness of each box's image; it records the pixels it was given."""
-
-    name, embedding = "edge", False
-
-    def __init__(self, pixels: bool):
-        self.pixels, self.images = pixels, []
-
-    def env_distance(self, env, roi, emb):  # noqa: ANN001, ANN201
-        self.images.append(env.images01)
-        d = env.boxes[:, 0].clone()
-        return d + 10 * env.images01.mean(dim=(1, 2, 3)) if self.pixels else d
-
-
 @pytest.mark.parametrize("pixels", [True, False])
 def test_adapt_optimizes_the_distance_of_a_scorer_it_is_given(tiny, pixels):
     """A job's reward chosen on its probes (``scorer``): the policy steps use its distance, not the embedding's, and a
     scorer that reads pixels gets each batch's images (the same images the features are of)."""
     bundle, x, proto = tiny
     cfg = AdaptConfig(**{**CFG, "iterations": 3})
-    scorer = _EdgeScorer(pixels)
+    scorer = LeftEdgeScorer(pixels)
     res, progress, _ = run(bundle, proto, x, cfg, scorer=scorer)
-    want_state, want_returns = reference_adapt(bundle, proto, x, cfg, scorer=_EdgeScorer(pixels))
+    want_state, want_returns = reference_adapt(bundle, proto, x, cfg, scorer=LeftEdgeScorer(pixels))
     assert [p[2] for p in progress] == pytest.approx(want_returns, abs=1e-6)
     assert same_state(res.agent_state, want_state)
     _, embedding_returns = reference_adapt(bundle, proto, x, cfg)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_stand_ins import LeftEdgeScorer
 
 import models.train.agent as stage2
 import models.train.embedding as stage1
@@ -435,20 +436,6 @@ def test_stage2_is_seeded(shipped, data):
 # ---------------------------------------------------------------------------------------------- the policy step
 
 
-class _LeftScorer:
-    """A distance that reads pixels and no embedding: the boxes' left edge; it records what the env gave it."""
-
-    name, pixels, embedding = "left", True, False
-
-    def __init__(self):
-        self.distances, self.images = [], []
-
-    def env_distance(self, env, roi, emb):  # noqa: ANN001, ANN201
-        self.images.append(env.images01)
-        self.distances.append(env.boxes[:, 0].clone())
-        return self.distances[-1]
-
-
 def _step_setup(bundle, data):  # noqa: ANN001, ANN202
     with torch.no_grad():
         feats = features_of(bundle, data["train"].images)
@@ -459,7 +446,7 @@ def _step_setup(bundle, data):  # noqa: ANN001, ANN202
 
 def test_policy_step_reports_the_final_distance_of_its_scorer_on_the_pixels(bundle, data):
     feats, protos, agent, opt = _step_setup(bundle, data)
-    scorer = _LeftScorer()
+    scorer = LeftEdgeScorer()
     images = data["train"].images
     stats = policy_step(bundle, agent, opt, feats, protos, AgentTrainConfig(), torch.Generator().manual_seed(0),
                         scorer=scorer, images01=images)
