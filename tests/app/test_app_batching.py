@@ -212,8 +212,17 @@ def test_batcher_bounds_of_one_are_valid_and_zero_is_refused_with_the_reason():
     assert one("k", 5) == 5
     one.close()
     for bad in (dict(max_batch=0), dict(max_queue=0), dict(window_s=-0.1), dict(gather_s=-0.1)):
-        with pytest.raises(ValueError, match=r"window_s and gather_s must be >= 0, max_batch and max_queue >= 1"):
+        with pytest.raises(ValueError, match=r"^window_s and gather_s must be >= 0, max_batch and max_queue >= 1$"):
             Batcher(lambda k, items: items, **bad)
+
+
+def test_batcher_defaults_run_a_lone_call_at_once_in_batches_of_64_with_256_waiting():
+    """The defaults the module documents: no window and no gather hold (a lone call runs at once), 64 items a batch,
+    256 waiting, the engine thread named ``qloc-batcher``."""
+    b = Batcher(HeldEngine(hold_first=False))
+    assert (b.window_s, b.gather_s, b.max_batch, b.max_queue, b.name) == (0.0, 0.0, 64, 256, "qloc-batcher")
+    assert b("k", 1) == "k:1" and b._thread.name == "qloc-batcher"
+    b.close()
 
 
 def test_batcher_engine_thread_bears_its_name_and_does_not_keep_the_process_alive():

@@ -582,3 +582,23 @@ def test_a_paired_or_consensus_checkpoint_is_scored_as_localize_serves_it(tiny_g
         assert {k: r["select"][k] for k in want} == want
     assert scored(Localizer(bundle, "cpu", companion=Companion(alone, alone.agent(None), proto, members=())),
                   states[2]) != {k: second["select"][k] for k in want}  # the vote of checkpoint 3 counted
+
+
+def test_a_probe_answered_at_an_iou_of_exactly_one_half_is_a_hit(tiny_guard_parts):
+    """CorLoc's bar is IoU >= 0.5, as every benchmark counts it: a probe whose box is the answer widened to twice its
+    width (IoU exactly 0.5) counts as found, in the record's CorLoc too."""
+    from models.core.boxes import paired_iou
+    from models.inference import Localizer
+
+    bundle, probes = tiny_guard_parts
+    proto = torch.randn(bundle.prototype_dim, generator=torch.Generator().manual_seed(1))
+    loc = Localizer(bundle, "cpu")
+    answers = loc.run_features(features_of(bundle, probes.images), proto, loc.agent(None)).boxes[-1].cpu()
+    doubled = answers.clone()
+    doubled[:, 2] = answers[:, 0] + 2 * (answers[:, 2] - answers[:, 0])
+    assert (paired_iou(answers, doubled) == 0.5).all()  # exactly, in float32
+
+    g = Guard(bundle, proto, LabeledImages(probes.images, doubled), torch.Generator().manual_seed(0))
+    hits, iou = g._hits(None)
+    assert hits.all() and (iou == 0.5).all()
+    assert g.start(None)["select"]["corloc"] == 100.0
