@@ -228,6 +228,13 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "labelstudio_routes": ("app/routes/labelstudio.py", [
         "tests/app/test_labelstudio_routes_units.py", "tests/app/test_labelstudio.py",
         "tests/app/test_labelstudio_units.py"]),
+    # the localize route: the checkpoint named, the format options, instances kept apart, each format's answer, the
+    # pipeline's refusals (404, 409 of a full pool, image_ids' count), the second look, keep=true
+    "localize_route": ("app/routes/localize.py", [
+        "tests/app/test_localize_routes_units.py", "tests/app/test_app_export.py", "tests/app/test_app_instances.py",
+        "tests/app/test_app_calibration.py", "tests/app/test_app_pool.py", "tests/app/test_app_exemplar_sets.py"]),
+    # who a request's API key makes its caller (every route's 401s, each key's own rows)
+    "deps": ("app/deps.py", ["tests/app/test_deps_units.py", "tests/app/test_app_auth.py"]),
     "set_routes": ("app/routes/exemplar_sets.py", [
         "tests/app/test_set_routes_units.py", "tests/app/test_app_exemplar_sets.py",
         "tests/app/test_app_exemplar_boxes.py"]),
