@@ -1,5 +1,6 @@
 """What a run records: the checkpoint file's metadata, no second row for an iteration, the error's bound."""
 
+import threading
 import uuid
 
 import pytest
@@ -224,3 +225,55 @@ def test_a_run_writes_nothing_once_its_job_was_failed_under_it(client, settings,
         assert other_row.heartbeat_at == other_before.heartbeat_at
     finally:
         ctx.engine.dispose()
+
+
+def test_a_runs_heads_are_stored_once_each_under_the_sets_folder_by_their_digest(tmp_path):
+    """``_store_head``: each distinct head written once, under the set's heads folder and named by its file's digest;
+    the same head object asked again gets its reference back without a second write."""
+    from types import SimpleNamespace
+
+    from app.storage import BlobStore, head_key
+
+    store = BlobStore(tmp_path / "blobs")
+    puts = []
+    real_put = store.put
+    store.put = lambda key, data: (puts.append(key), real_put(key, data))[1]  # type: ignore[method-assign]
+    run = AdaptationRun(SimpleNamespace(store=store), uuid.uuid4(), attempt=1)  # type: ignore[arg-type]
+    set_id = uuid.uuid4()
+    run.exemplar_set = SimpleNamespace(id=set_id)
+    one, two = {"w": torch.ones(3)}, {"w": torch.zeros(3)}
+    ref_one = run._store_head(one)
+    ref_two = run._store_head(two)
+    for ref in (ref_one, ref_two):
+        assert ref["key"] == head_key(set_id, ref["sha256"])
+    assert ref_one != ref_two and store.exists(ref_one["key"]) and store.exists(ref_two["key"])
+    assert run._store_head(one) is ref_one and run._store_head(two) is ref_two
+    assert puts == [ref_one["key"], ref_two["key"]]
+
+
+def test_a_shutdown_is_found_behind_a_chain_of_errors_and_a_cycle_ends_the_search():
+    """``_stopping``: the ``SystemExit`` or ``KeyboardInterrupt`` in an error's context or cause, else None, also when
+    the chain loops back on itself."""
+    stop = KeyboardInterrupt()
+    inner = RuntimeError("connection in transaction status ACTIVE")
+    inner.__context__ = stop
+    outer = ValueError("cleanup")
+    outer.__cause__ = inner
+    assert jobs._stopping(outer) is stop and jobs._stopping(stop) is stop
+    exit_ = SystemExit(1)
+    assert jobs._stopping(exit_) is exit_
+    assert jobs._stopping(RuntimeError("alone")) is None
+
+    def bounded(e: BaseException) -> BaseException | None:  # a search that loops fails here, not at the suite's timeout
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(jobs._stopping(e)), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the search went round the loop forever"
+        return out[0]
+
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a  # a loop: no shutdown behind it
+    c = RuntimeError("c")
+    c.__context__ = c  # itself
+    assert bounded(a) is None and bounded(c) is None
