@@ -232,7 +232,12 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # pipeline's refusals (404, 409 of a full pool, image_ids' count), the second look, keep=true
     "localize_route": ("app/routes/localize.py", [
         "tests/app/test_localize_routes_units.py", "tests/app/test_app_export.py", "tests/app/test_app_instances.py",
-        "tests/app/test_app_calibration.py", "tests/app/test_app_pool.py", "tests/app/test_app_exemplar_sets.py"]),
+        "tests/app/test_app_calibration.py", "tests/app/test_app_pool.py", "tests/app/test_app_exemplar_sets.py",
+        "tests/app/test_app_auth.py",  # another key's set: 404
+        # a request on its way to the engine, and the turns of QLOC_ROUTE_THREADS
+        "tests/app/test_app_batching.py::test_a_request_is_on_its_way_to_the_engine_until_it_submits_and_a_refused_"
+        "one_leaves_nothing",
+        "tests/app/test_app_batching.py::test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model"]),
     # who a request's API key makes its caller (every route's 401s, each key's own rows)
     "deps": ("app/deps.py", ["tests/app/test_deps_units.py", "tests/app/test_app_auth.py"]),
     "set_routes": ("app/routes/exemplar_sets.py", [

@@ -5,6 +5,7 @@ from fastapi.testclient import TestClient
 from service_fixtures import files, make_test_settings, migrate, png_bytes
 
 from app.main import create_app
+from app.routes.exemplar_sets import NOT_FOUND
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 
@@ -71,6 +72,8 @@ def test_another_keys_ids_answer_404(keyed):
         r = keyed.request(method, url, headers=b, **kw)
         assert r.status_code == 404, (method, url, r.status_code, r.text)
     assert keyed.get("/v1/exemplar-sets", headers=b).json()["count"] == 0
+    r = keyed.post(f"/v1/exemplar-sets/{set_id}/localize", files=files(png_bytes()), headers=b)
+    assert r.json() == {"detail": NOT_FOUND}  # as for a set that does not exist: nothing says it does
 
     # the owner still sees everything, untouched
     assert keyed.get(f"/v1/adaptations/{job_id}", headers=a).json()["status"] == "queued"

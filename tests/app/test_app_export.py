@@ -57,7 +57,8 @@ def test_coco_refuses_a_wrong_number_of_image_ids_and_min_confidence_filters(cli
     sid = new_set(client)
     r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&image_ids=1",
                     files=files(png_bytes(seed=1), png_bytes(seed=2)))
-    assert r.status_code == 422 and "one per file" in r.json()["detail"]
+    detail = "image_ids has 1 ids for 2 files: one per file, in upload order"
+    assert (r.status_code, r.json()["detail"]) == (422, detail)
     r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&image_ids=1,x", files=files(png_bytes(seed=1)))
     assert r.status_code == 422
     r = client.post(f"/v1/exemplar-sets/{sid}/localize?format=coco&min_confidence=1", files=files(png_bytes(seed=1)))
