@@ -235,7 +235,18 @@ def test_the_pool_is_deleted_with_its_set(api, pool_settings):
     assert counts["exemplar_sets"] == before[0]["exemplar_sets"] - 1
 
 
-def test_localize_keeps_its_images_only_when_asked(api, pool_settings):
+def test_localize_keeps_its_images_only_when_asked(api, pool_settings, monkeypatch):
+    from app.routes import localize
+
+    kept_bytes = []  # whether each request's decoded uploads kept their bytes (only keep=true needs them)
+    real_read = localize.read_images
+
+    def read_images(*args, **kwargs):
+        images = real_read(*args, **kwargs)
+        kept_bytes.append([bool(im.data) for im in images])
+        return images
+
+    monkeypatch.setattr(localize, "read_images", read_images)
     set_id = new_set(api)
     r = api.post(f"/v1/exemplar-sets/{set_id}/localize", files=named("a.png", "b.png"))
     assert r.status_code == 200 and "kept" not in r.json()
@@ -259,6 +270,7 @@ def test_localize_keeps_its_images_only_when_asked(api, pool_settings):
     assert snapshot(pool_settings) == before
     r = api.post(f"/v1/exemplar-sets/{set_id}/localize", params={"keep": "true"}, files=named("d", "e"))
     assert r.status_code == 200 and len(r.json()["kept"]) == 2
+    assert kept_bytes == [[False, False], [True, True, True], [True, True, True], [True, True]]
 
 
 def test_jobs_on_the_pool_the_files_or_both(api, pool_settings):
