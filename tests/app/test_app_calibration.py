@@ -537,3 +537,39 @@ def test_rerank_templates_on_uploads_decoded_downscaled_finds_the_object_on_ever
             assert all(g["found"] and g["reranked"] for g in got)
         agent = client.post(f"/v1/exemplar-sets/{sid}/localize?rerank=auto", files=files(*scenes)).json()["results"]
         assert not all(a["found"] for a in agent)  # the agent alone misses (else this test shows nothing)
+
+
+@pytest.mark.parametrize("crops", [1, 3])
+def test_what_the_engine_is_asked_for_follows_rerank_and_whether_the_set_has_an_ncc_fit(client, monkeypatch, crops):
+    """The route's call to the model, by ``rerank``: the second look and template matching's window only on a set
+    with an NCC fit (3 crops; 1 crop keeps the score's fit: every answer the agent's, whatever ``rerank`` says),
+    ``rerank=true``'s candidates on any calibrated set, nothing more with ``rerank=false``."""
+    from app.calibration import LOOK_THRESHOLD, RERANK_CANDIDATES, SECOND_LOOK_BELOW, TEMPLATE_BAR
+
+    r = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=9 + k) for k in range(crops)]))
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    calls = []
+    inference = client.app.state.inference
+    real = inference.localize
+
+    def recording(call):  # type: ignore[no-untyped-def]
+        calls.append(call)
+        return real(call)
+
+    monkeypatch.setattr(inference, "localize", recording)
+    seen = {}
+    for rerank in ("templates", "auto", "false", "true"):
+        calls.clear()
+        r = client.post(f"/v1/exemplar-sets/{sid}/localize?rerank={rerank}", files=files(png_bytes(seed=3)))
+        assert r.status_code == 200, r.text
+        seen[rerank] = [(c.max_instances, c.second_look and (c.second_look.candidates, c.second_look.template_bar,
+                                                             c.second_look.below), c.templates is not None)
+                        for c in calls]
+    ncc = crops > 1
+    look = (RERANK_CANDIDATES, TEMPLATE_BAR, SECOND_LOOK_BELOW * LOOK_THRESHOLD)
+    assert seen == {
+        "templates": [(1, look if ncc else None, ncc)],
+        "auto": [(1, (RERANK_CANDIDATES, None, look[2]) if ncc else None, ncc)],
+        "false": [(1, None, ncc)],  # the NCC read for the verdict, no second look
+        "true": [(RERANK_CANDIDATES, None, ncc)]}
