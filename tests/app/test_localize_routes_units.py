@@ -82,6 +82,8 @@ def test_the_checkpoint_a_request_names_is_found_in_its_set_and_nowhere_else(db)
 
         for which in (str(elsewhere), str(uuid.uuid4())):
             assert refusal(resolve_checkpoint, s, es, which) == (404, "checkpoint not found in this exemplar set")
+        second = s.get_one(ExemplarSet, other)  # its base, not the first set's (made before it)
+        assert resolve_checkpoint(s, second, "base").id == second.active_checkpoint_id != base_id
     with db.begin() as s:  # a set without its base checkpoint (deleted under the request)
         s.get_one(ExemplarSet, other).active_checkpoint_id = None
         s.delete(s.get_one(Checkpoint, elsewhere))
