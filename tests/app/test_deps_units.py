@@ -60,3 +60,23 @@ def test_a_missing_wrong_or_doubled_key_is_a_401_saying_which():
         with pytest.raises(HTTPException) as e:
             get_caller(settings, *args)  # type: ignore[arg-type]
         assert e.value.headers == {"WWW-Authenticate": "Bearer"}
+
+
+def test_the_localize_path_reads_the_apps_parts_as_one_and_runs_the_model_unless_workers_do():
+    import asyncio
+    import threading
+
+    from app.deps import Serving, get_serving
+
+    turns = threading.BoundedSemaphore(2)
+    parts = {name: object() for name in ("settings", "store", "bundles", "metrics", "inference")}
+
+    def serving(**state: object) -> Serving:
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(**parts, route_turns=turns, **state)))
+        return asyncio.run(get_serving(request))  # type: ignore[arg-type]
+
+    want = Serving(parts["settings"], parts["store"], parts["bundles"], parts["metrics"], parts["inference"],  # type: ignore[arg-type]
+                   True, turns)
+    assert serving(remote=None) == want and serving() == want  # no workers: this process runs the model
+    assert serving(remote=object()) == Serving(*[getattr(want, f) for f in ("settings", "store", "bundles", "metrics",
+                                                                            "inference")], False, turns)
