@@ -237,7 +237,12 @@ def test_a_runs_heads_are_stored_once_each_under_the_sets_folder_by_their_digest
     store = BlobStore(tmp_path / "blobs")
     puts = []
     real_put = store.put
-    store.put = lambda key, data: (puts.append(key), real_put(key, data))[1]  # type: ignore[method-assign]
+
+    def put(key: str, data: bytes) -> str:  # each write recorded
+        puts.append(key)
+        return real_put(key, data)
+
+    store.put = put  # type: ignore[method-assign]
     run = AdaptationRun(SimpleNamespace(store=store), uuid.uuid4(), attempt=1)  # type: ignore[arg-type]
     set_id = uuid.uuid4()
     run.exemplar_set = SimpleNamespace(id=set_id)
