@@ -540,6 +540,10 @@ def test_calibrate_fits_the_served_answers_by_value():
     for nearest in (True, False):
         ro = loc.run(samples.negatives, proto, agent, nearest=nearest)
         nb, ns = answers(loc, agent, proto, samples.negatives, nearest=nearest, chunk=5)
+        # chunk by chunk: the same boxes, the distances to float rounding (a batch of 5 may be summed in another order
+        # than one of 12: on some CPUs the last bits differ)
+        assert torch.equal(nb, ro.boxes[-1].cpu()) and torch.allclose(ns, ro.distances[-1].cpu(), rtol=0, atol=1e-6)
+        nb, ns = answers(loc, agent, proto, samples.negatives, nearest=nearest)  # one chunk, as calibrate reads them
         assert torch.equal(nb, ro.boxes[-1].cpu()) and torch.equal(ns, ro.distances[-1].cpu())
         pb, ps = answers(loc, agent, proto, samples.positives.images, nearest=nearest)
         hit = paired_iou(pb, samples.positives.boxes) >= 0.5
@@ -560,7 +564,8 @@ def test_calibrate_fits_the_served_answers_by_value():
     ro = short.run(samples.negatives, proto, short.agent(None))
     nb, ns = answers(short, short.agent(None), proto, samples.negatives, nearest=False, chunk=5)
     assert torch.equal(nb, ro.boxes[-1].cpu()) and not torch.equal(nb, ro.boxes[0].cpu())
-    assert torch.equal(ns, ro.distances[-1].cpu()) and not torch.equal(ns, ro.distances[0].cpu())
+    assert torch.allclose(ns, ro.distances[-1].cpu(), rtol=0, atol=1e-6)
+    assert not torch.allclose(ns, ro.distances[0].cpu(), rtol=0, atol=1e-6)
 
 
 def test_rgb_bundles_get_no_ncc_fit_unless_asked_and_the_kind_check_sees_the_negatives():
