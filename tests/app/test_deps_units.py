@@ -3,7 +3,10 @@ HTTP (every route, both headers, the 401's header): ``test_app_auth.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +14,7 @@ from fastapi import HTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 from service_fixtures import refusal
 
-from app.deps import Caller, get_caller, owner_of
+from app.deps import Caller, Serving, get_caller, get_serving, owner_of
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 MISSING = "missing or invalid API key (X-API-Key or Bearer)"
@@ -63,11 +66,6 @@ def test_a_missing_wrong_or_doubled_key_is_a_401_saying_which():
 
 
 def test_the_localize_path_reads_the_apps_parts_as_one_and_runs_the_model_unless_workers_do():
-    import asyncio
-    import threading
-
-    from app.deps import Serving, get_serving
-
     turns = threading.BoundedSemaphore(2)
     parts = {name: object() for name in ("settings", "store", "bundles", "metrics", "inference")}
 
@@ -78,5 +76,4 @@ def test_the_localize_path_reads_the_apps_parts_as_one_and_runs_the_model_unless
     want = Serving(parts["settings"], parts["store"], parts["bundles"], parts["metrics"], parts["inference"],  # type: ignore[arg-type]
                    True, turns)
     assert serving(remote=None) == want and serving() == want  # no workers: this process runs the model
-    assert serving(remote=object()) == Serving(*[getattr(want, f) for f in ("settings", "store", "bundles", "metrics",
-                                                                            "inference")], False, turns)
+    assert serving(remote=object()) == dataclasses.replace(want, local=False)

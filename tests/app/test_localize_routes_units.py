@@ -96,31 +96,28 @@ def test_the_checkpoint_a_request_names_is_found_in_its_set_and_nowhere_else(db)
             assert refusal(resolve_checkpoint, s, es, which) == (404, "checkpoint not found in this exemplar set")
 
 
-def opts(**kw) -> AnswerOptions:  # type: ignore[no-untyped-def]
-    return AnswerOptions(**kw)
-
-
 def test_options_the_asked_format_would_drop_are_refused_naming_each():
-    assert refusal(check_format_options, opts(), {"label", "image_ids", "category_id", "samples"},
+    assert refusal(check_format_options, AnswerOptions(), {"label", "image_ids", "category_id", "samples"},
                    trajectory=False) == (422, "category_id is for format=coco, image_ids is for format=coco, label is "
                                               "for format=labelstudio: not used with format=json (drop it, or ask "
                                               "for that format)")
-    assert refusal(check_format_options, opts(format="coco"), {"label"}, trajectory=False) == (
+    assert refusal(check_format_options, AnswerOptions(format="coco"), {"label"}, trajectory=False) == (
         422, "label is for format=labelstudio: not used with format=coco (drop it, or ask for that format)")
-    assert refusal(check_format_options, opts(format="labelstudio"), {"image_ids", "category_id"},
+    assert refusal(check_format_options, AnswerOptions(format="labelstudio"), {"image_ids", "category_id"},
                    trajectory=False)[1].startswith("category_id is for format=coco, image_ids is for format=coco: "
                                                     "not used with format=labelstudio")
     for fmt in ("coco", "labelstudio"):
-        assert refusal(check_format_options, opts(format=fmt), set(), trajectory=True) == (
+        assert refusal(check_format_options, AnswerOptions(format=fmt), set(), trajectory=True) == (
             422, f"trajectory=true is answered only with format=json: format={fmt} has no place for it")
-    assert refusal(check_format_options, opts(format="coco", image_ids="3,1,3,2,1,3"), {"image_ids"},
+    assert refusal(check_format_options, AnswerOptions(format="coco", image_ids="3,1,3,2,1,3"), {"image_ids"},
                    trajectory=False) == (422, "image_ids repeats 1, 3: COCO image ids must be unique, one per file")
     # what each format takes passes
-    check_format_options(opts(), {"samples", "max_instances"}, trajectory=True)
-    check_format_options(opts(format="coco", image_ids="3,1,2", category_id=4), {"image_ids", "category_id"},
+    check_format_options(AnswerOptions(), {"samples", "max_instances"}, trajectory=True)
+    check_format_options(AnswerOptions(format="coco", image_ids="3,1,2", category_id=4), {"image_ids", "category_id"},
                          trajectory=False)
-    check_format_options(opts(format="labelstudio", label="cat"), {"label"}, trajectory=False)
-    check_format_options(opts(format="labelstudio", image_ids="1,1"), set(), trajectory=False)  # not coco's: unread
+    check_format_options(AnswerOptions(format="labelstudio", label="cat"), {"label"}, trajectory=False)
+    # not coco's: unread
+    check_format_options(AnswerOptions(format="labelstudio", image_ids="1,1"), set(), trajectory=False)
 
 
 def judged(*boxes: tuple[float, float, float, float] | None) -> Judged:
@@ -167,7 +164,7 @@ def done(results: list[LocalizationResult], *, kept: list[uuid.UUID] | None = No
 
 def test_a_json_answer_is_the_response_model_without_nulls():
     answer = formatted(done([result("a.png", [1.0, 2.0, 30.0, 40.0]),
-                             result("b.png", [0.0, 0.0, 5.0, 5.0], found=False, confidence=None)]), opts())
+                             result("b.png", [0.0, 0.0, 5.0, 5.0], found=False, confidence=None)]), AnswerOptions())
     assert answer.media_type == "application/json" and KEPT_HEADER not in answer.headers
     assert json.loads(answer.body) == {
         "exemplar_set_id": str(uuid.UUID(int=1)), "checkpoint_id": str(uuid.UUID(int=2)), "bundle": "mnist-general",
@@ -177,14 +174,14 @@ def test_a_json_answer_is_the_response_model_without_nulls():
                     {"filename": "b.png", "width": 100, "height": 50, "box": [0.0, 0.0, 5.0, 5.0], "score": 0.25,
                      "found": False}]}
     kept = [uuid.UUID(int=7), uuid.UUID(int=8)]
-    answer = formatted(done([result("a.png", [1.0, 2.0, 30.0, 40.0])], kept=kept), opts())
+    answer = formatted(done([result("a.png", [1.0, 2.0, 30.0, 40.0])], kept=kept), AnswerOptions())
     assert json.loads(answer.body)["kept"] == [str(k) for k in kept] and KEPT_HEADER not in answer.headers
 
 
 def test_coco_and_label_studio_answers_carry_the_kept_ids_in_a_header():
     kept = [uuid.UUID(int=7), uuid.UUID(int=8)]
     rows = [result("a.png", [10.0, 5.0, 30.0, 25.0]), result("b.png", [0.0, 0.0, 50.0, 25.0], found=False)]
-    coco = formatted(done(rows, kept=kept), opts(format="coco", image_ids="4,9", category_id=3))
+    coco = formatted(done(rows, kept=kept), AnswerOptions(format="coco", image_ids="4,9", category_id=3))
     assert coco.headers[KEPT_HEADER] == f"{kept[0]},{kept[1]}"
     body = json.loads(coco.body)
     assert body["images"] == [{"id": 4, "file_name": "a.png", "width": 100, "height": 50},
@@ -192,12 +189,13 @@ def test_coco_and_label_studio_answers_carry_the_kept_ids_in_a_header():
     assert body["categories"] == [{"id": 3, "name": "fours"}]
     assert [(a["image_id"], a["category_id"], a["bbox"]) for a in body["annotations"]] == [
         (4, 3, [10.0, 5.0, 20.0, 20.0]), (9, 3, [0.0, 0.0, 50.0, 25.0])]  # min_confidence not asked: every answer
-    only = json.loads(formatted(done(rows), opts(format="coco", min_confidence=0.5)).body)
+    only = json.loads(formatted(done(rows), AnswerOptions(format="coco", min_confidence=0.5)).body)
     assert [a["image_id"] for a in only["annotations"]] == [1]  # ids 1..N by default; the answer not found left out
-    assert json.loads(formatted(done(rows, name=None), opts(format="coco")).body)["categories"][0]["name"] == "object"
-    assert KEPT_HEADER not in formatted(done(rows), opts(format="coco")).headers
+    unnamed = json.loads(formatted(done(rows, name=None), AnswerOptions(format="coco")).body)
+    assert unnamed["categories"][0]["name"] == "object"
+    assert KEPT_HEADER not in formatted(done(rows), AnswerOptions(format="coco")).headers
 
-    ls = formatted(done(rows, kept=kept), opts(format="labelstudio"))
+    ls = formatted(done(rows, kept=kept), AnswerOptions(format="labelstudio"))
     assert ls.headers[KEPT_HEADER] == f"{kept[0]},{kept[1]}"
     tasks = json.loads(ls.body)
     assert [t["predictions"][0]["model_version"] for t in tasks] == [str(uuid.UUID(int=2))] * 2
@@ -205,7 +203,7 @@ def test_coco_and_label_studio_answers_carry_the_kept_ids_in_a_header():
     assert (region["from_name"], region["to_name"], region["value"]["rectanglelabels"]) == ("label", "image", ["fours"])
     assert tasks[1]["predictions"][0]["result"] == []  # not found: nothing to pre-annotate
     for name, label, want in (("fours", "cat", "cat"), (None, None, "object"), ("fours", None, "fours")):
-        t = json.loads(formatted(done(rows, name=name), opts(format="labelstudio", label=label)).body)
+        t = json.loads(formatted(done(rows, name=name), AnswerOptions(format="labelstudio", label=label)).body)
         assert t[0]["predictions"][0]["result"][0]["value"]["rectanglelabels"] == [want]
 
 
