@@ -156,6 +156,65 @@ def test_localize_trajectory_and_checkpoint_choice(client):
     assert client.post(url, files=files(png_bytes()), params={"checkpoint": other}).status_code == 404
 
 
+def test_localize_answers_with_the_agent_of_the_checkpoint_it_serves(client, settings):
+    """An adapted checkpoint's own agent answers, named by its id or active once activated, and the base's is
+    the bundle's own whichever ran before it (the engine keeps each checkpoint's agent apart). Two checkpoints
+    whose agents always take one action: ``stay`` keeps the whole image, ``shrink_tl`` shrinks toward its corner."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from app.inference import BundleRegistry
+    from app.storage import BlobStore
+    from app.tables import Checkpoint
+    from models.bundle import policy_to_bytes
+    from models.core.actions import ACTION_NAMES
+
+    body = create_set(client).json()
+    set_id, base_id = body["id"], body["active_checkpoint_id"]
+    bundle = BundleRegistry(settings.bundle_dir, "cpu").get(body["bundle"]).bundle
+    store = BlobStore(settings.storage_dir)
+
+    def always(action: str) -> str:  # an adapted checkpoint (as a job writes it) whose agent always takes `action`
+        state = {k: v.clone() for k, v in bundle.agent_state.items()}
+        state["policy.weight"].zero_()
+        state["policy.bias"].fill_(-10.0)
+        state["policy.bias"][ACTION_NAMES.index(action)] = 10.0
+        key, ckpt = f"exemplar-sets/{set_id}/{action}.pt", uuid.uuid4()
+        sha = store.put(key, policy_to_bytes(state, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                                             prototype_dim=bundle.prototype_dim))
+        engine = create_engine(settings.database_url)
+        with Session(engine) as s, s.begin():
+            s.add(Checkpoint(id=ckpt, exemplar_set_id=uuid.UUID(set_id), parent_id=uuid.UUID(base_id),
+                             kind="adapted", iteration=1, sha256=sha, metrics={}, blob=key))
+        engine.dispose()
+        return str(ckpt)
+
+    stay, corner = always("stay"), always("shrink_tl")
+    url = f"/v1/exemplar-sets/{set_id}/localize"
+
+    def paths(checkpoint: str, served: str) -> list[list[list[float]]]:
+        r = client.post(url, files=files(png_bytes(84, 84, seed=3), png_bytes(120, 90, seed=4)),
+                        params={"trajectory": "true", "checkpoint": checkpoint})
+        assert r.status_code == 200 and r.json()["checkpoint_id"] == served, r.text
+        return [res["trajectory"] for res in r.json()["results"]]
+
+    whole = [[0.0, 0.0, 84.0, 84.0]], [[0.0, 0.0, 120.0, 90.0]]
+    base = paths("active", base_id)  # the bundle's agent first: cached before any checkpoint's
+    assert all(len({tuple(b) for b in t}) > 1 for t in base)  # it moves
+    for _ in range(2):  # and again: each checkpoint is kept apart from the others once cached
+        kept = paths(stay, stay)
+        assert [sorted({tuple(b) for b in t}) for t in kept] == [[tuple(w[0])] for w in whole]
+        shrunk = paths(corner, corner)
+        for t, (w,) in zip(shrunk, whole, strict=True):
+            assert t[0] == w and all(b[:2] == [0.0, 0.0] for b in t)  # anchored at the top-left corner
+            assert t[-1][2] < w[2] / 2 and t[-1][3] < w[3] / 2  # shrunk far
+        assert paths("base", base_id) == paths(base_id, base_id) == base
+    assert client.post(f"/v1/checkpoints/{stay}/activate").status_code == 200
+    assert paths("active", stay) == kept and paths("base", base_id) == base
+    assert client.post(f"/v1/checkpoints/{corner}/activate").status_code == 200
+    assert paths("active", corner) == shrunk and paths(stay, stay) == kept
+
+
 def test_localize_reads_the_set_and_its_active_checkpoint_in_one_query(client):
     """One SQL round trip before the model runs (one client's latency feels each); other checkpoints still
     resolve, and a set unknown to the caller is still a 404."""
