@@ -573,3 +573,57 @@ def test_what_the_engine_is_asked_for_follows_rerank_and_whether_the_set_has_an_
         "auto": [(1, (RERANK_CANDIDATES, None, look[2]) if ncc else None, ncc)],
         "false": [(1, None, ncc)],  # the NCC read for the verdict, no second look
         "true": [(RERANK_CANDIDATES, None, ncc)]}
+
+
+def test_a_sets_kind_check_travels_with_its_call_and_the_engine_reads_it_for_every_image_at_once(client, monkeypatch,
+                                                                                                 settings):
+    """A set matched to a kind its bundle's verifier knows (two crops: the check needs the NCC fits): the route's
+    call carries the set's check, the engine reads it on every image of the request in one verifier pass, and each
+    answer's confidence is the check's probability of its box, not read again by the route."""
+    import io
+
+    from app.inference import BundleRegistry
+    from models.inference import pil_to_tensor
+    from models.verifier import KindCheck, KindVerifier
+
+    seeds = (9, 10)
+    crops = [pil_to_tensor(Image.open(io.BytesIO(png_bytes(28, 28, seed=k))), 1, (0.0,)) for k in seeds]
+    torch.manual_seed(0)
+    v = KindVerifier(1, ["square", "background"])
+    proto, _, _ = v.nearest_kind(crops)
+    v.kinds.copy_(torch.stack([proto, -proto]))
+    v.sha256 = "test verifier"
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    es = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=k) for k in seeds])).json()
+    assert es["kind"] == "square"
+    engine = create_engine(settings.database_url)
+    with Session(engine) as s:
+        check = s.get_one(ExemplarSet, uuid.UUID(es["id"])).calibration["kind"]
+    engine.dispose()
+
+    inference = client.app.state.inference
+    calls, answers, passes = [], [], []
+    real_localize, real_embed = inference.localize, v.embed_boxes
+
+    def recording(call):  # type: ignore[no-untyped-def]
+        calls.append(call)
+        answers.append(real_localize(call))
+        return answers[-1]
+
+    def embedding(images01, boxes):  # type: ignore[no-untyped-def]
+        passes.append(images01.shape[0])
+        return real_embed(images01, boxes)
+
+    monkeypatch.setattr(inference, "localize", recording)
+    monkeypatch.setattr(v, "embed_boxes", embedding)
+    blobs = [png_bytes(seed=1), png_bytes(seed=2)]
+    r = client.post(f"/v1/exemplar-sets/{es['id']}/localize", params={"rerank": "false"}, files=files(*blobs))
+    assert r.status_code == 200, r.text
+    assert [c.kind.to_dict() if c.kind is not None else None for c in calls] == [check]
+    assert answers[0].kind is not None and answers[0].kind.shape[0] == 2  # read by the engine
+    assert passes == [2]  # once, for both images
+    for blob, res in zip(blobs, r.json()["results"], strict=True):
+        image = pil_to_tensor(Image.open(io.BytesIO(blob)), 1, (0.0,))[None]  # 84 x 84: the input size
+        expected = KindCheck.from_dict(check).probability(real_embed(image, torch.tensor([[res["box"]]])))
+        assert res["confidence"] == pytest.approx(float(expected), abs=1e-6)
+        assert res["found"] == (res["confidence"] >= 0.5)
