@@ -574,15 +574,28 @@ def test_what_the_engine_is_asked_for_follows_rerank_and_whether_the_set_has_an_
         "false": [(1, None, ncc)],  # the NCC read for the verdict, no second look
         "true": [(RERANK_CANDIDATES, None, ncc)]}
     # the candidates asked for already (max_instances >= RERANK_CANDIDATES): no second look, whatever rerank says;
-    # template matching's window joins them with rerank=templates only
+    # template matching's window joins them with rerank=templates only; the verdict chooses among them by the rule
+    # asked for (templates: auto's), on a set with an NCC fit
+    import app.routes.localize as route
+
+    rules, real_judge = [], route.judge
+
+    def judging(*args, **kwargs):  # type: ignore[no-untyped-def]
+        rules.append(kwargs["rerank"])
+        return real_judge(*args, **kwargs)
+
+    monkeypatch.setattr(route, "judge", judging)
     for rerank in ("templates", "auto", "false", "true"):
         calls.clear()
+        rules.clear()
         r = client.post(f"/v1/exemplar-sets/{sid}/localize", params={"rerank": rerank,
                                                                     "max_instances": RERANK_CANDIDATES},
                         files=files(png_bytes(seed=3), png_bytes(seed=4)))
         assert r.status_code == 200, r.text
         assert [(c.max_instances, c.second_look, c.extra_boxes is not None) for c in calls] == [
             (RERANK_CANDIDATES, None, ncc and rerank == "templates")], rerank
+        rule = ("auto" if ncc else "false") if rerank in ("templates", "auto") else rerank
+        assert rules == [rule], rerank
 
 
 def test_a_sets_kind_check_travels_with_its_call_and_the_engine_reads_it_for_every_image_at_once(client, monkeypatch,
