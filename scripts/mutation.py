@@ -241,6 +241,12 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "tests/app/test_app_batching.py::test_localize_takes_turns_for_its_own_work_not_while_it_waits_for_the_model"]),
     # who a request's API key makes its caller (every route's 401s, each key's own rows)
     "deps": ("app/deps.py", ["tests/app/test_deps_units.py", "tests/app/test_app_auth.py"]),
+    # the app factory: its middleware (body limits), error handlers (422s cut short, 405s, trailing slashes), wiring
+    "main": ("app/main.py", [
+        "tests/app/test_main_units.py", "tests/app/test_app_strict.py", "tests/app/test_app_upload_limits.py",
+        "tests/app/test_app_text_fields.py",
+        "tests/app/test_app_adaptations.py::test_a_422_shows_a_long_invalid_value_cut_short",
+        "tests/app/test_app_exemplar_sets.py::test_health_ready_metrics"]),
     "set_routes": ("app/routes/exemplar_sets.py", [
         "tests/app/test_set_routes_units.py", "tests/app/test_app_exemplar_sets.py",
         "tests/app/test_app_exemplar_boxes.py"]),
