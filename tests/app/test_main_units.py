@@ -145,3 +145,119 @@ def test_what_json_cannot_hold_is_echoed_as_text():
                                  "\\udfff": None, "n": 3}
     json.dumps(_encodable(value), allow_nan=False).encode("utf-8")  # valid JSON, encodable
     assert _encodable("é") == "é" and _encodable(True) is True
+
+
+@pytest.fixture
+def wired(monkeypatch):  # type: ignore[no-untyped-def]
+    """``create_app``'s calls into torch and the allocator recorded, on a machine of 8 usable cores."""
+    import app.main as main
+
+    seen: dict[str, list[Any]] = {"threads": [], "tuned": [], "warmup": []}
+    monkeypatch.setattr(main.torch, "set_num_threads", seen["threads"].append)
+    monkeypatch.setattr(main, "usable_cores", lambda: 8)
+    monkeypatch.setattr(main, "tune_malloc", lambda: seen["tuned"].append(True))
+    monkeypatch.setattr(main.warmup, "install", lambda bundles, settings, observe: seen["warmup"].append(
+        (bundles, settings, observe)) or "warm")
+    return seen
+
+
+def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeypatch):
+    from service_fixtures import make_test_settings
+    from starlette.middleware import Middleware
+
+    from app.main import create_app
+    from app.metrics import RequestMetricsMiddleware
+    from app.serving import BatchedInference
+
+    s = make_test_settings(tmp_path, bundle_dir, batch_window_ms=3, batch_gather_ms=2, batch_max_images=7,
+                           inference_queue_images=9, route_threads=5, localize_nearest=True, api_workers=2,
+                           tune_malloc=True, max_json_bytes=4096)
+    app = create_app(s)
+    assert wired["threads"] == [2] and wired["tuned"] == [True]  # 8 cores // (2 x 2 processes)
+    assert app.state.settings is s and app.state.warmup == "warm"
+    [(bundles, settings, observe)] = wired["warmup"]
+    assert bundles is app.state.bundles and settings is s and observe == app.state.metrics.episode_compiled
+    assert app.state.bundles.bundle_dir == bundle_dir and app.state.bundles.device.type == "cpu"
+    assert app.state.bundles.fast_episode is False  # the settings' compile_episode
+    assert app.state.store.root == s.storage_dir
+    assert str(app.state.engine.url) == s.database_url and app.state.session_factory.kw["bind"] is app.state.engine
+    inference = app.state.inference
+    assert isinstance(inference, BatchedInference) and app.state.remote is None
+    assert inference.bundles is app.state.bundles and inference.store is app.state.store
+    assert inference.default_nearest is True
+    b = inference.batcher
+    assert (b.window_s, b.gather_s, b.max_batch, b.max_queue) == (0.003, 0.002, 7, 9)
+    assert b.observe == app.state.metrics.engine_batch_began
+    turns = app.state.route_turns
+    assert [turns.acquire(blocking=False) for _ in range(6)] == [True] * 5 + [False]
+    [outer, inner] = app.user_middleware
+    assert isinstance(outer, Middleware) and outer.cls is RequestMetricsMiddleware
+    assert inner.cls is BodyLimitMiddleware
+    assert inner.kwargs == {"max_body_size": s.max_request_bytes, "max_other_size": 4096} and s.max_request_bytes > 4096
+    assert outer.kwargs["get_metrics"]() is app.state.metrics
+    assert not app.router.redirect_slashes and app.docs_url is None and app.redoc_url is None
+
+    wired["threads"].clear()
+    create_app(s.model_copy(update={"api_workers": None, "tune_malloc": False}))
+    assert wired["threads"] == [4] and wired["tuned"] == [True]  # one process: half the cores; not tuned again
+    create_app(s.model_copy(update={"inference_threads": 3}))
+    assert wired["threads"] == [4, 3]
+    wired["threads"].clear()
+    monkeypatch.setattr("app.main.usable_cores", lambda: 1)
+    create_app(s)
+    assert wired["threads"] == [1]  # never 0
+
+
+def test_in_workers_mode_the_api_loads_no_model_and_takes_no_threads(tmp_path, bundle_dir, wired):
+    from service_fixtures import make_test_settings
+
+    from app.main import create_app
+    from app.remote import WorkerInference
+
+    s = make_test_settings(tmp_path, bundle_dir, inference="workers", device="cuda", localize_nearest=False,
+                           result_backend=f"db+sqlite:///{tmp_path}/results.db")
+    app = create_app(s)
+    assert isinstance(app.state.inference, WorkerInference) and app.state.remote is app.state.inference
+    assert app.state.remote.celery is app.state.queue.celery and app.state.remote.default_nearest is False
+    assert app.state.bundles.device.type == "cpu"  # QLOC_DEVICE=cuda needs no GPU here: the workers have it
+    assert app.state.warmup is None and wired["warmup"] == [] and wired["threads"] == []
+
+
+def test_the_apps_life_loads_the_default_bundle_first_and_closes_the_engine_and_the_database_last(
+        tmp_path, bundle_dir, wired, caplog):
+    from fastapi.testclient import TestClient
+    from service_fixtures import make_test_settings
+
+    from app.main import create_app
+
+    s = make_test_settings(tmp_path, bundle_dir)
+    app = create_app(s)
+    order: list[str] = []
+    close, dispose = app.state.inference.close, app.state.engine.dispose
+    app.state.inference.close = lambda: (order.append("engine closed"), close())[1]
+    app.state.engine.dispose = lambda: (order.append("database closed"), dispose())[1]
+    assert not app.state.bundles.is_loaded(s.default_bundle)
+    with TestClient(app):
+        assert app.state.bundles.is_loaded(s.default_bundle) and order == []  # before the first request
+    assert order == ["engine closed", "database closed"]
+
+    missing = create_app(s.model_copy(update={"default_bundle": "missing"}))
+    with caplog.at_level("WARNING", logger="app.main"), TestClient(missing) as c:  # it starts; /readyz says why
+        assert c.get("/healthz").status_code == 200 and missing.state.bundles.loaded() == []
+    assert "default bundle 'missing' not loaded: " in caplog.text
+
+
+def test_in_workers_mode_the_apps_life_watches_the_localize_queue_and_loads_no_bundle(tmp_path, bundle_dir, wired):
+    from fastapi.testclient import TestClient
+    from service_fixtures import make_test_settings
+
+    from app.main import create_app
+
+    s = make_test_settings(tmp_path, bundle_dir, inference="workers", result_backend=f"db+sqlite:///{tmp_path}/r.db")
+    app = create_app(s)
+    watch: list[str] = []
+    app.state.remote.consumers.start = lambda: watch.append("start")
+    app.state.remote.consumers.stop = lambda: watch.append("stop")
+    with TestClient(app):
+        assert watch == ["start"]
+    assert watch == ["start", "stop"] and app.state.bundles.loaded() == []
