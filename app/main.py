@@ -166,7 +166,7 @@ def _error(e: dict) -> dict:
         return e
     out = {**e, "input": _shown(e["input"])}
     if isinstance(e["input"], StarletteUploadFile) and e.get("loc", ("",))[0] == "body":  # -F boxes=@boxes.json
-        field = e["loc"][-1]
+        field = e["loc"][1]  # the form field (a list field's loc goes on with the index)
         out["msg"] = (f"{field} is a text field, not a file: send its value (curl -F '{field}=<file' sends a file's "
                       f"text as the value; -F '{field}=@file' sends the file)")
     if "Expected UploadFile" in str(e.get("msg", "")) and len(e.get("loc", ())) >= 2:  # -F files=text

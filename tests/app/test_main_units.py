@@ -125,14 +125,17 @@ def test_an_error_says_what_to_send_for_a_file_in_a_text_field_and_text_in_a_fil
     assert err["input"] == "a file (boxes.json, 2 bytes)"
     assert err["msg"] == ("boxes is a text field, not a file: send its value (curl -F 'boxes=<file' sends a file's "
                           "text as the value; -F 'boxes=@file' sends the file)")
+    err = _error({"type": "string_type", "loc": ["body", "labels", 2], "msg": "m", "input": upload})
+    assert err["msg"].startswith("labels is a text field, not a file: ")  # a list field: its name, not the index
     err = _error({"type": "string_type", "loc": ["query", "boxes"], "msg": "m", "input": upload})
     assert err["msg"] == "m"  # not a form field: the message as it was
+    assert _error({"type": "t", "input": upload}) == {"type": "t", "input": "a file (boxes.json, 2 bytes)"}  # no loc
     files = ("files takes files, not text: attach one (curl -F 'files=@image.png'); a part sent without a filename "
              "(or with an empty one) is read as text: give each file a filename")
     err = _error({"type": "value_error", "loc": ["body", "files", 0], "msg": "Value error, Expected UploadFile, "
                   "received: <class 'str'>", "input": "\x89PNG" + "x" * 300})
     assert err["msg"] == files and err["input"] == "text of 304 characters (not shown)"
-    err = _error({"type": "value_error", "loc": ["body", "files", 0], "msg": "Expected UploadFile", "input": 5})
+    err = _error({"type": "value_error", "loc": ["body", "files"], "msg": "Expected UploadFile", "input": 5})
     assert err["msg"] == files and err["input"] == 5  # not text: shown as it is
     err = _error({"type": "value_error", "loc": ["body"], "msg": "Expected UploadFile", "input": "x"})
     assert err == {"type": "value_error", "loc": ["body"], "msg": "Expected UploadFile", "input": "x"}  # no field
