@@ -199,6 +199,9 @@ def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeyp
     assert inner.kwargs == {"max_body_size": s.max_request_bytes, "max_other_size": 4096} and s.max_request_bytes > 4096
     assert outer.kwargs["get_metrics"]() is app.state.metrics
     assert not app.router.redirect_slashes and app.docs_url is None and app.redoc_url is None
+    assert (app.title, app.version) == ("qloc", "1.0.0") and app.description == (
+        "Query object localization: register exemplar crops, localize the object in images, adapt the localization "
+        "policy to your images without labels.")
 
     wired["threads"].clear()
     create_app(s.model_copy(update={"api_workers": None, "tune_malloc": False}))
