@@ -176,7 +176,8 @@ def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeyp
                            inference_queue_images=9, route_threads=5, localize_nearest=True, api_workers=2,
                            tune_malloc=True, max_json_bytes=4096)
     app = create_app(s)
-    assert wired["threads"] == [2] and wired["tuned"] == [True]  # 8 cores // (2 x 2 processes)
+    assert wired["threads"] == [2] and type(wired["threads"][0]) is int  # 8 cores // (2 x 2 processes)
+    assert wired["tuned"] == [True]
     assert app.state.settings is s and app.state.warmup == "warm"
     [(bundles, settings, observe)] = wired["warmup"]
     assert bundles is app.state.bundles and settings is s and observe == app.state.metrics.episode_compiled
@@ -212,6 +213,7 @@ def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeyp
     monkeypatch.setattr("app.main.usable_cores", lambda: 1)
     create_app(s)
     assert wired["threads"] == [1]  # never 0
+    assert all(type(n) is int for n in wired["threads"])  # torch takes no float
 
 
 def test_in_workers_mode_the_api_loads_no_model_and_takes_no_threads(tmp_path, bundle_dir, wired):
