@@ -71,6 +71,25 @@ def jpeg_bytes(width: int = 60, height: int = 40, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+def square_verifier(monkeypatch: pytest.MonkeyPatch, seeds: tuple[int, ...] = (9, 10)) -> Any:
+    """A known-kinds verifier (kinds "square" and "background", sha256 "test verifier") to which the crops
+    ``png_bytes(28, 28, seed=k)`` of ``seeds`` are "square", served as every bundle's -> the verifier."""
+    import torch
+
+    from app.inference import BundleRegistry
+    from models.inference import pil_to_tensor
+    from models.verifier import KindVerifier
+
+    crops = [pil_to_tensor(Image.open(io.BytesIO(png_bytes(28, 28, seed=k))), 1, (0.0,)) for k in seeds]
+    torch.manual_seed(0)
+    v = KindVerifier(1, ["square", "background"])
+    proto, _, _ = v.nearest_kind(crops)
+    v.kinds.copy_(torch.stack([proto, -proto]))
+    v.sha256 = "test verifier"
+    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    return v
+
+
 def files(*blobs: bytes, content_type: str = "image/png", field: str = "files") -> list[tuple[str, Any]]:
     return [(field, (f"img{i}.png", b, content_type)) for i, b in enumerate(blobs)]
 

@@ -605,18 +605,13 @@ def test_a_sets_kind_check_travels_with_its_call_and_the_engine_reads_it_for_eve
     answer's confidence is the check's probability of its box, not read again by the route."""
     import io
 
-    from app.inference import BundleRegistry
+    from service_fixtures import square_verifier
+
     from models.inference import pil_to_tensor
-    from models.verifier import KindCheck, KindVerifier
+    from models.verifier import KindCheck
 
     seeds = (9, 10)
-    crops = [pil_to_tensor(Image.open(io.BytesIO(png_bytes(28, 28, seed=k))), 1, (0.0,)) for k in seeds]
-    torch.manual_seed(0)
-    v = KindVerifier(1, ["square", "background"])
-    proto, _, _ = v.nearest_kind(crops)
-    v.kinds.copy_(torch.stack([proto, -proto]))
-    v.sha256 = "test verifier"
-    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    v = square_verifier(monkeypatch, seeds)
     es = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=k) for k in seeds])).json()
     assert es["kind"] == "square"
     engine = create_engine(settings.database_url)

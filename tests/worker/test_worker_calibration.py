@@ -6,13 +6,12 @@ import uuid
 import pytest
 import torch
 from PIL import Image
-from service_fixtures import FAST_JOB, files, png_bytes
+from service_fixtures import FAST_JOB, files, png_bytes, square_verifier
 from sqlalchemy import select
 
-from app.inference import BundleRegistry
 from app.tables import Checkpoint, ExemplarSet
 from models.inference import pil_to_tensor
-from models.verifier import KindCheck, KindVerifier
+from models.verifier import KindCheck
 from worker.context import WorkerContext
 from worker.jobs import run_adaptation_job
 
@@ -56,16 +55,7 @@ def test_job_calibrates_its_last_checkpoint_and_localize_serves_it(client, setti
 def test_a_sets_kind_check_is_served_and_carried_into_a_jobs_calibration(client, settings, monkeypatch):
     """A verifier that knows the set's crops (their kind 'square'): the set is matched to it, localize serves the
     check's confidence, and the job's refreshed calibration keeps the check (it does not depend on the policy)."""
-
-
-
-    crops = [pil_to_tensor(Image.open(io.BytesIO(png_bytes(28, 28, seed=k))), 1, (0.0,)) for k in (9, 10)]
-    torch.manual_seed(0)
-    v = KindVerifier(1, ["square", "background"])
-    proto, _, _ = v.nearest_kind(crops)
-    v.kinds.copy_(torch.stack([proto, -proto]))
-    v.sha256 = "test verifier"
-    monkeypatch.setattr(BundleRegistry, "verifier", lambda self, name: v)
+    v = square_verifier(monkeypatch)
     ctx = WorkerContext.create(settings)
     try:
         # two crops: the check needs the NCC fits, which need another exemplar to leave one out
