@@ -204,14 +204,17 @@ def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeyp
         "Query object localization: register exemplar crops, localize the object in images, adapt the localization "
         "policy to your images without labels.")
 
+    app.state.engine.dispose()
+
     wired["threads"].clear()
-    create_app(s.model_copy(update={"api_workers": None, "tune_malloc": False}))
-    assert wired["threads"] == [4] and wired["tuned"] == [True]  # one process: half the cores; not tuned again
-    create_app(s.model_copy(update={"inference_threads": 3}))
-    assert wired["threads"] == [4, 3]
+    wired["tuned"].clear()
+    for update in ({"api_workers": None, "tune_malloc": False}, {"inference_threads": 3}):
+        create_app(s.model_copy(update=update)).state.engine.dispose()
+    assert wired["threads"] == [4, 3]  # one process: half the cores; or as told
+    assert wired["tuned"] == [True]  # the second only: the first has QLOC_TUNE_MALLOC off
     wired["threads"].clear()
     monkeypatch.setattr("app.main.usable_cores", lambda: 1)
-    create_app(s)
+    create_app(s).state.engine.dispose()
     assert wired["threads"] == [1]  # never 0
     assert all(type(n) is int for n in wired["threads"])  # torch takes no float
 
@@ -229,6 +232,7 @@ def test_in_workers_mode_the_api_loads_no_model_and_takes_no_threads(tmp_path, b
     assert app.state.remote.celery is app.state.queue.celery and app.state.remote.default_nearest is False
     assert app.state.bundles.device.type == "cpu"  # QLOC_DEVICE=cuda needs no GPU here: the workers have it
     assert app.state.warmup is None and wired["warmup"] == [] and wired["threads"] == []
+    app.state.engine.dispose()
 
 
 def test_the_apps_life_loads_the_default_bundle_first_and_closes_the_engine_and_the_database_last(
