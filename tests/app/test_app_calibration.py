@@ -598,8 +598,7 @@ def test_what_the_engine_is_asked_for_follows_rerank_and_whether_the_set_has_an_
         assert rules == [rule], rerank
 
 
-def test_a_sets_kind_check_travels_with_its_call_and_the_engine_reads_it_for_every_image_at_once(client, monkeypatch,
-                                                                                                 settings):
+def test_a_sets_kind_check_travels_with_its_call_and_the_engine_reads_it_for_every_image_at_once(client, monkeypatch):
     """A set matched to a kind its bundle's verifier knows (two crops: the check needs the NCC fits): the route's
     call carries the set's check, the engine reads it on every image of the request in one verifier pass, and each
     answer's confidence is the check's probability of its box, not read again by the route."""
@@ -614,10 +613,8 @@ def test_a_sets_kind_check_travels_with_its_call_and_the_engine_reads_it_for_eve
     v = square_verifier(monkeypatch, seeds)
     es = client.post("/v1/exemplar-sets", files=files(*[png_bytes(28, 28, seed=k) for k in seeds])).json()
     assert es["kind"] == "square"
-    engine = create_engine(settings.database_url)
-    with Session(engine) as s:
+    with client.app.state.session_factory() as s:
         check = s.get_one(ExemplarSet, uuid.UUID(es["id"])).calibration["kind"]
-    engine.dispose()
 
     inference = client.app.state.inference
     calls, answers, passes = [], [], []

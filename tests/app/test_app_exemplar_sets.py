@@ -156,37 +156,30 @@ def test_localize_trajectory_and_checkpoint_choice(client):
     assert client.post(url, files=files(png_bytes()), params={"checkpoint": other}).status_code == 404
 
 
-def test_localize_answers_with_the_agent_of_the_checkpoint_it_serves(client, settings):
+def test_localize_answers_with_the_agent_of_the_checkpoint_it_serves(client):
     """An adapted checkpoint's own agent answers, named by its id or active once activated, and the base's is
     the bundle's own whichever ran before it (the engine keeps each checkpoint's agent apart). Two checkpoints
     whose agents always take one action: ``stay`` keeps the whole image, ``shrink_tl`` shrinks toward its corner."""
-    from sqlalchemy import create_engine
-    from sqlalchemy.orm import Session
-
-    from app.inference import BundleRegistry
-    from app.storage import BlobStore
     from app.tables import Checkpoint
     from models.bundle import policy_to_bytes
     from models.core.actions import ACTION_NAMES
 
     body = create_set(client).json()
     set_id, base_id = body["id"], body["active_checkpoint_id"]
-    bundle = BundleRegistry(settings.bundle_dir, "cpu").get(body["bundle"]).bundle
-    store = BlobStore(settings.storage_dir)
+    state = client.app.state
+    bundle = state.bundles.get(body["bundle"]).bundle
 
     def always(action: str) -> str:  # an adapted checkpoint (as a job writes it) whose agent always takes `action`
-        state = {k: v.clone() for k, v in bundle.agent_state.items()}
-        state["policy.weight"].zero_()
-        state["policy.bias"].fill_(-10.0)
-        state["policy.bias"][ACTION_NAMES.index(action)] = 10.0
+        agent = {k: v.clone() for k, v in bundle.agent_state.items()}
+        agent["policy.weight"].zero_()
+        agent["policy.bias"].fill_(-10.0)
+        agent["policy.bias"][ACTION_NAMES.index(action)] = 10.0
         key, ckpt = f"exemplar-sets/{set_id}/{action}.pt", uuid.uuid4()
-        sha = store.put(key, policy_to_bytes(state, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
-                                             prototype_dim=bundle.prototype_dim))
-        engine = create_engine(settings.database_url)
-        with Session(engine) as s, s.begin():
+        sha = state.store.put(key, policy_to_bytes(agent, bundle_name=bundle.name, bundle_sha256=bundle.sha256,
+                                                   prototype_dim=bundle.prototype_dim))
+        with state.session_factory.begin() as s:
             s.add(Checkpoint(id=ckpt, exemplar_set_id=uuid.UUID(set_id), parent_id=uuid.UUID(base_id),
                              kind="adapted", iteration=1, sha256=sha, metrics={}, blob=key))
-        engine.dispose()
         return str(ckpt)
 
     stay, corner = always("stay"), always("shrink_tl")

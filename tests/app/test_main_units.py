@@ -1,5 +1,6 @@
-"""``app.main`` by value, below HTTP: the body limits' middleware on a recording ASGI app, and what the error handlers
-show of an invalid value. Through HTTP: ``test_app_upload_limits.py`` (uvicorn), ``test_app_strict.py``."""
+"""``app.main`` by value, below HTTP: the body limits' middleware on a recording ASGI app, what the error handlers
+show of an invalid value, the app's wiring from its settings and its life. Through HTTP: ``test_app_upload_limits.py``
+(uvicorn), ``test_app_strict.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import json
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from service_fixtures import make_test_settings
 from starlette.datastructures import Headers, UploadFile
+from starlette.middleware import Middleware
 
-from app.main import INPUT_SHOWN, BodyLimitMiddleware, BodyTooLarge, _encodable, _error, _shown
+from app.main import INPUT_SHOWN, BodyLimitMiddleware, BodyTooLarge, _encodable, _error, _shown, create_app
+from app.metrics import RequestMetricsMiddleware
+from app.remote import WorkerInference
+from app.serving import BatchedInference
 
 MULTIPART = "request body larger than 100 bytes"
 
@@ -165,13 +172,6 @@ def wired(monkeypatch):  # type: ignore[no-untyped-def]
 
 
 def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeypatch):
-    from service_fixtures import make_test_settings
-    from starlette.middleware import Middleware
-
-    from app.main import create_app
-    from app.metrics import RequestMetricsMiddleware
-    from app.serving import BatchedInference
-
     s = make_test_settings(tmp_path, bundle_dir, batch_window_ms=3, batch_gather_ms=2, batch_max_images=7,
                            inference_queue_images=9, route_threads=5, localize_nearest=True, api_workers=2,
                            tune_malloc=True, max_json_bytes=4096)
@@ -220,11 +220,6 @@ def test_the_app_is_wired_from_its_settings(tmp_path, bundle_dir, wired, monkeyp
 
 
 def test_in_workers_mode_the_api_loads_no_model_and_takes_no_threads(tmp_path, bundle_dir, wired):
-    from service_fixtures import make_test_settings
-
-    from app.main import create_app
-    from app.remote import WorkerInference
-
     s = make_test_settings(tmp_path, bundle_dir, inference="workers", device="cuda", localize_nearest=False,
                            result_backend=f"db+sqlite:///{tmp_path}/results.db")
     app = create_app(s)
@@ -237,11 +232,6 @@ def test_in_workers_mode_the_api_loads_no_model_and_takes_no_threads(tmp_path, b
 
 def test_the_apps_life_loads_the_default_bundle_first_and_closes_the_engine_and_the_database_last(
         tmp_path, bundle_dir, wired, caplog):
-    from fastapi.testclient import TestClient
-    from service_fixtures import make_test_settings
-
-    from app.main import create_app
-
     s = make_test_settings(tmp_path, bundle_dir)
     app = create_app(s)
     order: list[str] = []
@@ -260,11 +250,6 @@ def test_the_apps_life_loads_the_default_bundle_first_and_closes_the_engine_and_
 
 
 def test_in_workers_mode_the_apps_life_watches_the_localize_queue_and_loads_no_bundle(tmp_path, bundle_dir, wired):
-    from fastapi.testclient import TestClient
-    from service_fixtures import make_test_settings
-
-    from app.main import create_app
-
     s = make_test_settings(tmp_path, bundle_dir, inference="workers", result_backend=f"db+sqlite:///{tmp_path}/r.db")
     app = create_app(s)
     watch: list[str] = []
